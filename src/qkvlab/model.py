@@ -82,7 +82,9 @@ class Trunk(nn.Module):
         rope = rope_k = None
         if self.rotary is not None:
             rope = self.rotary.cos_sin(positions, x.dtype)
-            if cache is not None:
+            spec = self.cfg.spec
+            if cache is not None and spec.role_source("k") == spec.role_source("v"):
+                # K=V caches the shared tensor un-rotated: keys rotate on read, at their positions.
                 rope_k = self.rotary.cos_sin(cache.key_positions(), x.dtype)
         for i in range(self.cfg.n_layer):
             x = self.layer(i)(

@@ -13,6 +13,7 @@ the KV cache, the converter and the exporter) reads this one table.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -94,6 +95,13 @@ class ProjectionSpec:
 
 def parse_scheme(text: str) -> ProjectionSpec:
     """Parse the papers' notation. Raises UserError with a one-line reason."""
+    if not isinstance(text, str):
+        raise UserError(f"attention scheme {text!r} must be a string like Q-K-V")
+    return _parse(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(text: str) -> ProjectionSpec:
     if not isinstance(text, str) or not text.strip():
         raise UserError(f"attention scheme {text!r} is empty; use e.g. Q-K-V, Id-K-V, Q-K=V, (Q=K-V)+")
     raw = text.strip().replace(" ", "")
