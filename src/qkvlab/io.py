@@ -125,7 +125,10 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     if body.get("kind", "gpt") != "gpt":
         raise UserError(f"{path}: a {body.get('kind')!r} model; this command needs a decoder ('gpt')")
     state = load_weights(Path(path) / WEIGHTS)
+    stored = {t.dtype for t in state.values() if t.is_floating_point()}
     model = GPT(cfg)
+    if len(stored) == 1:
+        model.to(stored.pop())  # keep float64 weights float64 (exact conversions are checked in it)
     load_state(model, state, str(path))
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval(), cfg, body
