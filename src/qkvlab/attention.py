@@ -18,6 +18,11 @@ from qkvlab.spec import IDENTITY
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
+def dropout(p: float) -> nn.Module:
+    """Dropout, or nothing at p = 0 (a no-op module still costs a call per layer when decoding)."""
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -36,7 +41,7 @@ class Attention(nn.Module):
         self.in_proj = nn.Linear(cfg.d_model, sum(widths), bias=cfg.bias) if widths else None
         self.out_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.score_term = ScoreTerm2D(cfg.plus_channels) if self.spec.plus else None
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.resid_dropout = dropout(cfg.dropout)
         # With rotary and K=V the cache holds the un-rotated shared tensor; keys rotate on read.
         self.k_shared_with_v = self.spec.role_source("k") == self.spec.role_source("v")
 

@@ -30,6 +30,8 @@ class KVCache:
         ]
         self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # per row
+        self.all_valid = True  # no padding so far: decode steps need no mask (and no host sync)
         self.start = 0  # first slot written by the current forward
         self.length = 0  # slots filled
 
@@ -51,10 +53,12 @@ class KVCache:
             raise UserError(f"KV cache full: {self.length} + {T} tokens exceed its {self.max_len} slots")
         self.start, self.length = self.length, self.length + T
         self.positions[:, self.start : self.length] = positions
+        self.next_pos = positions[:, -1] + 1
         self.valid[:, self.start : self.length] = True if token_mask is None else token_mask
+        self.all_valid &= token_mask is None
         valid = self.valid[:, : self.length]
-        if T == 1 and bool(valid.all()):
-            return None
+        if T == 1 and token_mask is None:
+            return None if self.all_valid else valid[:, None, None, :]
         slots = torch.arange(self.length, device=positions.device)
         q_slots = slots[self.start :]
         allowed = (slots[None, :] <= q_slots[:, None])[None] & valid[:, None, :]  # (B, T, S)
@@ -67,9 +71,15 @@ class KVCache:
     def layer(self, index: int) -> "LayerCache":
         return LayerCache(self, index)
 
+    def next_positions(self, T: int) -> torch.Tensor:
+        """Positions continuing each row (rows of a left-padded batch differ): (B, T)."""
+        return self.next_pos[:, None] + torch.arange(T, device=self.next_pos.device)
+
     def reset(self) -> None:
         self.start = self.length = 0
         self.valid.zero_()
+        self.next_pos.zero_()
+        self.all_valid = True
 
 
 class LayerCache:

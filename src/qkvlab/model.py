@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qkvlab.attention import Attention
+from qkvlab.attention import Attention, dropout
 from qkvlab.cache import KVCache
 from qkvlab.config import ModelConfig
 from qkvlab.positions import Rotary
@@ -31,7 +31,7 @@ class MLP(nn.Module):
             self.gate = nn.Linear(cfg.d_model, h, bias=cfg.bias)
         self.up = nn.Linear(cfg.d_model, h, bias=cfg.bias)
         self.down = nn.Linear(h, cfg.d_model, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
@@ -66,7 +66,7 @@ class Trunk(nn.Module):
         self.cfg = cfg
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(1 if cfg.share_layers else cfg.n_layer))
         self.norm = make_norm(cfg)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.pos == "rope" else None
+        self.rotary = Rotary(cfg.head_dim, cfg.context, cfg.rope_theta) if cfg.pos == "rope" else None
 
     def layer(self, i: int) -> Block:
         return self.blocks[0 if self.cfg.share_layers else i]
@@ -121,7 +121,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.context, cfg.d_model) if cfg.pos == "learned" else None
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = dropout(cfg.dropout)
         self.trunk = Trunk(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         init_weights(self, cfg)
@@ -140,11 +140,15 @@ class GPT(nn.Module):
         """idx (B, T) -> logits (B, T, vocab), loss. With a cache, idx are the next tokens after
         those already cached; positions default to continuing each sequence."""
         B, T = idx.shape
-        start = cache.length if cache is not None else 0
+        if token_mask is not None and cache is None:
+            raise ValueError("token_mask (padding) is supported with a KVCache only")
         if positions is None:
-            if self.pos_emb is not None and start + T > self.cfg.context:
-                raise ValueError(f"{start + T} positions exceed the learned context of {self.cfg.context}")
-            positions = torch.arange(start, start + T, device=idx.device)[None].expand(B, T)
+            if cache is not None:
+                positions = cache.next_positions(T)
+            elif T > self.cfg.context:
+                raise ValueError(f"{T} positions exceed the context of {self.cfg.context}")
+            else:
+                positions = torch.arange(T, device=idx.device)[None].expand(B, T)
         mask = cache.begin(positions, token_mask) if cache is not None else None
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:

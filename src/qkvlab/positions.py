@@ -19,18 +19,22 @@ def sinusoid(positions: torch.Tensor, channels: int) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding in the HF/Llama layout (rotate_half over two contiguous halves)."""
+    """Rotary position embedding in the HF/Llama layout (rotate_half over two contiguous halves).
 
-    def __init__(self, head_dim: int, theta: float = 10000.0):
+    cos/sin tables for positions [0, max_positions) are built once in float64 and indexed per step.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float = 10000.0):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        freqs = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq  # (P, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) -> cos, sin of shape (B, 1, T, head_dim), broadcast over heads."""
-        freqs = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq  # (B, T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, hd)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return self.cos[positions][:, None].to(dtype), self.sin[positions][:, None].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,204 @@
+"""Prefill, then token-by-token decoding with the KV cache; sampling.
+
+Prompts of different lengths are decoded together by left padding: each row's real tokens sit at
+the right, every row carries its own positions (0 for its first real token), and ``token_mask``
+marks pads so no real query ever attends to them. Row i then computes exactly what it would alone.
+
+Sampling: temperature (0 = greedy argmax), then top-k, then top-p (nucleus), drawn with a seeded
+``torch.Generator`` so a seed fixes the output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from qkvlab.cache import KVCache
+from qkvlab.errors import UserError
+
+FINISHED = -1  # what `stream` yields for a row that already produced its end-of-text token
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0  # 0: greedy (top_k / top_p then play no part)
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    def validate(self) -> "Sampling":
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"temperature={self.temperature} must be a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise UserError(f"top_k={self.top_k} must be an integer >= 0 (0 = off)")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise UserError(f"top_p={self.top_p} must be in (0, 1] (1 = off)")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits (B, V) -> a copy with every token outside the top-k and outside the nucleus at -inf.
+
+    The nucleus is the smallest set of most probable tokens whose probability reaches top_p
+    (the most probable token is always kept)."""
+    logits = logits.clone()
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of the strictly more probable tokens
+        drop = before >= top_p
+        drop[..., 0] = False
+        logits.scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None,
+               vocab_limit: int | None = None) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,). vocab_limit: ids >= it are never drawn (a model vocabulary
+    padded beyond its tokenizer's, e.g. GPT-2's 50257 ids in a 50304-row embedding)."""
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = logits[..., :vocab_limit]
+    if sampling.greedy:
+        return logits.argmax(-1)
+    logits = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class Padded:
+    """A batch of prompts, left padded: idx, positions, token_mask (B, T); lengths (B,)."""
+
+    idx: torch.Tensor
+    positions: torch.Tensor
+    token_mask: torch.Tensor | None  # None when every prompt has the same length
+    lengths: torch.Tensor
+
+
+def left_pad(prompts: Sequence[Sequence[int]], *, pad_id: int = 0, device=None) -> Padded:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("empty prompt: give at least one token to start from")
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    B, T = len(prompts), int(lengths.max())
+    idx = torch.full((B, T), pad_id, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        idx[i, T - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+    shift = (T - lengths)[:, None]  # (B, 1) pads in front of each row
+    slots = torch.arange(T, device=device)[None]  # (1, T)
+    token_mask = slots >= shift
+    positions = (slots - shift).clamp(min=0)  # pads sit at position 0; they are never attended to
+    uniform = bool((lengths == T).all())
+    return Padded(idx, positions, None if uniform else token_mask, lengths)
+
+
+def check_prompts(model, prompts: Sequence[Sequence[int]]) -> None:
+    cfg = model.cfg
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("empty prompt: give at least one token to start from")
+    longest = max(len(p) for p in prompts)
+    if longest > cfg.context:
+        raise UserError(f"prompt of {longest} tokens is longer than the model's context of {cfg.context}")
+    bad = [t for p in prompts for t in p if not 0 <= int(t) < cfg.vocab_size]
+    if bad:
+        raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def new_cache(model, batch_size: int, max_len: int) -> KVCache:
+    p = next(model.parameters())
+    return KVCache(model.cfg, batch_size, max_len, device=p.device, dtype=p.dtype)
+
+
+def prefill(model, cache: KVCache, batch: Padded) -> torch.Tensor:
+    """Run the padded prompts through the model into an empty cache -> logits (B, V) after each
+    prompt's last token (the right edge, thanks to left padding)."""
+    logits, _ = model(batch.idx, cache=cache, positions=batch.positions, token_mask=batch.token_mask)
+    return logits[:, -1]
+
+
+def decode_step(model, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """tokens, positions (B,) -> logits (B, V) for the token after them."""
+    logits, _ = model(tokens[:, None], cache=cache, positions=positions[:, None])
+    return logits[:, -1]
+
+
+def max_steps(model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """New tokens that fit: every token fed to the model has a position inside its context (the
+    last sampled token is never fed, so a prompt of exactly `context` tokens still gets one)."""
+    return max(0, min(max_new_tokens, model.cfg.context + 1 - max(len(p) for p in prompts)))
+
+
+def stream(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    *,
+    eot_id: int | None = None,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    compile: bool = False,
+    vocab_limit: int | None = None,
+) -> Iterator[torch.Tensor]:
+    """An iterator over steps: each yields the next token of every row (B,), on the model's device.
+
+    Stops after `max_new_tokens` (fewer if the context ends first) or when every row has produced
+    `eot_id`; a row that has finished yields FINISHED (-1) from then on. Only ids below
+    `vocab_limit` are produced (default: the whole vocabulary). Bad arguments raise
+    UserError here, before anything is decoded."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise UserError(f"max_new_tokens={max_new_tokens} must be an integer >= 1")
+    sampling.validate()
+    check_prompts(model, prompts)
+    device = next(model.parameters()).device
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    step = torch.compile(decode_step, dynamic=True) if compile else decode_step
+    steps = max_steps(model, prompts, max_new_tokens)
+    return _decode(model, prompts, steps, sampling, eot_id, generator, step, vocab_limit)
+
+
+@torch.inference_mode()
+def _decode(model, prompts, steps, sampling, eot_id, generator, step, vocab_limit) -> Iterator[torch.Tensor]:
+    device = next(model.parameters()).device
+    batch = left_pad(prompts, device=device)
+    cache = new_cache(model, len(prompts), batch.idx.shape[1] + steps - 1)
+    logits = prefill(model, cache, batch)
+    positions = batch.lengths.clone()  # (B,) position of the token about to be fed
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device) if eot_id is not None else None
+    for i in range(steps):
+        tok = next_token(logits, sampling, generator, vocab_limit)
+        if finished is None:
+            yield tok
+        else:
+            yield tok.masked_fill(finished, FINISHED)
+            finished |= tok == eot_id
+            if bool(finished.all()):
+                return
+        if i + 1 < steps:
+            logits = step(model, cache, tok, positions)
+            positions += 1
+
+
+def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
+             **kwargs) -> list[list[int]]:
+    """The new tokens of every row (end-of-text excluded). kwargs: as for `stream`."""
+    eot = kwargs.get("eot_id")
+    rows: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for tok in stream(model, prompts, max_new_tokens, sampling, **kwargs):
+        for r, t in enumerate(tok.tolist()):
+            if done[r] or t == FINISHED:
+                continue
+            if eot is not None and t == eot:
+                done[r] = True
+            else:
+                rows[r].append(t)
+    return rows
