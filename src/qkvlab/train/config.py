@@ -1,0 +1,292 @@
+"""Training configuration: one dataclass, the papers' recipes as presets, YAML/TOML loading.
+
+Everything is validated up front: an unknown key or a bad value is a one-line `UserError` naming it,
+raised before any data is tokenized or any model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from qkvlab.config import PRESETS as MODEL_PRESETS
+from qkvlab.config import ModelConfig, preset
+from qkvlab.errors import UserError
+
+DTYPES = ("auto", "float32", "bfloat16")
+SHARDINGS = ("ddp", "fsdp")
+
+
+@dataclass
+class TrainConfig:
+    task: str = "lm"
+    task_options: dict[str, Any] = field(default_factory=dict)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    seed: int = 0
+    max_steps: int = 1000
+    batch_size: int = 32  # global sequences (examples) per optimizer step, over all ranks
+    grad_accum: int = 1  # micro-batches per rank per step
+    micro_batch_size: int | None = None  # if set, grad_accum = batch_size / (world * micro): scales to any world size
+    lr: float = 1e-3
+    min_lr: float | None = None  # end of the cosine; None: lr / 10
+    warmup_steps: int = 100
+    weight_decay: float = 0.1  # on weights with dim >= 2 (nanoGPT); Paper A's identity model: 2**-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    eval_every: int = 100
+    eval_batches: int = 10
+    eval_batch_size: int | None = None  # None: the micro-batch size at world size 1
+    checkpoint_every: int | None = None  # None: eval_every
+    compile: bool = False
+    dtype: str = "auto"  # auto: bf16 autocast on CUDA, float32 elsewhere
+    device: str = "auto"  # auto: cuda:LOCAL_RANK if available, else cpu
+    sharding: str = "ddp"  # ddp: replicate; fsdp: FSDP2 fully_shard (params, grads, optimizer state)
+    log_tensorboard: bool = True  # OUT/tb when tensorboard is installed
+    log_every: int = 10  # progress-bar refresh (steps)
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def final_lr(self) -> float:
+        return self.min_lr if self.min_lr is not None else self.lr / 10
+
+    @property
+    def ckpt_every(self) -> int:
+        return self.checkpoint_every or self.eval_every
+
+    def accum_steps(self, world: int) -> int:
+        """Micro-batches per rank per step at this world size (checks divisibility)."""
+        if self.micro_batch_size is not None:
+            per = self.batch_size // world
+            if self.batch_size % world or per % self.micro_batch_size:
+                raise UserError(f"batch_size={self.batch_size} is not divisible by world size {world} x "
+                                f"micro_batch_size={self.micro_batch_size}")
+            return per // self.micro_batch_size
+        if self.batch_size % (world * self.grad_accum):
+            raise UserError(f"batch_size={self.batch_size} is not divisible by world size {world} x "
+                            f"grad_accum={self.grad_accum}")
+        return self.grad_accum
+
+    @property
+    def val_batch_size(self) -> int:
+        if self.eval_batch_size is not None:
+            return self.eval_batch_size
+        return self.micro_batch_size or max(1, self.batch_size // self.grad_accum)
+
+    # ---- validation --------------------------------------------------------------------------
+    def validate(self) -> "TrainConfig":
+        _check_type("task", self.task, str)
+        if not isinstance(self.task_options, dict):
+            raise UserError(f"task_options must be a mapping, got {self.task_options!r}")
+        if not isinstance(self.model, ModelConfig):
+            raise UserError("model must be a ModelConfig or a mapping of model config keys")
+        self.model.validate()
+        for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "log_every"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("micro_batch_size", "checkpoint_every", "eval_batch_size"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        _check_int("seed", self.seed, minimum=0)
+        _check_int("warmup_steps", self.warmup_steps, minimum=0)
+        _check_float("lr", self.lr, positive=True)
+        for name in ("weight_decay", "grad_clip"):
+            _check_float(name, getattr(self, name))
+        if self.min_lr is not None:
+            _check_float("min_lr", self.min_lr)
+        b = self.betas
+        if (not isinstance(b, (list, tuple)) or len(b) != 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in b)):
+            raise UserError(f"betas={b!r} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+        self.betas = (float(b[0]), float(b[1]))
+        for name in ("compile", "log_tensorboard"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{name}={getattr(self, name)!r} must be true or false")
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("sharding", self.sharding, SHARDINGS)
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device):
+            raise UserError(f"device={self.device!r} is not allowed; use auto, cpu, cuda, cuda:N or mps")
+        self.accum_steps(1)
+        from qkvlab.tasks import TASK_MODULES
+
+        if self.task not in TASK_MODULES:
+            raise UserError(f"unknown task {self.task!r}; allowed: {', '.join(TASK_MODULES)}")
+        return self
+
+    # ---- serialisation -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["model"] = self.model.to_dict()
+        d["betas"] = list(self.betas)
+        d["task_options"] = dict(self.task_options)
+        return json.loads(json.dumps(d))  # plain JSON types only
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        """Keys of TrainConfig, plus `preset` (a training preset to start from); `model` may be a
+        ModelConfig or a mapping of model keys (with an optional model `preset`)."""
+        if not isinstance(data, Mapping):
+            raise UserError(f"a training config must be a mapping of keys, got {type(data).__name__}")
+        data = dict(data)
+        base = data.pop("preset", None)
+        if base is not None:
+            return train_preset(base, **data)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise UserError(f"unknown training config key {unknown[0]!r}; allowed: preset, {', '.join(names)}")
+        model = data.get("model")
+        if model is None:
+            data["model"] = ModelConfig()
+        elif isinstance(model, Mapping):
+            data["model"] = _model_from_mapping(model)
+        return cls(**data).validate()
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return TrainConfig.from_dict(merge(self.to_dict(), changes))
+
+
+def _model_from_mapping(model: Mapping[str, Any], base: ModelConfig | None = None) -> ModelConfig:
+    model = dict(model)
+    name = model.pop("preset", None)
+    if name is not None:
+        if name not in MODEL_PRESETS:
+            raise UserError(f"unknown model preset {name!r}; allowed: {', '.join(MODEL_PRESETS)}")
+        return preset(name, **model)
+    return ModelConfig.from_dict({**(base.to_dict() if base else {}), **model})
+
+
+def _check_type(name: str, value: Any, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise UserError(f"{name}={value!r} must be a {kind.__name__}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise UserError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _check_float(name: str, value: Any, positive: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+    if not ok or value < 0 or (positive and value == 0):
+        raise UserError(f"{name}={value!r} must be a {'positive' if positive else 'non-negative'} number")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"{name}={value!r} is not allowed; use one of {', '.join(allowed)}")
+
+
+def merge(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """`changes` over `base`; the `model` and `task_options` mappings merge key by key."""
+    out = dict(base)
+    for k, v in changes.items():
+        if k in ("model", "task_options") and isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            if k == "model" and "preset" in v:  # a new model preset replaces the base model whole
+                out[k] = dict(v)
+            else:
+                out[k] = {**out[k], **v}
+        elif k == "model" and isinstance(v, ModelConfig):
+            out[k] = v.to_dict()
+        else:
+            out[k] = v
+    return out
+
+
+# ---- presets -----------------------------------------------------------------------------------
+# Each names a model preset of qkvlab.config plus the optimisation recipe. The papers' figures are
+# in papers.md; their corpora need the network (or a local copy passed with --data).
+TRAIN_PRESETS: dict[str, dict[str, Any]] = {
+    # a few hundred steps in well under a minute on 2 CPU cores (tests and scripts use it)
+    "tiny": dict(model="tiny", task_options={"tokenizer": "bpe:512"}, max_steps=300, batch_size=16, lr=3e-3,
+                 min_lr=3e-4, warmup_steps=30, eval_every=50, eval_batches=4),
+    # a few minutes on 2 CPU cores
+    "small": dict(model="small", task_options={"tokenizer": "bpe:2048"}, max_steps=1000, batch_size=32, lr=2e-3,
+                  min_lr=2e-4, warmup_steps=100, eval_every=100, eval_batches=8),
+    # Paper A (nanoGPT GPT-2 small on OpenWebText): 480 x 1024 = 491,520 tokens/step
+    "gpt2-124m": dict(model="gpt2-124m", task_options={"data": "hf:Skylion007/openwebtext", "tokenizer": "gpt2"},
+                      max_steps=105_000, batch_size=480, micro_batch_size=12, lr=6e-4, min_lr=6e-5,
+                      warmup_steps=2000, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, eval_every=1000,
+                      eval_batches=200, compile=True),
+    # Paper B 300M on 10B SlimPajama tokens: 1152 x 2048 = 2,359,296 tokens/step, 4,239 steps
+    "paperB-300m": dict(model="paperB-300m", task_options={"data": "hf:cerebras/SlimPajama-627B", "tokenizer": "gpt2"},
+                        max_steps=4239, batch_size=1152, micro_batch_size=8, lr=2e-4, min_lr=2e-5,
+                        warmup_steps=500, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, eval_every=250,
+                        eval_batches=100, compile=True),
+    # Paper B 1.2B: 576 x 2048 = 1,179,648 tokens/step, 8,478 steps; optimizer state sharded
+    "paperB-1.2b": dict(model="paperB-1.2b", task_options={"data": "hf:cerebras/SlimPajama-627B", "tokenizer": "gpt2"},
+                        max_steps=8478, batch_size=576, micro_batch_size=4, lr=6e-5, min_lr=6e-6,
+                        warmup_steps=1000, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, eval_every=500,
+                        eval_batches=100, compile=True, sharding="fsdp"),
+}
+
+
+def train_preset(name: str, **overrides: Any) -> TrainConfig:
+    """A training preset with overrides (TrainConfig keys; `model` a ModelConfig or a mapping of
+    model keys applied over the preset's model; `task_options` merged key by key)."""
+    if name not in TRAIN_PRESETS:
+        raise UserError(f"unknown training preset {name!r}; allowed: {', '.join(TRAIN_PRESETS)}")
+    recipe = dict(TRAIN_PRESETS[name])
+    model_name = recipe.pop("model")
+    model_over = overrides.pop("model", None)
+    if isinstance(model_over, ModelConfig):
+        model = model_over
+    elif isinstance(model_over, Mapping):
+        model_over = dict(model_over)
+        model = _model_from_mapping({"preset": model_over.pop("preset", model_name), **model_over})
+    elif model_over is None:
+        model = preset(model_name)
+    else:
+        raise UserError(f"model must be a mapping of model config keys, got {model_over!r}")
+    body = merge({**recipe, "task_options": dict(recipe.get("task_options", {}))}, overrides)
+    body["model"] = model
+    return TrainConfig.from_dict(body)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML (.yaml/.yml) or TOML (.toml) file -> mapping; parse errors are one line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such config file")
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise UserError(f"{path}: config files must be .yaml, .yml, .toml or .json")
+    except UserError:
+        raise
+    except Exception as e:  # yaml/toml/json each raise their own types; the user needs one line
+        first = " ".join(str(e).split())
+        raise UserError(f"{path}: cannot parse ({first})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of training config keys at the top level")
+    return data
+
+
+def load_train_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+                      default_preset: str | None = "small") -> TrainConfig:
+    """File (optional) + overrides. The base is the `preset` named in overrides, else in the file,
+    else `default_preset` (None: TrainConfig's defaults)."""
+    body = read_config_file(path) if path is not None else {}
+    overrides = dict(overrides or {})
+    name = overrides.pop("preset", None) or body.pop("preset", None) or default_preset
+    body.pop("preset", None)
+    merged = merge(body, overrides)
+    try:
+        return train_preset(name, **merged) if name is not None else TrainConfig.from_dict(merged)
+    except TypeError as e:  # a wrong-typed field the checks above did not reach
+        raise UserError(f"bad training config: {e}") from None

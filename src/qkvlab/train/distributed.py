@@ -1,0 +1,169 @@
+"""Data parallelism outside the model: torchrun env, DDP or FSDP2 wrapping, full-state checkpoints.
+
+Launch: `torchrun --nproc-per-node N -m qkvlab train ...` (gloo on CPU, nccl on GPUs). Each rank
+takes rows [r*B/W, (r+1)*B/W) of the step's global batch. Checkpoints hold full (gathered) state
+dicts keyed by parameter names, so they load at any world size and with either sharding.
+Multi-node runs need OUT on a shared filesystem (every rank reads the checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from qkvlab.errors import UserError
+
+
+@dataclass
+class Env:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # we initialised the process group (so we tear it down)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def setup(device: str = "auto") -> Env:
+    """Read torchrun's env vars; initialise the process group when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and (world > 1 or torch.cuda.device_count() > 1):
+        device = f"cuda:{local_rank}"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("device=cuda but no CUDA device is available; use device=auto or cpu")
+        torch.cuda.set_device(dev)
+    env = Env(rank, world, local_rank, dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
+        env.owns_group = True
+    return env
+
+
+def teardown(env: Env) -> None:
+    if env.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(env: Env) -> None:
+    if env.distributed:
+        dist.barrier()
+
+
+def mean(env: Env, value: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks (SUM then divide: gloo has no AVG)."""
+    if env.distributed:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= env.world
+    return value
+
+
+def all_gather_object(env: Env, obj):
+    if not env.distributed:
+        return [obj]
+    out = [None] * env.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def shard(model: nn.Module, env: Env) -> nn.Module:
+    """FSDP2: every element of every ModuleList (the transformer blocks) is its own unit, then the
+    root (embeddings, head). Parameters become DTensors sharded over the ranks, in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(env.device.type, (env.world,))
+    for module in list(model.modules()):
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def replicate(model: nn.Module, env: Env) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, sync: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
+    if sync:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool = False) -> tuple[dict, dict]:
+    """Full (gathered) state dicts on the CPU, the optimizer's keyed by parameter name:
+    {"state": {name: {key: tensor}}, "param_groups": [{..., "params": [names]}]}. Sharded (FSDP)
+    models go through torch.distributed.checkpoint (a collective: call on every rank); replicated
+    and single-process ones take the direct route, same layout (tested), without DCP's import cost."""
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
+    weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    names = _index_names(model, optimizer)
+    osd = optimizer.state_dict()
+    state = {names[i]: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+             for i, s in osd["state"].items()}
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]
+    return weights, {"state": state, "param_groups": groups}
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict,
+                    optim_state: dict | None, sharded: bool = False) -> None:
+    """Full state dicts (from any world size, either route) into a possibly sharded model."""
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, weights, options=opts)
+        if optimizer is not None and optim_state is not None:
+            set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+        return
+    model.load_state_dict(weights)
+    if optimizer is not None and optim_state is not None:
+        index = {n: i for i, n in _index_names(model, optimizer).items()}
+        optimizer.load_state_dict({
+            "state": {index[n]: s for n, s in optim_state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optim_state["param_groups"]],
+        })
+
+
+def _index_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """Optimizer state index -> parameter name (the first name of a shared parameter)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    return {i: names[id(p)] for i, p in enumerate(order)}

@@ -1,0 +1,304 @@
+"""Training engine: loop, checkpoints (kill + resume bit-exact), DDP/FSDP on CPU, config validation."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qkvlab import cli
+from qkvlab.errors import UserError
+from qkvlab.io import load_model
+from qkvlab.train import checkpoint as ck
+from qkvlab.train.config import TrainConfig, load_train_config, train_preset
+from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, read_metrics, train
+from qkvlab.train.optim import lr_at, param_groups
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A 200 kB slice of the plays as a text file, and a cache folder shared by the module's runs
+    (in-process and subprocesses) so the corpus is tokenized once."""
+    from qkvlab.data.text import load_shakespeare
+
+    root = tmp_path_factory.mktemp("corpus")
+    text = "".join(d.text for d in load_shakespeare()[:3])[:200_000]
+    (root / "plays.txt").write_text(text)
+    old, threads = os.environ.get("QKVLAB_CACHE"), torch.get_num_threads()
+    os.environ["QKVLAB_CACHE"] = str(root / "cache")
+    torch.set_num_threads(1)  # like the subprocesses (OMP_NUM_THREADS=1); tiny matmuls gain nothing from more
+    yield root / "plays.txt"
+    torch.set_num_threads(threads)
+    if old is None:
+        os.environ.pop("QKVLAB_CACHE", None)
+    else:
+        os.environ["QKVLAB_CACHE"] = old
+
+
+def tiny(corpus, **over) -> TrainConfig:
+    base = dict(task_options={"data": str(corpus), "tokenizer": "char", "block_size": 32}, batch_size=8,
+                eval_batches=2, log_tensorboard=False)
+    return train_preset("tiny", **{**base, **over})
+
+
+CLI_BASE = ["--preset", "tiny", "--tokenizer", "char", "--block-size", "32", "--batch-size", "8",
+            "--eval-batches", "2", "--quiet"]
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _without_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def test_tiny_run_learns_writes_metrics_and_a_model_folder(corpus, tmp_path):
+    out = tmp_path / "run"
+    res = train(tiny(corpus, max_steps=40, eval_every=20, warmup_steps=5), out, progress=False)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 20, 40] and res.history == rows and res.step == 40
+    for r in rows:
+        assert {"step", "tokens", "train_loss", "val_loss", "val_ppl", "lr", "tokens_per_s"} <= set(r)
+        assert r["tokens"] == r["step"] * 8 * 32 and math.isclose(r["val_ppl"], math.exp(r["val_loss"]))
+    assert rows[0]["train_loss"] is None and all(r["train_loss"] > 0 for r in rows[1:])
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.5 and rows[-1]["train_loss"] < rows[1]["train_loss"]
+    assert res.tokens == 40 * 256 and res.tokens_per_s > 0 and res.metric == "val_loss"
+    # OUT is a model folder whose weights are the last checkpoint's
+    model, cfg, body = load_model(out)
+    assert body["train"]["finished"] and cfg.vocab_size % 64 == 0
+    saved = load_file(str(out / "checkpoint" / "model.safetensors"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    # a finished run is not retrained; a fresh run refuses to overwrite it
+    again = train(tiny(corpus, max_steps=40, eval_every=20, warmup_steps=5), out, resume=True, progress=False)
+    assert again.history == rows and again.tokens_per_s == pytest.approx(sum(r["tokens_per_s"] for r in rows[1:]) / 2)
+    with pytest.raises(UserError, match="--resume"):
+        train(tiny(corpus, max_steps=40, eval_every=20, warmup_steps=5), out, progress=False)
+    with pytest.raises(UserError, match="lr="):  # resuming with a changed recipe is refused
+        train(tiny(corpus, max_steps=40, eval_every=20, warmup_steps=5, lr=1e-4), out, resume=True, progress=False)
+
+
+def test_killed_anywhere_then_resumed_is_bit_identical(corpus, tmp_path):
+    """Real subprocesses, SIGKILL mid-checkpoint-write and mid-step, resumed with --resume."""
+    args = [sys.executable, "-m", "qkvlab.cli", "train", *CLI_BASE, "--data", str(corpus), "--max-steps", "24",
+            "--eval-every", "8", "--checkpoint-every", "4", "--dropout", "0.1"]
+    ref = subprocess.Popen([*args, "--out", str(tmp_path / "ref")], env=_env(), stderr=subprocess.PIPE)
+    out = tmp_path / "killed"
+    ckpt = out / "checkpoint"
+    rng = random.Random()
+    delays = []
+
+    def run_until(condition, extra_env=None, resume=True):
+        p = subprocess.Popen([*args, "--out", str(out), *(["--resume"] if resume else [])],
+                             env=_env(**(extra_env or {})), stderr=subprocess.PIPE)
+        deadline = time.time() + 60
+        while not condition():
+            assert p.poll() is None, p.stderr.read().decode()
+            assert time.time() < deadline
+            time.sleep(0.01)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+
+    def ckpt_step():
+        try:
+            return json.loads((ckpt / "state.json").read_text())["step"]
+        except (OSError, ValueError):
+            return 0
+
+    # 1) mid-checkpoint: the second checkpoint's temp folder is half written (sleep hook widens it)
+    run_until(lambda: ckpt_step() >= 4 and any((p / "optimizer.safetensors").exists() for p in out.glob(".checkpoint.tmp-*")),
+              {ck.SLOW_HOOK: "1.5"}, resume=False)
+    assert ckpt_step() == 4 and list(out.glob(".checkpoint.tmp-*"))  # the old checkpoint is intact
+    # 2) and 3) mid-step, at random moments after some progress
+    for target in (8, 16):
+        delays.append(rng.uniform(0.0, 0.4))
+        run_until(lambda: ckpt_step() >= target and not time.sleep(delays[-1]))
+    # the last resume names only the folder: the run's own train_config.json supplies the rest
+    done = subprocess.run([sys.executable, "-m", "qkvlab.cli", "train", "--out", str(out), "--resume", "--quiet"],
+                          env=_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert ref.wait() == 0, ref.stderr.read().decode()
+    a, b = load_file(str(tmp_path / "ref" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"kill delays {delays}"
+    oa = load_file(str(tmp_path / "ref" / "checkpoint" / "optimizer.safetensors"))
+    ob = load_file(str(ckpt / "optimizer.safetensors"))
+    assert all(torch.equal(oa[k], ob[k]) for k in oa)
+    ra, rb = read_metrics(tmp_path / "ref"), read_metrics(out)
+    assert [r["step"] for r in rb] == [0, 8, 16, 24]
+    assert _without_timing(ra) == _without_timing(rb), f"kill delays {delays}"
+    assert not list(out.glob(".checkpoint.*"))
+
+
+def test_checkpoint_parked_between_renames_is_recovered(tmp_path):
+    """atomic_dir renames the old folder away, then the new one in: a kill in between leaves
+    only `.checkpoint.old-*` (complete) and `.checkpoint.tmp-*` (ignored)."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    from qkvlab.config import ModelConfig
+    from qkvlab.train.distributed import full_state
+
+    w, o = full_state(model, opt)
+    ck.save_checkpoint(tmp_path, w, o, ModelConfig(), "gpt", {"step": 7, "metrics": []})
+    os.replace(tmp_path / "checkpoint", tmp_path / ".checkpoint.old-123")
+    (tmp_path / ".checkpoint.tmp-abc").mkdir()
+    (tmp_path / ".checkpoint.tmp-abc" / "model.safetensors").write_bytes(b"partial")
+    found = ck.find_checkpoint(tmp_path)
+    assert found == tmp_path / "checkpoint" and not list(tmp_path.glob(".checkpoint.*"))
+    w2, o2, state = ck.load_checkpoint(found)
+    assert state["step"] == 7 and all(torch.equal(w[k], w2[k]) for k in w)
+    assert all(torch.equal(o["state"][n][k], o2["state"][n][k]) for n in o["state"] for k in o["state"][n])
+
+
+def test_ddp_and_fsdp_on_two_cpu_processes_match_one_and_resume_at_world_size_one(corpus, tmp_path):
+    common = [*CLI_BASE, "--data", str(corpus), "--max-steps", "6", "--eval-every", "3", "--grad-accum", "2"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "-m", "qkvlab.cli", "train", *common]
+    procs = {s: subprocess.Popen([*launch, "--sharding", s, "--out", str(tmp_path / s)], env=_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for s in ("ddp", "fsdp")}
+    one = train(tiny(corpus, max_steps=6, eval_every=3, grad_accum=2), tmp_path / "one", progress=False)
+    for s, p in procs.items():
+        assert p.wait(timeout=120) == 0, p.stdout.read().decode()[-3000:]
+    for s in procs:
+        rows = read_metrics(tmp_path / s)
+        assert [r["step"] for r in rows] == [r["step"] for r in one.history] == [0, 3, 6]
+        for r, q in zip(rows, one.history):
+            for key in ("train_loss", "val_loss"):
+                if q[key] is not None:
+                    assert abs(r[key] - q[key]) < 1e-5, (s, key, r[key], q[key])
+        final, ref = load_file(str(tmp_path / s / "model.safetensors")), load_file(str(tmp_path / "one" / "model.safetensors"))
+        assert all(torch.allclose(final[k], ref[k], atol=1e-4) for k in ref)
+        # written by 2 ranks, continued by 1 (sharding switched too): full state dicts load anywhere
+        more = train(tiny(corpus, max_steps=8, eval_every=3, grad_accum=2), tmp_path / s, resume=True, progress=False)
+        assert more.step == 8 and [r["step"] for r in more.history] == [0, 3, 6, 8]
+        assert json.loads((tmp_path / s / "checkpoint" / "state.json").read_text())["world_size"] == 1
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_non_finite_loss_stops_with_the_last_good_checkpoint_intact(corpus, tmp_path, monkeypatch):
+    from qkvlab.tasks.lm import LMTask
+
+    real, calls = LMTask.loss, []
+
+    def poisoned(self, model, x, y):
+        loss = real(self, model, x, y)
+        if model.training:
+            calls.append(1)
+            if len(calls) == 8:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(LMTask, "loss", poisoned)
+    out = tmp_path / "nan"
+    with pytest.raises(TrainingDiverged) as e:
+        train(tiny(corpus, max_steps=20, eval_every=5, checkpoint_every=3), out, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "nan" in msg and "step 8" in msg and "step 6" in msg
+    w, _, state = ck.load_checkpoint(out / "checkpoint")
+    assert state["step"] == 6 and all(torch.isfinite(t).all() for t in w.values())
+    assert not (out / "model.safetensors").exists() and [r["step"] for r in read_metrics(out)] == [0, 5]
+
+
+def test_cli_exits_3_when_the_loss_diverges(corpus, tmp_path, capsys):
+    rc = cli.main(["train", *CLI_BASE, "--data", str(corpus), "--max-steps", "20", "--lr", "1e6", "--warmup-steps", "0",
+                   "--grad-clip", "0", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 3 and "\n" not in err and re.search(r"loss is (nan|inf)", err) and "step" in err
+
+
+@pytest.mark.parametrize("name, text, args, needle", [
+    ("a.yaml", "lrr: 0.1\n", [], "'lrr'"),
+    ("a.yaml", "model:\n  n_layers: 3\n", [], "'n_layers'"),
+    ("a.toml", 'dtype = "fp8"\n', [], "dtype='fp8'"),
+    ("a.toml", "max_steps = [1\n", [], "cannot parse"),
+    ("a.yaml", "model:\n  preset: huge\n", [], "'huge'"),
+    (None, None, ["--lr", "-1"], "lr=-1.0"),
+    (None, None, ["--batch-size", "10", "--grad-accum", "3"], "batch_size=10"),
+    (None, None, ["--betas", "0.9,1.5"], "betas="),
+    (None, None, ["--task-option", "colour=red"], "'colour'"),
+])
+def test_config_errors_are_one_line_exit_2(tmp_path, capsys, name, text, args, needle, corpus):
+    argv = ["train", "--out", str(tmp_path / "o"), "--preset", "tiny", "--data", str(corpus), "--tokenizer", "char", *args]
+    if name:
+        (tmp_path / name).write_text(text)
+        argv.insert(1, str(tmp_path / name))
+    rc = cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "o" / "checkpoint").exists()
+
+
+def test_config_files_and_overrides(tmp_path):
+    (tmp_path / "r.yaml").write_text("preset: tiny\nlr: 0.002\nmodel:\n  attn: Id-K-V\ntask_options:\n  tokenizer: char\n")
+    cfg = load_train_config(tmp_path / "r.yaml", {"weight_decay": 2 ** -5, "model": {"kv_heads": 1}})
+    assert (cfg.lr, cfg.weight_decay, cfg.model.attn, cfg.model.kv_heads, cfg.model.n_layer) == (0.002, 0.03125, "Id-K-V", 1, 2)
+    assert cfg.task_options == {"tokenizer": "char"} and cfg.max_steps == 300
+    (tmp_path / "r.toml").write_text('max_steps = 7\nbetas = [0.8, 0.9]\n[model]\npreset = "small"\nattn = "Q-K=V"\n')
+    cfg2 = load_train_config(tmp_path / "r.toml", default_preset="tiny")
+    assert cfg2.max_steps == 7 and cfg2.betas == (0.8, 0.9) and cfg2.model.d_model == 128 and cfg2.model.attn == "Q-K=V"
+    assert TrainConfig.from_dict(cfg2.to_dict()) == cfg2
+    a = train_preset("gpt2-124m")
+    assert a.batch_size * a.model.context == 491_520 and a.accum_steps(1) == 40 and a.accum_steps(8) == 5
+    b = train_preset("paperB-300m")
+    assert b.batch_size * b.model.context == 2_359_296 and (b.lr, b.final_lr, b.warmup_steps) == (2e-4, 2e-5, 500)
+    c = train_preset("paperB-1.2b")
+    assert c.batch_size * c.model.context == 1_179_648 and c.sharding == "fsdp" and c.final_lr == 6e-6
+
+
+def test_weight_decay_groups_and_schedule():
+    from qkvlab.config import preset
+    from qkvlab.model import GPT
+
+    model = GPT(preset("tiny", bias=True))
+    decay, no_decay = param_groups(model, 0.1)
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert model.tok_emb.weight in decay["params"] and no_decay["weight_decay"] == 0.0
+    lrs = [lr_at(s, lr=1.0, min_lr=0.1, warmup=10, total=100) for s in range(120)]
+    assert lrs[0] == pytest.approx(1 / 11) and lrs[9] == pytest.approx(10 / 11) and lrs[10] == 1.0
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[100] == lrs[119] == 0.1
+    assert lrs[55] == pytest.approx(0.55)
+
+
+def test_direct_full_state_matches_torch_distributed_checkpoint_layout():
+    """Single-process/DDP checkpoints skip torch.distributed.checkpoint; FSDP ones use it: same layout."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    from qkvlab.config import preset
+    from qkvlab.model import GPT
+    from qkvlab.train.distributed import full_state, load_full_state
+    from qkvlab.train.optim import make_optimizer
+
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", bias=True))
+    opt = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"))
+    x = torch.randint(0, 512, (3, 9))
+    model(x[:, :-1], x[:, 1:])[1].backward()
+    opt.step()
+    w, o = full_state(model, opt)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    w2, o2 = get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, opt, options=opts)
+    assert w.keys() == w2.keys() and all(torch.equal(w[k], w2[k]) for k in w)
+    assert o["param_groups"] == o2["param_groups"] and o["state"].keys() == o2["state"].keys()
+    assert all(torch.equal(o["state"][n][k], o2["state"][n][k]) for n in o["state"] for k in o["state"][n])
+    fresh = GPT(preset("tiny", bias=True))
+    fresh_opt = make_optimizer(fresh, 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"))
+    load_full_state(fresh, fresh_opt, w2, o2)  # DCP's dicts load through the direct route
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert str(fresh_opt.state_dict()) == str(opt.state_dict())
