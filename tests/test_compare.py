@@ -1,0 +1,273 @@
+"""`qkvlab compare`: variants notation, results tables against the runs' metrics, skipping finished
+runs, one-line errors, and the papers' orderings as checkable claims."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+
+import pytest
+
+from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
+from qkvlab.analysis import paper_figures as pf
+from qkvlab.analysis.results import (collect, parse_variant, parse_variants, read_history, run_finished,
+                                     write_manifest, write_results)
+from qkvlab.cli import main
+from qkvlab.config import preset
+from qkvlab.errors import UserError
+
+
+# ---- variants --------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,name,kv,match", [
+    ("Q-K-V", "Q-K-V", None, None),
+    ("q-k=v/mqa", "Q-K=V/MQA", 1, None),
+    ("Q-K=V/GQA4", "Q-K=V/GQA-4", 4, None),
+    ("Id-K-V/mlp", "Id-K-V/mlp", None, "Q-K-V"),
+    ("Q=K-V+/GQA-2/mlp=Q-K=V", "(Q=K-V)+/GQA-2/mlp=Q-K=V", 2, "Q-K=V"),
+])
+def test_parse_variant(text, name, kv, match):
+    v = parse_variant(text)
+    assert (v.name, v.kv_heads, v.match) == (name, kv, match)
+    assert parse_variant(v.name) == v
+    assert not set("/()+ ") & set(v.slug)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("Q-K-X", "not one of"), ("Q-K=V/XQA", "'XQA'"), ("Q-K=V/MQA/MQA", "at most once"), ("", "names no variant"),
+    ("Q-K-V/GQA-0", "'GQA-0'"),
+])
+def test_parse_variant_errors(text, needle):
+    with pytest.raises(UserError, match=needle):
+        parse_variants(text)
+
+
+def test_variant_apply():
+    base = preset("tiny")
+    cfg = parse_variant("Id-K-V/mlp").apply(base)
+    assert analytic_params(cfg).total == analytic_params(base).total  # matched to Q-K-V (even d: exact)
+    assert parse_variant("Q-K=V/MQA").apply(base).n_kv_heads == 1
+    assert kv_cache_bytes_per_token(parse_variant("Q-K=V/MQA").apply(base)) * 8 == kv_cache_bytes_per_token(base)
+    with pytest.raises(UserError, match="variant Q=K-V/MQA"):
+        parse_variant("Q=K-V/MQA").apply(base)  # one projection serves q and k: no fewer k heads
+
+
+# ---- claims ------------------------------------------------------------------------------------
+def table_of(values: dict[str, dict[str, float]], hib: bool = True, std: float = 0.0, n: int = 3) -> pf.Table:
+    return pf.Table({t: {v: pf.Stat(m, std, n) for v, m in row.items()} for t, row in values.items()},
+                    {t: hib for t in values})
+
+
+def by_id(verdicts):
+    return {v.claim.id: v.status for v in verdicts}
+
+
+def test_claims_hold_on_the_papers_own_figures():
+    """Every claim must be true of the numbers it was read from (else it misquotes the paper)."""
+    cells = {t: dict(v) for t, v in pf.PAPER_B_TASK_METRIC.items()}
+    cells["mnist5k"] = cells.pop("mnist")
+    ppl = {"Q-K-V": 0.0, **pf.PAPER_B_LM_PPL_CHANGE, "Id-K-V": pf.lm_ppl_change("Id-K-V").value,
+           "Id-K-V/mlp": pf.lm_ppl_change("Id-K-V/mlp").value}
+    lm = {v: math.log(pf.PAPER_B_LM_BASE_PPL * (1 + p / 100)) for v, p in ppl.items()}
+    table = pf.Table({**{t: {v: pf.Stat(m) for v, m in row.items()} for t, row in cells.items()},
+                      "lm": {v: pf.Stat(m) for v, m in lm.items()}},
+                     {**{t: True for t in cells}, "lm": False})
+    verdicts = pf.check_claims(table, keep_untested=True)
+    assert len(verdicts) == len(pf.ALL_CLAIMS)
+    assert {v.claim.id: v.status for v in verdicts if v.status != pf.REPRODUCED} == {}
+    # the paper's mean column is the mean of its task columns
+    for scheme, mean in pf.PAPER_B_SYNTHETIC_MEAN.items():
+        assert abs(sum(pf.task_metric(t, scheme) for t in pf.SYNTHETIC_TASKS) / 5 - mean) < 1e-3
+
+
+def test_claim_verdicts_on_synthetic_tables():
+    rng = random.Random(0)
+    good = {t: {v: pf.task_metric(t, v) + rng.uniform(-0.002, 0.002) for v in pf.PAPER_B_SCHEMES}
+            for t in pf.SYNTHETIC_TASKS}
+    assert set(by_id(pf.check_claims(table_of(good))).values()) == {pf.REPRODUCED}
+    bad = json.loads(json.dumps(good))
+    bad["reverse"]["Q=K=V"] = 0.99  # now best on reverse
+    bad["swap"]["Q-K-V"] = 0.10  # Q-K-V worst on swap, and far from Q-K=V on average
+    for t in pf.SYNTHETIC_TASKS:
+        bad[t]["(Q=K=V)+"] = bad[t]["Q=K=V"] - 0.05
+    bad["sub"]["Q-K=V"] = 0.9
+    got = by_id(pf.check_claims(table_of(bad)))
+    assert got["syn-qkeqv-worst-reverse"] == got["syn-qkeqv-worst-swap"] == pf.NOT_REPRODUCED
+    assert got["syn-plus-helps-qkeqv"] == got["syn-kv-close"] == got["syn-easy-solved"] == pf.NOT_REPRODUCED
+    assert got["syn-plus-helps-qeqk"] == pf.REPRODUCED
+    # a claim whose variant was not run is "not tested", not a failure
+    partial = {t: {v: m for v, m in row.items() if v != "(Q=K-V)+"} for t, row in good.items()}
+    got = by_id(pf.check_claims(table_of(partial)))
+    assert got["syn-plus-helps-qeqk"] == got["syn-plus-best"] == pf.NOT_TESTED
+    assert got["syn-qkeqv-worst-swap"] == pf.REPRODUCED
+    # claims about tasks the run lacks are left out
+    assert not any(c.startswith("syn-") for c in by_id(pf.check_claims(table_of({"lm": {"Q-K-V": 3.0}}, False))))
+
+
+def test_close_uses_seed_noise_and_direction():
+    # lower is better for lm: Q-K=V's lower loss beats Q=K-V
+    t = table_of({"lm": {"Q-K-V": 3.00, "Q-K=V": 3.10, "Q=K-V": 3.20, "Q=K=V": 3.5}}, hib=False)
+    got = by_id(pf.check_claims(t))
+    assert got["lm-qkv-order"] == got["lm-kv-before-qk"] == got["lm-qkeqv-worst"] == pf.REPRODUCED
+    assert got["lm-kv-close"] == pf.NOT_REPRODUCED  # 0.10 nats apart, no noise
+    noisy = table_of({"lm": {"Q-K-V": 3.00, "Q-K=V": 3.10}}, hib=False, std=0.1, n=3)
+    assert by_id(pf.check_claims(noisy))["lm-kv-close"] == pf.REPRODUCED  # within 2 SE of the difference
+    flipped = table_of({"lm": {"Q-K-V": 3.00, "Q-K=V": 3.30, "Q=K-V": 3.20, "Q=K=V": 3.5}}, hib=False)
+    assert by_id(pf.check_claims(flipped))["lm-qkv-order"] == pf.NOT_REPRODUCED
+
+
+# ---- results from run folders ------------------------------------------------------------------
+def fake_run(d, cfg, losses, metric=None, values=None):
+    """A run folder as the train loop leaves it (weights content is irrelevant here)."""
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"model": cfg.to_dict(), "train": {"finished": True}}))
+    (d / "model.safetensors").write_bytes(b"\0")
+    rows = []
+    for i, loss in enumerate(losses):
+        row = {"step": 10 * i, "tokens": 640 * i, "train_loss": loss + 0.1 if i else None, "val_loss": loss,
+               "lr": 1e-3, "tokens_per_s": 1000.0 + i if i else None, "elapsed_s": float(i)}
+        if metric:
+            row[metric] = values[i]
+        rows.append(row)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_results_from_synthetic_runs(tmp_path):
+    rng = random.Random(1)
+    base = preset("tiny")
+    runs, finals = [], {}
+    for v in ("Q-K-V", "Q-K=V", "Q=K=V"):
+        for s in range(3):
+            final = {"Q-K-V": 3.0, "Q-K=V": 3.02, "Q=K=V": 3.3}[v] + rng.gauss(0, 0.01)
+            finals[v, s] = final
+            rel = f"lm/{parse_variant(v).slug}/seed{s}"
+            fake_run(tmp_path / rel, parse_variant(v).apply(base), [6.0, 4.0, final])
+            runs.append({"task": "lm", "variant": v, "seed": s, "dir": rel})
+    runs.append({"task": "lm", "variant": "Q=K-V", "seed": 0, "dir": "lm/never"})  # planned, not run
+    (tmp_path / "lm/half").mkdir(parents=True)  # unfinished folders are not read
+    write_manifest(tmp_path, {"task_label": "lm", "runs": runs, "seeds": [0, 1, 2],
+                              "metrics": {"lm": {"metric": "val_loss", "higher_is_better": False}}})
+    res = write_results(tmp_path)
+    assert res.missing == [("lm", "Q=K-V", 0)]
+    rows = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert list(rows) == ["Q-K-V", "Q-K=V", "Q=K=V"]
+    for v, r in rows.items():
+        losses = [finals[v, s] for s in range(3)]
+        mean = sum(losses) / 3
+        assert float(r["val_loss_mean"]) == pytest.approx(mean, abs=1e-12)
+        assert float(r["val_loss_std"]) == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in losses) / 2), abs=1e-12)
+        change = [100 * (math.exp(finals[v, s] - finals["Q-K-V", s]) - 1) for s in range(3)]
+        assert float(r["ppl_change_pct_mean"]) == pytest.approx(sum(change) / 3, abs=1e-9)
+        cfg = parse_variant(v).apply(base)
+        assert int(r["params_total"]) == analytic_params(cfg).total
+        assert int(r["kv_cache_bytes_per_token"]) == kv_cache_bytes_per_token(cfg, "bf16")
+        assert float(r["tokens_per_s"]) == pytest.approx(1001.5)
+    assert rows["Q-K=V"]["kv_cache_fraction"] == "0.5" and rows["Q-K=V"]["paper_ppl_change_pct"] == "3.1"
+    md = (tmp_path / "results.md").read_text()
+    assert "| `Q=K=V` |" in md and "+25.4% (B 300M)" in md and "Q=K=V is the worst variant" in md
+    assert "reproduced" in md and "84.95M" in md
+    for png in ("val_loss.png", "ppl_vs_cache.png"):
+        data = (tmp_path / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_results_family_table(tmp_path):
+    base = preset("tiny").replace(causal=False)
+    runs = []
+    for task in ("reverse", "swap"):
+        for v in ("Q-K-V", "Q=K=V", "(Q=K=V)+"):
+            for s in range(2):
+                acc = pf.task_metric(task, v) + 0.01 * s
+                rel = f"{task}/{parse_variant(v).slug}/seed{s}"
+                fake_run(tmp_path / rel, parse_variant(v).apply(base), [2.0, 1.0], "accuracy", [0.1, acc])
+                runs.append({"task": task, "variant": v, "seed": s, "dir": rel})
+    write_manifest(tmp_path, {"task_label": "synthetic", "runs": runs})  # metric inferred from the rows
+    res = write_results(tmp_path)
+    r = res.row("swap", "(Q=K=V)+")
+    assert r.metric == "accuracy" and r.higher_is_better
+    assert r.metric_mean_std[0] == pytest.approx(pf.task_metric("swap", "(Q=K=V)+") + 0.005)
+    md = (tmp_path / "results.md").read_text()
+    assert "0.586 ± 0.007 (0.581)" in md  # reverse, (Q=K=V)+: ours (paper)
+    got = by_id(res.verdicts())
+    assert got["syn-qkeqv-worst-swap"] == pf.REPRODUCED and got["syn-plus-helps-qkeqv"] == pf.NOT_TESTED
+    assert (tmp_path / "metric_by_task.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "ppl_vs_cache.png").exists()
+
+
+# ---- the command, end to end ---------------------------------------------------------------------
+@pytest.fixture()
+def corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path / "cache"))
+    rng = random.Random(0)
+    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
+    text = "\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(600))
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    return path
+
+
+def compare_args(out, corpus, *extra):
+    return ["compare", "--out", str(out), "--data", str(corpus), "--tokenizer", "char", "--preset", "tiny",
+            "--n-layer", "1", "--d-model", "32", "--context", "32", "--batch-size", "8", "--max-steps", "4",
+            "--eval-every", "2", "--jobs", "1", "--threads", "1", "--no-plots", *extra]
+
+
+def test_compare_end_to_end_and_skip(tmp_path, corpus, capsys, monkeypatch):
+    out = tmp_path / "cmp"
+    assert main(compare_args(out, corpus, "--variants", "Q-K-V,Q-K=V/MQA", "--seeds", "2")) == 0
+    printed = capsys.readouterr().out
+    assert "[run 4/4]" in printed and "ETA" in printed
+    rows = {r["variant"]: r for r in csv.DictReader(open(out / "results.csv"))}
+    assert set(rows) == {"Q-K-V", "Q-K=V/MQA"}
+    for v, r in rows.items():
+        finals = [read_history(out / "lm" / parse_variant(v).slug / f"seed{s}")[-1] for s in (0, 1)]
+        assert all(f["step"] == 4 for f in finals)
+        assert float(r["val_loss_mean"]) == pytest.approx(sum(f["val_loss"] for f in finals) / 2, abs=1e-12)
+        assert r["seeds"] == "2" and int(r["steps"]) == 4
+    assert rows["Q-K=V/MQA"]["kv_cache_fraction"] == "0.125"  # K=V halves, 1 of 4 heads quarters
+    assert "Q-K=V/MQA" in (out / "results.md").read_text()
+
+    # Re-running trains nothing; widening --seeds trains only the new runs.
+    import qkvlab.train.loop as loop
+
+    calls = []
+    real = loop.train
+    monkeypatch.setattr(loop, "train", lambda cfg, d, **kw: calls.append(d) or real(cfg, d, **kw))
+    weights = out / "lm" / "Q-K-V" / "seed0" / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    assert main(compare_args(out, corpus, "--variants", "Q-K-V,Q-K=V/MQA", "--seeds", "2")) == 0
+    assert calls == [] and weights.stat().st_mtime_ns == mtime
+    assert "4 finished already, 0 to train" in capsys.readouterr().out
+    assert main(compare_args(out, corpus, "--variants", "Q-K-V,Q-K=V/MQA", "--seeds", "3")) == 0
+    assert sorted(calls) == sorted(str(out / "lm" / s / "seed2") for s in ("Q-K-V", "Q-K=V_MQA"))
+    assert weights.stat().st_mtime_ns == mtime
+    assert run_finished(out / "lm" / "Q-K=V_MQA" / "seed2")
+    assert collect(out).row("lm", "Q-K-V").n == 3
+    # Another recipe into the same folder is refused, never overwritten.
+    assert main(compare_args(out, corpus, "--variants", "Q-K-V", "--lr", "0.5")) == 2
+    assert "use another --out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--variants", "Q-K-X"], "Q-K-X"),
+    (["--variants", "Q-K=V/XQA"], "XQA"),
+    (["--variants", "Q=K-V/MQA"], "Q=K-V/MQA"),
+    (["--task", "nosuch"], "unknown task 'nosuch'"),
+    (["--attn", "Q-K=V"], "--variants"),
+    (["--task", "lm", "--full-grid"], "--full-grid"),
+    (["--task-option", "length"], "KEY=VALUE"),
+])
+def test_compare_bad_input_one_line(tmp_path, capsys, argv, needle):
+    out = tmp_path / "never"
+    assert main(["compare", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err
+    assert not out.exists()
+
+
+def test_full_grid_plan(tmp_path, capsys):
+    assert main(["compare", "--task", "synthetic", "--full-grid", "--dry-run", "--out", str(tmp_path / "g")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    # Paper B: d {32,64,256} x layers {2,4} x heads {2,4} x length {16,64,128}, 3 seeds, 5 tasks, 6 schemes
+    assert f"{3 * 2 * 2 * 3 * 3 * 5 * 6} runs" in first and "grid points 36" in first
