@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 from typing import Sequence
 
@@ -90,17 +89,18 @@ def model_config_from_args(args: argparse.Namespace, base: ModelConfig | None = 
     return preset(args.preset or DEFAULT_PRESET, **overrides)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; only `command`'s module is imported (the others cost start-up time)."""
     from qkvlab import __version__
 
     parser = OneLineParser(prog="qkvlab", description="Transformers with fewer attention projections.")
     parser.add_argument("--version", action="version", version=f"qkvlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name, help_text in COMMANDS.items():
-        module_name = f"qkvlab.commands.{name}"
-        if importlib.util.find_spec(module_name) is None:
+        if name != command:
+            sub.add_parser(name, help=help_text)
             continue
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(f"qkvlab.commands.{name}")
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     if not hasattr(args, "_run"):
         parser.print_help()
