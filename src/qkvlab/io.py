@@ -6,6 +6,7 @@ Nothing a user may receive is a pickle: weights are safetensors, metadata JSON.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -22,6 +23,15 @@ from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, read in blocks (weights and corpora can be large)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _umask() -> int:

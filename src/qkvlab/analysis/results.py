@@ -536,8 +536,8 @@ def to_markdown(res: Results, plots: Sequence[str] = ()) -> str:
     if other:
         metric = res.rows[[r.task for r in res.rows].index(other[0])].metric
         out += [f"## {metric} per task", "", family_table(res, other), "",
-                f"Mean ± sample std over seeds (and grid points); in parentheses Paper B's Table 1/2 figure where it "
-                f"reports one (mnist5k is compared with the paper's MNIST). Paper's grid and data are larger.", ""]
+                "Mean ± sample std over seeds (and grid points); in parentheses Paper B's Table 1/2 figure where it "
+                "reports one (mnist5k is compared with the paper's MNIST). Paper's grid and data are larger.", ""]
     out += ["## The papers' orderings", "", verdicts_md(res.verdicts())]
     if "lm" in res.tasks:
         out += ["## Paper A's parameter counts at GPT-2 small (analytic, no training)", "", paper_a_params_table(), ""]

@@ -17,13 +17,11 @@ runs train in parallel, one thread each (`--jobs`). On GPUs, one run at a time o
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
 import os
 import platform
-import re
 import sys
 import time
 from dataclasses import dataclass

@@ -16,7 +16,6 @@ savings of the reduced schemes are lost in the export; they need qkvlab's own ru
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import role_weights
 from qkvlab.errors import UserError
+from qkvlab.io import file_sha256
 from qkvlab.model import GPT
 from qkvlab.spec import ROLES
 
@@ -54,14 +54,6 @@ def _cache_root() -> Path:
     from qkvlab.data.text import cache_dir
 
     return cache_dir() / "gguf"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def load_hf(path: str | Path, *, cache: bool = True):
@@ -104,7 +96,7 @@ def load_hf(path: str | Path, *, cache: bool = True):
 def gguf_cache_folder(file: str | Path) -> Path:
     """Where the dequantised copy of a GGUF lives: <qkvlab cache>/gguf/<sha256[:16]>/ (transformers
     layout: config.json, model.safetensors, tokenizer files)."""
-    return _cache_root() / _sha256(Path(file))[:16]
+    return _cache_root() / file_sha256(file)[:16]
 
 
 def _load_gguf(file: Path, *, cache: bool):

@@ -64,14 +64,6 @@ def _memmap(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)

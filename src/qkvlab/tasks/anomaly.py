@@ -26,7 +26,7 @@ from qkvlab.data.images import DATASETS, ImageDataset
 from qkvlab.data.sets import anomaly_set_indices
 from qkvlab.errors import UserError
 from qkvlab.model import Encoder, SetInput
-from qkvlab.tasks.arrays import ArrayTask, check, parse_options
+from qkvlab.tasks.arrays import ArrayTask, check, check_common, parse_options
 from qkvlab.tasks.vision import load_splits, standardizer
 
 # Paper B's reference setup (papers.md): CIFAR-100 images, d 256, 4 heads, 4 layers.
@@ -54,10 +54,7 @@ class AnomalyTask(ArrayTask):
         o = options
         check(o.dataset in DATASETS, name, f"unknown image dataset {o.dataset!r}; allowed: {', '.join(DATASETS)}")
         check(o.set_size >= 3, name, f"set_size={o.set_size} must be >= 3")
-        check(min(o.n_train, o.n_val, o.n_test) >= 1, name, "n_train, n_val and n_test must be >= 1")
-        check(o.data_seed >= 0, name, f"data_seed={o.data_seed} must be >= 0")
-        check(o.plus_channels is None or (o.plus_channels >= 2 and o.plus_channels % 2 == 0), name,
-              f"plus_channels={o.plus_channels} must be an even number >= 2")
+        check_common(name, o)
         self.name, self.options = name, o
         self.images: dict[str, ImageDataset] = load_splits(name, o.dataset, o.root, o.val_fraction, None, o.label)
         self.mean, self.std = standardizer(self.images["train"].x)

@@ -60,6 +60,15 @@ def check(ok: bool, task: str, message: str) -> None:
         raise UserError(f"task {task!r}: {message}")
 
 
+def check_common(task: str, o: Any, *, splits: bool = True) -> None:
+    """Checks every array task's options share: split sizes, data seed, the '+' term's channels."""
+    if splits:
+        check(min(o.n_train, o.n_val, o.n_test) >= 1, task, "n_train, n_val and n_test must be >= 1")
+        check(o.data_seed >= 0, task, f"data_seed={o.data_seed} must be >= 0")
+    check(o.plus_channels is None or (o.plus_channels >= 2 and o.plus_channels % 2 == 0), task,
+          f"plus_channels={o.plus_channels} must be an even number >= 2")
+
+
 def check_seed(seed: int) -> int:
     if int(seed) < 0:
         raise UserError(f"seed must be >= 0, got {seed}")

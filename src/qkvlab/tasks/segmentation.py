@@ -20,7 +20,7 @@ from qkvlab.data.images import DATASETS
 from qkvlab.data.segmentation import make_segmentation, mean_iou, patch_labels
 from qkvlab.errors import UserError
 from qkvlab.model import Encoder, PatchInput
-from qkvlab.tasks.arrays import ArrayTask, check, parse_options
+from qkvlab.tasks.arrays import ArrayTask, check, check_common, parse_options
 from qkvlab.tasks.vision import load_splits
 
 
@@ -48,10 +48,7 @@ class SegmentationTask(ArrayTask):
         o = options
         check(o.dataset in DATASETS, name, f"unknown image dataset {o.dataset!r}; allowed: {', '.join(DATASETS)}")
         check(o.patch >= 1 and o.canvas % o.patch == 0, name, f"patch={o.patch} must divide canvas={o.canvas}")
-        check(min(o.n_train, o.n_val, o.n_test) >= 1, name, "n_train, n_val and n_test must be >= 1")
-        check(o.data_seed >= 0, name, f"data_seed={o.data_seed} must be >= 0")
-        check(o.plus_channels is None or (o.plus_channels >= 2 and o.plus_channels % 2 == 0), name,
-              f"plus_channels={o.plus_channels} must be an even number >= 2")
+        check_common(name, o)
         self.name, self.options = name, o
         images = load_splits(name, o.dataset, o.root, o.val_fraction, None)
         n = {"train": o.n_train, "val": o.n_val, "test": o.n_test}

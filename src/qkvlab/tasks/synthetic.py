@@ -17,7 +17,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.data.synthetic import TASKS, VOCAB_SIZE, synthetic_splits
 from qkvlab.errors import UserError
 from qkvlab.model import Encoder, TokenInput
-from qkvlab.tasks.arrays import ArrayTask, check, parse_options
+from qkvlab.tasks.arrays import ArrayTask, check, check_common, parse_options
 
 # Paper B's grid for these tasks (papers.md): 3 seeds of each point, batch 128.
 PAPER_GRID = dict(d_model=(32, 64, 256), n_layer=(2, 4), n_head=(2, 4), length=(16, 64, 128), seeds=3,
@@ -40,10 +40,7 @@ class SyntheticTask(ArrayTask):
     def __init__(self, name: str, options: SyntheticOptions):
         o = options
         check(o.length >= 1, name, f"length={o.length} must be >= 1")
-        check(min(o.n_train, o.n_val, o.n_test) >= 1, name, "n_train, n_val and n_test must be >= 1")
-        check(o.data_seed >= 0, name, f"data_seed={o.data_seed} must be >= 0")
-        check(o.plus_channels is None or (o.plus_channels >= 2 and o.plus_channels % 2 == 0), name,
-              f"plus_channels={o.plus_channels} must be an even number >= 2")
+        check_common(name, o)
         self.name, self.options = name, o
         s = synthetic_splits(name, o.length, o.data_seed, o.n_train, o.n_val, o.n_test)
         self.data = {"train": s.train, "val": s.val, "test": s.test}

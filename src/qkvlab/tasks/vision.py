@@ -19,7 +19,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.data.images import DATASETS, ImageDataset, load_images
 from qkvlab.errors import UserError
 from qkvlab.model import Encoder, PatchInput
-from qkvlab.tasks.arrays import ArrayTask, check, holdout_split, parse_options
+from qkvlab.tasks.arrays import ArrayTask, check, check_common, holdout_split, parse_options
 
 # Paper B's vision grid (papers.md): 2 runs of each point; patch 7 for 28 px, 8 for 32 px.
 PAPER_GRID = dict(patch=(4, 7), lr=(1e-3, 1e-4), d_model=(64, 256, 512), n_layer=(2, 4), n_head=(2, 4), runs=2,
@@ -82,8 +82,7 @@ class VisionTask(ArrayTask):
     def __init__(self, name: str, options: VisionOptions):
         o = options
         check(o.pool in ("cls", "mean"), name, f"pool={o.pool!r} is not allowed; use cls or mean")
-        check(o.plus_channels is None or (o.plus_channels >= 2 and o.plus_channels % 2 == 0), name,
-              f"plus_channels={o.plus_channels} must be an even number >= 2")
+        check_common(name, o, splits=False)
         self.name, self.options = name, o
         self.data = load_splits(name, name, o.root, o.val_fraction, o.n_train, o.label)
         train = self.data["train"]
