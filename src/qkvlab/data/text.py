@@ -154,10 +154,6 @@ def load_hf_dataset(
     """Rows of a `datasets` dataset as documents. A local file (.json/.jsonl/.txt/.csv/.parquet)
     or folder is loaded from disk; anything else is a dataset name (which only works offline if
     it is already in the `datasets` cache). `datasets` is imported here so it stays optional."""
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise UserError("Hugging Face sources need the 'datasets' package: pip install datasets") from None
     path = Path(name_or_path).expanduser()
     looks_local = path.suffix.lower() in _HF_BUILDERS or name_or_path.startswith(("/", ".", "~"))
     if path.is_file():
@@ -174,6 +170,10 @@ def load_hf_dataset(
         args, kwargs = (name_or_path,), {}
     if config is not None:
         kwargs["name"] = config
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise UserError("Hugging Face sources need the 'datasets' package: pip install datasets") from None
     try:
         ds = load_dataset(*args, split=split, **kwargs)
     except Exception as e:  # datasets raises many types; the user needs one line
