@@ -15,7 +15,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.positions import ScoreTerm2D, apply_rotary
 from qkvlab.spec import IDENTITY
 
-_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA enable_gqa= is new in 2.5
 
 
 def dropout(p: float) -> nn.Module:
