@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU checks, as one prepared script for a session that has an accelerator (the `device`
+# tool: run from the repository root with a venv carried or built there). Writes to ${OUT:-out}.
+# CPU sessions never run this; the test suite never needs a GPU.
+set -euo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+python - <<'PY'
+import torch
+print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+PY
+# bf16 + SDPA decode/train throughput and cache bytes per scheme, eager then compiled decode step
+qkvlab bench --preset small --device cuda --dtype bf16 --schemes Q-K-V,Id-K-V,Q-K=V,Q=K=V,Id-K=V,Q-K=V:mqa \
+  --json "$OUT/bench_bf16.json" | tee "$OUT/bench_bf16.txt"
+qkvlab bench --preset small --device cuda --dtype bf16 --schemes Q-K-V,Q-K=V --compile --no-hf \
+  --json "$OUT/bench_bf16_compile.json" | tee "$OUT/bench_bf16_compile.txt"
+# bf16 autocast training with torch.compile: loss must fall and stay finite
+qkvlab train --out "$OUT/train_compile" --preset small --attn Id-K=V --kv-heads 1 --device cuda --compile \
+  --max-steps 200 | tail -3 | tee "$OUT/train_compile.txt"
