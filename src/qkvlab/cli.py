@@ -121,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"qkvlab {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `qkvlab compare --dry-run | head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"qkvlab {args.command}: interrupted", file=sys.stderr)
         return 130

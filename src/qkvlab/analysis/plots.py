@@ -149,9 +149,10 @@ def plot_metric_bars(res: "Results", path: Path) -> Path | None:
     ax.set_ylim(max(0.0, lo - 0.1), 1.0 if all(r.metric_mean_std[0] <= 1 for r in rows) else None)
     ax.set_title(f"{rows[0].metric} per scheme and task (mean ± std over seeds; black: Paper B)", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, ncol=min(4, len(variants) + 1), loc="lower left", framealpha=0.9)
+    ax.legend(fontsize=8, ncol=min(7, len(variants) + 1), loc="upper center", bbox_to_anchor=(0.5, -0.12),
+              framealpha=0.9)  # below the axes: never over a bar
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
     return path
 
