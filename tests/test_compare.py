@@ -271,3 +271,19 @@ def test_full_grid_plan(tmp_path, capsys):
     first = capsys.readouterr().out.splitlines()[0]
     # Paper B: d {32,64,256} x layers {2,4} x heads {2,4} x length {16,64,128}, 3 seeds, 5 tasks, 6 schemes
     assert f"{3 * 2 * 2 * 3 * 3 * 5 * 6} runs" in first and "grid points 36" in first
+
+
+def test_full_grid_drops_points_a_task_cannot_take():
+    """Paper B's vision grid has patch 7, which does not divide 8-px digits: those points are
+    skipped (with a note), the others kept; nothing is trained here."""
+    from qkvlab.cli import build_parser
+    from qkvlab.commands import compare as C
+
+    args = build_parser("compare").parse_args(
+        ["compare", "--task", "digits", "--full-grid", "--variants", "Q-K-V", "--seeds", "1"])
+    plan, _ = C.make_plan(args)
+    notes = []
+    keep, metrics = C._check_tasks(plan, False, notes.append)
+    assert {r.point.split("-")[0] for r in plan} == {"p4", "p7"}
+    assert {r.point.split("-")[0] for r in keep} == {"p4"} and len(keep) == len(plan) // 2
+    assert notes and all("patch=7" in n for n in notes) and metrics["digits"]["metric"] == "accuracy"

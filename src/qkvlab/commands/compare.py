@@ -361,27 +361,32 @@ def machine_info(jobs: int, threads: int, device: str, world: int) -> dict[str, 
 
 
 def _check_tasks(plan: list[PlannedRun], family_request: bool, say) -> tuple[list[PlannedRun], dict[str, Any]]:
-    """Build each task once (validates its options and data, caches a tokenized corpus before
-    parallel runs read it); read its metric. With a family, a task whose data is missing is
-    skipped with a note; a task named alone fails with the task's one-line error."""
+    """Build each task once per distinct option set (validates options and data, caches a tokenized
+    corpus before parallel runs read it); read its metric. With a family, a task whose data is
+    missing is skipped with a note, and so is a grid point a task cannot take (e.g. patch 7 on
+    32-px images); a task named alone at its default point fails with its one-line error."""
     from qkvlab.tasks import get_task
 
-    metrics, dropped = {}, set()
+    metrics: dict[str, Any] = {}
+    checked: dict[tuple[str, str], bool] = {}
     for run in plan:
-        if run.task in metrics or run.task in dropped:
+        key = (run.task, json.dumps(run.cfg.task_options, sort_keys=True, default=str))
+        if key in checked:
             continue
         try:
             t = get_task(run.task, **run.cfg.task_options)
             t.adapt_config(run.cfg.model)
         except UserError as e:
-            if not family_request or run.task == "lm":
+            if run.task == "lm" or not (family_request or run.point):
                 raise
-            say(f"compare: skipping task {run.task}: {e}")
-            dropped.add(run.task)
+            say(f"compare: skipping {run.task}{' at ' + run.point if run.point else ''}: {e}")
+            checked[key] = False
             continue
+        checked[key] = True
         metrics[run.task] = {"metric": t.metric, "higher_is_better": bool(t.higher_is_better)}
         del t
-    return [r for r in plan if r.task not in dropped], metrics
+    keep = [r for r in plan if checked[(r.task, json.dumps(r.cfg.task_options, sort_keys=True, default=str))]]
+    return keep, metrics
 
 
 def run(args) -> int:
