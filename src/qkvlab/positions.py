@@ -49,14 +49,16 @@ class ScoreTerm2D(nn.Module):
     P is a 2D sinusoidal encoding of (query row i, key column j): the first m/2 channels encode i,
     the last m/2 encode j. Expanded, S' = S * sum(w) + P . w + b. Because P's channels each depend
     on i alone or j alone, P . w = a(i) + c(j): we compute those two vectors instead of the (T, T, m)
-    tensor, which keeps the term exact at any context and cheap when decoding with a cache.
+    tensor, which keeps the term exact and cheap when decoding with a cache. The sinusoids of
+    positions [0, max_positions) are a table built once, like the rotary tables.
     """
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, max_positions: int):
         super().__init__()
         self.channels = channels
         self.weight = nn.Parameter(torch.empty(channels))
         self.bias = nn.Parameter(torch.zeros(()))
+        self.register_buffer("pe", sinusoid(torch.arange(max_positions), channels // 2), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -71,6 +73,7 @@ class ScoreTerm2D(nn.Module):
         """q_pos (B, T), k_pos (B, S) -> the additive term P . w + b, shape (B, 1, T, S)."""
         half = self.channels // 2
         w_row, w_col = self.weight[:half], self.weight[half:]
-        a = sinusoid(q_pos, half).to(self.weight.dtype) @ w_row  # (B, T)
-        c = sinusoid(k_pos, half).to(self.weight.dtype) @ w_col  # (B, S)
+        pe = self.pe.to(self.weight.dtype)
+        a = pe[q_pos] @ w_row  # (B, T)
+        c = pe[k_pos] @ w_col  # (B, S)
         return (a[:, :, None] + c[:, None, :] + self.bias)[:, None].to(dtype)
