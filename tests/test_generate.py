@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qkvlab.accounting import kv_cache_bytes_per_token
-from qkvlab.bench import parse_scheme_list, to_hf_gpt2
+from qkvlab.bench import hf_twin, parse_scheme_list
 from qkvlab.cache import KVCache
 from qkvlab.cli import main
 from qkvlab.config import ModelConfig
@@ -227,7 +227,7 @@ def test_transformers_gpt2_twin_computes_the_same_logits(scheme, kv):
     pytest.importorskip("transformers")
     cfg = cfg_for(scheme, kv_heads=kv, attn_scale=0.37, bias=kv is None)
     model = make_model(cfg, dtype=torch.float32)
-    hf = to_hf_gpt2(model)
+    hf = hf_twin(model)
     x = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x)[0], rtol=1e-4, atol=1e-4)

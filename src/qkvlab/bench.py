@@ -14,7 +14,6 @@ attention scale is folded into W_Q (GPT-2 always scales by 1/sqrt(d_head)).
 from __future__ import annotations
 
 import csv
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,6 @@ from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 from qkvlab.generate import Sampling, stream
 from qkvlab.model import GPT
-from qkvlab.spec import IDENTITY
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -65,95 +63,15 @@ def label(cfg: ModelConfig) -> str:
 
 
 # ---- the transformers twin ---------------------------------------------------------------------
-def hf_unsupported(cfg: ModelConfig) -> str | None:
-    """Why a config has no GPT-2 equivalent (None when it has one)."""
-    checks = [
-        (cfg.spec.plus, "the '+' score term"),
-        (cfg.pos == "rope", "rotary positions"),
-        (cfg.norm != "layernorm", f"norm={cfg.norm}"),
-        (cfg.mlp == "swiglu", "a SwiGLU MLP"),
-        (not cfg.mlp_skip, "no MLP skip"),
-        (cfg.n_head * cfg.head_dim != cfg.d_model, "n_head*d_head != d_model"),
-        (not cfg.causal, "a non-causal model"),
-    ]
-    for bad, why in checks:
-        if bad:
-            return f"GPT-2 has no equivalent of {why}"
-    return None
+def hf_twin(model: GPT):
+    """A transformers model computing the same function on `model`'s weights: GPT-2 (Llama for
+    rotary models) from qkvlab.convert.hf's exporter; a UserError names what has no equivalent."""
+    from qkvlab.convert.hf import to_hf
 
-
-def to_hf_gpt2(model: GPT):
-    """A transformers GPT2LMHeadModel computing the same function as `model` (fp32, eval)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = model.cfg
-    why = hf_unsupported(cfg)
-    if why:
-        raise UserError(f"{label(cfg)}: cannot build a transformers GPT-2 twin ({why})")
-    act = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}[cfg.mlp]
-    hcfg = GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.context, n_embd=cfg.d_model, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, n_inner=cfg.hidden, activation_function=act, layer_norm_epsilon=cfg.norm_eps,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=cfg.tie_embeddings,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )
-    hf = GPT2LMHeadModel(hcfg).eval()
-    d, nh, hd = cfg.d_model, cfg.n_head, cfg.head_dim
-    q_factor = cfg.scale * math.sqrt(hd)  # GPT-2 divides scores by sqrt(hd); fold the rest into W_Q
-
-    def vec(t, n):
-        return t.detach().float() if t is not None else torch.zeros(n)
-
-    with torch.no_grad():
-        sd = {"transformer.wte.weight": model.tok_emb.weight,
-              "transformer.wpe.weight": model.pos_emb.weight if model.pos_emb is not None
-              else torch.zeros(cfg.context, d)}
-        for i in range(cfg.n_layer):
-            blk, pre = model.trunk.layer(i), f"transformer.h.{i}."
-            attn = blk.attn
-            ws = attn.in_proj.weight.split(attn.proj_widths, 0) if attn.in_proj is not None else []
-            bs = (attn.in_proj.bias.split(attn.proj_widths, 0) if attn.in_proj is not None and attn.in_proj.bias is not None
-                  else [None] * len(ws))
-            role_w, role_b = [], []
-            for r, src in enumerate(attn.spec.source):
-                if src == IDENTITY:
-                    w, b = torch.eye(d), torch.zeros(d)
-                else:
-                    w, b = ws[src].float(), vec(bs[src], ws[src].shape[0])
-                    heads = attn.proj_heads[src]
-                    if heads != nh:  # GQA/MQA: repeat each kv head for its group of query heads
-                        w = w.view(heads, hd, d).repeat_interleave(nh // heads, 0).reshape(nh * hd, d)
-                        b = b.view(heads, hd).repeat_interleave(nh // heads, 0).reshape(nh * hd)
-                if r == 0:
-                    w, b = w * q_factor, b * q_factor
-                role_w.append(w)
-                role_b.append(b)
-            sd |= {
-                pre + "ln_1.weight": blk.norm1.weight, pre + "ln_1.bias": vec(blk.norm1.bias, d),
-                pre + "attn.c_attn.weight": torch.cat(role_w, 0).T,  # Conv1D: (in, out)
-                pre + "attn.c_attn.bias": torch.cat(role_b, 0),
-                pre + "attn.c_proj.weight": attn.out_proj.weight.T, pre + "attn.c_proj.bias": vec(attn.out_proj.bias, d),
-                pre + "ln_2.weight": blk.norm2.weight, pre + "ln_2.bias": vec(blk.norm2.bias, d),
-                pre + "mlp.c_fc.weight": blk.mlp.up.weight.T, pre + "mlp.c_fc.bias": vec(blk.mlp.up.bias, cfg.hidden),
-                pre + "mlp.c_proj.weight": blk.mlp.down.weight.T, pre + "mlp.c_proj.bias": vec(blk.mlp.down.bias, d),
-            }
-        sd |= {"transformer.ln_f.weight": model.trunk.norm.weight, "transformer.ln_f.bias": vec(model.trunk.norm.bias, d)}
-        if not cfg.tie_embeddings:
-            sd["lm_head.weight"] = model.lm_head.weight
-        hf.load_state_dict({k: v.detach().float().contiguous() for k, v in sd.items()}, strict=False)
+    hf = to_hf(model, model.cfg, "llama" if model.cfg.pos == "rope" else "gpt2").eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     return hf
-
-
-def hf_twin(model: GPT):
-    """The transformers model for `model`'s weights: GPT-2 (or Llama for rotary models) through
-    qkvlab.convert.hf's exporter when present, else this module's GPT-2 mapping."""
-    try:
-        from qkvlab.convert.hf import to_hf
-    except ImportError:
-        return to_hf_gpt2(model)
-    return to_hf(model, model.cfg, "llama" if model.cfg.pos == "rope" else "gpt2")
 
 
 # ---- measurements --------------------------------------------------------------------------------

@@ -98,10 +98,14 @@ def state_dict_for_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def config_body(cfg: ModelConfig, kind: str = "gpt", meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What config.json holds: the model config, its kind, the writer's version, extra metadata."""
+    return {"qkvlab_version": __version__, "kind": kind, "model": cfg.to_dict(), **(meta or {})}
+
+
 def write_model_files(folder: Path, model: torch.nn.Module, cfg: ModelConfig, meta: dict[str, Any] | None = None) -> None:
     save_file(state_dict_for_save(model), str(folder / WEIGHTS), metadata={"format": "pt"})
-    body = {"qkvlab_version": __version__, "kind": "gpt", "model": cfg.to_dict(), **(meta or {})}
-    (folder / CONFIG).write_text(json.dumps(body, indent=2) + "\n")
+    (folder / CONFIG).write_text(json.dumps(config_body(cfg, "gpt", meta), indent=2) + "\n")
 
 
 def save_model(path: str | Path, model: torch.nn.Module, cfg: ModelConfig, meta: dict[str, Any] | None = None) -> Path:

@@ -22,19 +22,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from qkvlab import __version__
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
-from qkvlab.io import CONFIG, WEIGHTS, atomic_dir, atomic_write_text
+from qkvlab.io import CONFIG, WEIGHTS, atomic_dir, atomic_write_text, config_body
 
 CHECKPOINT = "checkpoint"
 OPTIMIZER = "optimizer.safetensors"
 STATE = "state.json"
 SLOW_HOOK = "QKVLAB_TEST_SLOW_CHECKPOINT"  # tests: seconds to sleep mid-write, widening the kill window
-
-
-def model_config_body(cfg: ModelConfig, kind: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"qkvlab_version": __version__, "kind": kind, "model": cfg.to_dict(), **(meta or {})}
 
 
 def untie(state: dict[str, torch.Tensor], tied: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -69,7 +64,7 @@ def save_checkpoint(out_dir: Path, weights: dict[str, torch.Tensor], optimizer: 
     path = Path(out_dir) / CHECKPOINT
     with atomic_dir(path) as tmp:
         save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(model_config_body(model_cfg, kind, {"step": state["step"]}), indent=2) + "\n")
+        (tmp / CONFIG).write_text(json.dumps(config_body(model_cfg, kind, {"step": state["step"]}), indent=2) + "\n")
         tensors, groups = flatten_optimizer(optimizer)
         save_file(tensors, str(tmp / OPTIMIZER))
         if os.environ.get(SLOW_HOOK):
