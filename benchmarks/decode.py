@@ -33,8 +33,10 @@ def decode_ratio(args) -> None:
     hf = hf_twin(model)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
-    print(f"{args.preset} {cfg.spec.name} kv_heads={cfg.n_kv_heads}: prompt {args.prompt_len} + {args.new_tokens} "
-          f"tokens, best of {args.rounds} alternating rounds, {torch.get_num_threads()} thread(s)")
+    print(
+        f"{args.preset} {cfg.spec.name} kv_heads={cfg.n_kv_heads}: prompt {args.prompt_len} + {args.new_tokens} "
+        f"tokens, best of {args.rounds} alternating rounds, {torch.get_num_threads()} thread(s)"
+    )
     for b in args.batches:
         prompt = torch.randint(0, cfg.vocab_size, (b, args.prompt_len))
         decode_seconds(model, prompt, 2), hf_decode_seconds(hf, prompt, 2)  # warm up
@@ -80,8 +82,10 @@ def rope_on_read(args) -> None:
     for i in range(cfg.n_layer):
         write.trunk.layer(i).attn.k_shared_with_v = False  # rotate on write (values too: timing only)
     rot = model.trunk.rotary
-    print(f"rope on read, {args.preset} Q-K=V kv_heads={cfg.n_kv_heads}, batch {args.rope_batch}, ms per decode step "
-          f"(best of {args.rounds} x {args.steps} steps)")
+    print(
+        f"rope on read, {args.preset} Q-K=V kv_heads={cfg.n_kv_heads}, batch {args.rope_batch}, ms per decode step "
+        f"(best of {args.rounds} x {args.steps} steps)"
+    )
     print(f"  {'cache fill':>10}  {'read':>8}  {'write':>8}  {'read cost':>9}  {'table':>8}")
     for fill in fills:
         for _ in range(2):  # alternate the two models

@@ -58,8 +58,13 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.preset in ("small", "tiny"):  # CPU-sized unless a paper preset is asked for
-        over = dict(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head, context=args.context,
-                    vocab_size=args.vocab_size)
+        over = dict(
+            n_layer=args.n_layer,
+            d_model=args.d_model,
+            n_head=args.n_head,
+            context=args.context,
+            vocab_size=args.vocab_size,
+        )
     else:
         over = {}
     cfg = preset(args.preset, bias=True, mlp="gelu_tanh", **over)  # GPT-2's block exactly: biases, tanh GELU
@@ -78,10 +83,12 @@ def main() -> None:
     peak = matmul_flops_per_s(device, dtype)
     fpt = flops_per_token(cfg)
     tokens = args.batch * cfg.context
-    print(f"{device.type} {dtype} threads={torch.get_num_threads()} compile={args.compile} | "
-          f"{cfg.n_layer}L d{cfg.d_model} {cfg.n_head}h ctx{cfg.context} vocab{cfg.vocab_size} batch {args.batch} | "
-          f"hf attention: {hf.config._attn_implementation} | matmul peak {peak / 1e9:.1f} GFLOP/s")
-    for name, fn in steps.items():  # warm up (and compile)
+    print(
+        f"{device.type} {dtype} threads={torch.get_num_threads()} compile={args.compile} | "
+        f"{cfg.n_layer}L d{cfg.d_model} {cfg.n_head}h ctx{cfg.context} vocab{cfg.vocab_size} batch {args.batch} | "
+        f"hf attention: {hf.config._attn_implementation} | matmul peak {peak / 1e9:.1f} GFLOP/s"
+    )
+    for fn in steps.values():  # warm up (and compile)
         fn(), fn()
     rates: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(args.rounds):
@@ -90,13 +97,17 @@ def main() -> None:
             rates[name].append(tokens * args.steps / dt)
     med = {k: statistics.median(v) for k, v in rates.items()}
     for name in steps:
-        print(f"{name:>12}: {med[name]:10,.0f} tokens/s (median of {args.rounds} rounds; "
-              f"min {min(rates[name]):,.0f}, max {max(rates[name]):,.0f})  MFU {med[name] * fpt / peak:.1%}")
+        print(
+            f"{name:>12}: {med[name]:10,.0f} tokens/s (median of {args.rounds} rounds; "
+            f"min {min(rates[name]):,.0f}, max {max(rates[name]):,.0f})  MFU {med[name] * fpt / peak:.1%}"
+        )
     per_round = [a / b for a, b in zip(rates["qkvlab"], rates["transformers"])]
     best = {k: max(v) for k, v in rates.items()}  # contention only slows a round down: best is robust on a shared box
-    print(f"ratio qkvlab / transformers: median {med['qkvlab'] / med['transformers']:.3f}x, "
-          f"best-of-rounds {best['qkvlab'] / best['transformers']:.3f}x, per-round median "
-          f"{statistics.median(per_round):.3f}x (floor 1.0x)")
+    print(
+        f"ratio qkvlab / transformers: median {med['qkvlab'] / med['transformers']:.3f}x, "
+        f"best-of-rounds {best['qkvlab'] / best['transformers']:.3f}x, per-round median "
+        f"{statistics.median(per_round):.3f}x (floor 1.0x)"
+    )
 
 
 if __name__ == "__main__":

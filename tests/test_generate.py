@@ -15,12 +15,36 @@ from qkvlab.cache import KVCache
 from qkvlab.cli import main
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
-from qkvlab.generate import (FINISHED, Sampling, decode_step, filter_logits, generate, left_pad, new_cache,
-                             next_token, prefill, stream)
+from qkvlab.generate import (
+    FINISHED,
+    Sampling,
+    decode_step,
+    filter_logits,
+    generate,
+    left_pad,
+    new_cache,
+    next_token,
+    prefill,
+    stream,
+)
 from qkvlab.model import GPT
 
-SCHEMES = ["Q-K-V", "Id-K-V", "Q-Id-V", "Q=K-V", "Q-K=V", "Q=K=V", "Id-K=V", "Q-K-Id",
-           "(Q-K-V)+", "(Id-K-V)+", "(Q=K-V)+", "(Q-K=V)+", "(Q=K=V)+", "(Id-K=V)+"]
+SCHEMES = [
+    "Q-K-V",
+    "Id-K-V",
+    "Q-Id-V",
+    "Q=K-V",
+    "Q-K=V",
+    "Q=K=V",
+    "Id-K=V",
+    "Q-K-Id",
+    "(Q-K-V)+",
+    "(Id-K-V)+",
+    "(Q=K-V)+",
+    "(Q-K=V)+",
+    "(Q=K=V)+",
+    "(Id-K=V)+",
+]
 POS = ["learned", "rope", "none"]
 VOCAB = 50
 
@@ -35,8 +59,17 @@ def one_thread():
 
 
 def cfg_for(scheme: str, pos: str = "learned", kv_heads: int | None = None, **kw) -> ModelConfig:
-    base = dict(attn=scheme, pos=pos, kv_heads=kv_heads, n_layer=2, n_head=4, d_model=32, vocab_size=VOCAB,
-                context=24, bias=True)
+    base = dict(
+        attn=scheme,
+        pos=pos,
+        kv_heads=kv_heads,
+        n_layer=2,
+        n_head=4,
+        d_model=32,
+        vocab_size=VOCAB,
+        context=24,
+        bias=True,
+    )
     return ModelConfig(**{**base, **kw}).validate()
 
 
@@ -100,8 +133,14 @@ def test_cached_decoding_left_padded_equals_full_forward_float64(scheme, pos, kv
             torch.testing.assert_close(batched[r], alone, rtol=1e-10, atol=1e-10)
 
 
-FP32_CASES = [("Q-K-V", "learned", None), ("Q-K=V", "rope", 1), ("(Q=K=V)+", "rope", None), ("Id-K=V", "none", 2),
-              ("Q-Id-V", "rope", None), ("(Q=K-V)+", "learned", None)]
+FP32_CASES = [
+    ("Q-K-V", "learned", None),
+    ("Q-K=V", "rope", 1),
+    ("(Q=K=V)+", "rope", None),
+    ("Id-K=V", "none", 2),
+    ("Q-Id-V", "rope", None),
+    ("(Q=K-V)+", "learned", None),
+]
 
 
 @pytest.mark.parametrize("scheme,pos,kv", FP32_CASES)
@@ -189,8 +228,16 @@ def test_top_k_top_p_on_a_known_distribution():
     assert next_token(logits, Sampling(temperature=0.0)).item() == 1
 
 
-@pytest.mark.parametrize("bad,needle", [(dict(temperature=-0.1), "temperature"), (dict(temperature=math.nan), "temperature"),
-                                        (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k")])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+    ],
+)
 def test_bad_sampling_values(bad, needle):
     with pytest.raises(UserError, match=needle):
         Sampling(**bad).validate()
@@ -198,8 +245,12 @@ def test_bad_sampling_values(bad, needle):
 
 def test_bad_generate_arguments_raise_before_decoding():
     model = make_model(cfg_for("Q-K-V"))
-    for prompts, n, needle in [([[1] * 25], 3, "longer than the model's context"), ([[]], 3, "empty prompt"),
-                               ([[1, 99]], 3, "outside the vocabulary"), ([[1]], 0, "max_new_tokens")]:
+    for prompts, n, needle in [
+        ([[1] * 25], 3, "longer than the model's context"),
+        ([[]], 3, "empty prompt"),
+        ([[1, 99]], 3, "outside the vocabulary"),
+        ([[1]], 0, "max_new_tokens"),
+    ]:
         with pytest.raises(UserError, match=needle):
             stream(model, prompts, n)
 
@@ -221,8 +272,20 @@ def test_cache_fractions_are_exact():
     assert 2 * kv == full and 2 * 8 * mqa == full
 
 
-@pytest.mark.parametrize("scheme,kv", [("Q-K-V", None), ("Q-K-V", 2), ("Id-K-V", None), ("Q-Id-V", None),
-                                       ("Q=K-V", None), ("Q-K=V", 1), ("Q=K=V", None), ("Id-K=V", None), ("Q-K-Id", None)])
+@pytest.mark.parametrize(
+    "scheme,kv",
+    [
+        ("Q-K-V", None),
+        ("Q-K-V", 2),
+        ("Id-K-V", None),
+        ("Q-Id-V", None),
+        ("Q=K-V", None),
+        ("Q-K=V", 1),
+        ("Q=K=V", None),
+        ("Id-K=V", None),
+        ("Q-K-Id", None),
+    ],
+)
 def test_transformers_gpt2_twin_computes_the_same_logits(scheme, kv):
     pytest.importorskip("transformers")
     cfg = cfg_for(scheme, kv_heads=kv, attn_scale=0.37, bias=kv is None)
@@ -246,8 +309,26 @@ def test_scheme_list_parsing():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("gen") / "m"
-    assert main(["init", "--out", str(d), "--preset", "tiny", "--vocab-size", "256", "--context", "32",
-                 "--attn", "Q-K=V", "--pos", "rope"]) == 0
+    assert (
+        main(
+            [
+                "init",
+                "--out",
+                str(d),
+                "--preset",
+                "tiny",
+                "--vocab-size",
+                "256",
+                "--context",
+                "32",
+                "--attn",
+                "Q-K=V",
+                "--pos",
+                "rope",
+            ]
+        )
+        == 0
+    )
     return d
 
 
@@ -257,25 +338,54 @@ def test_cli_generate_streams_with_bytes_tokenizer(model_dir, capsys, monkeypatc
     writes = []
     real = sys.stdout.write
     monkeypatch.setattr(sys.stdout, "write", lambda s: (writes.append(s), real(s))[1])
-    rc = main(["generate", str(model_dir), "--prompt", "Hi", "--tokenizer", "bytes", "--max-new-tokens", "12",
-               "--seed", "0", "--temperature", "0"])
+    rc = main(
+        [
+            "generate",
+            str(model_dir),
+            "--prompt",
+            "Hi",
+            "--tokenizer",
+            "bytes",
+            "--max-new-tokens",
+            "12",
+            "--seed",
+            "0",
+            "--temperature",
+            "0",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("Hi") and out.endswith("\n")
     assert len([w for w in writes if w]) > 2  # printed piece by piece, not at the end
 
 
 def test_cli_generate_with_saved_char_tokenizer_and_ids(model_dir, tmp_path, capsys):
-    from qkvlab.data.tokenizer import CharTokenizer
-
     import shutil
+
+    from qkvlab.data.tokenizer import CharTokenizer
 
     d = tmp_path / "m"
     shutil.copytree(model_dir, d)
     CharTokenizer.train(["abcdefgh ij"]).save(d / "tokenizer")
     assert main(["generate", str(d), "--prompt", "abc", "--max-new-tokens", "5", "--seed", "1"]) == 0
     assert capsys.readouterr().out.startswith("abc")
-    assert main(["generate", str(d), "--prompt-ids", "1,2", "--prompt-ids", "3", "--max-new-tokens", "4",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(d),
+                "--prompt-ids",
+                "1,2",
+                "--prompt-ids",
+                "3",
+                "--max-new-tokens",
+                "4",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.count("--- sample") == 2
 
 
@@ -323,18 +433,54 @@ def test_cli_bench_json(tmp_path, capsys):
     out = tmp_path / "b.json"
     csv = tmp_path / "cmp"
     csv.mkdir()
-    (csv / "results.csv").write_text("variant,kv_cache_bytes_per_token,val_loss_mean,ppl_change_pct\n"
-                                     "Q-K-V,4096,3.1,0\nQ-K=V,2048,3.2,3.1\nQ-K=V+MQA,256,3.25,4.8\n")
-    rc = main(["bench", "--preset", "tiny", "--context", "32", "--schemes", "Q-K-V,Q-K=V:mqa", "--batch", "2",
-               "--decode-batches", "1", "--prompt-len", "4", "--new-tokens", "3", "--rounds", "1",
-               "--train-steps", "1", "--train-batch", "1", "--memory-budget", "1GB", "--json", str(out),
-               "--compare-dir", str(csv), "--plot", str(tmp_path / "p.png")])
+    (csv / "results.csv").write_text(
+        "variant,kv_cache_bytes_per_token,val_loss_mean,ppl_change_pct\n"
+        "Q-K-V,4096,3.1,0\nQ-K=V,2048,3.2,3.1\nQ-K=V+MQA,256,3.25,4.8\n"
+    )
+    rc = main(
+        [
+            "bench",
+            "--preset",
+            "tiny",
+            "--context",
+            "32",
+            "--schemes",
+            "Q-K-V,Q-K=V:mqa",
+            "--batch",
+            "2",
+            "--decode-batches",
+            "1",
+            "--prompt-len",
+            "4",
+            "--new-tokens",
+            "3",
+            "--rounds",
+            "1",
+            "--train-steps",
+            "1",
+            "--train-batch",
+            "1",
+            "--memory-budget",
+            "1GB",
+            "--json",
+            str(out),
+            "--compare-dir",
+            str(csv),
+            "--plot",
+            str(tmp_path / "p.png"),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())["schemes"]
     assert list(data) == ["Q-K-V", "Q-K=V+MQA"]
     for r in data.values():
-        for key in ("kv_cache_bytes_allocated", "kv_cache_bytes_analytic", "decode_tokens_per_s",
-                    "hf_decode_tokens_per_s", "train_tokens_per_s"):
+        for key in (
+            "kv_cache_bytes_allocated",
+            "kv_cache_bytes_analytic",
+            "decode_tokens_per_s",
+            "hf_decode_tokens_per_s",
+            "train_tokens_per_s",
+        ):
             assert r[key] > 0, key
         assert r["kv_cache_bytes_allocated"] == r["kv_cache_bytes_analytic"]
         assert r["hf_max_logit_diff"] < 1e-4

@@ -39,7 +39,14 @@ def models():
 def test_import_logits_equal(models):
     hf, model, cfg = models
     assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_heads, cfg.norm, cfg.pos, cfg.mlp) == (
-        30, 576, 9, 3, "rmsnorm", "rope", "swiglu")
+        30,
+        576,
+        9,
+        3,
+        "rmsnorm",
+        "rope",
+        "swiglu",
+    )
     abs_d, rel_d = logit_diff(hf, model, cfg.vocab_size, cfg.context, batch=2, length=48)
     assert rel_d <= 1e-4 and abs_d <= 1e-3, (abs_d, rel_d)
 
@@ -51,7 +58,7 @@ def test_same_greedy_continuation(models):
     hf, model, cfg = models
     tok = AutoTokenizer.from_pretrained(gguf_cache_folder(GGUF))
     ids = torch.tensor([tok.encode(PROMPT)])
-    ref = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    ref = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
     ref_logits = hf(ids).logits
     ours_logits, _ = model(ids)
     assert (ref_logits - ours_logits).abs().max().item() <= 1e-4 * ref_logits.abs().max().item()

@@ -226,21 +226,24 @@ def test_digits_anomaly_segmentation_learn():
 # ------------------------------------------------------------------ bad input
 
 
-@pytest.mark.parametrize("name, options, match", [
-    ("nope", {}, "unknown task"),
-    ("copy", {"lenght": 8}, "no option 'lenght'"),
-    ("copy", {"length": 0}, "length=0"),
-    ("copy", {"length": "abc"}, "not a valid int"),
-    ("copy", {"length": 2.5}, "not a valid int"),
-    ("digits", {"pool": "max"}, "pool='max'"),
-    ("digits", {"patch": 3}, "patch=3 must divide"),
-    ("digits", {"label": "fine"}, "cifar100 only"),
-    ("mnist", {}, "needs root="),
-    ("cifar10", {"root": "/nonexistent"}, "missing file"),
-    ("anomaly", {"dataset": "svhn"}, "unknown image dataset 'svhn'"),
-    ("segmentation", {"patch": 3}, "patch=3 must divide canvas=16"),
-    ("segmentation", {"plus_channels": 3}, "plus_channels=3"),
-])
+@pytest.mark.parametrize(
+    "name, options, match",
+    [
+        ("nope", {}, "unknown task"),
+        ("copy", {"lenght": 8}, "no option 'lenght'"),
+        ("copy", {"length": 0}, "length=0"),
+        ("copy", {"length": "abc"}, "not a valid int"),
+        ("copy", {"length": 2.5}, "not a valid int"),
+        ("digits", {"pool": "max"}, "pool='max'"),
+        ("digits", {"patch": 3}, "patch=3 must divide"),
+        ("digits", {"label": "fine"}, "cifar100 only"),
+        ("mnist", {}, "needs root="),
+        ("cifar10", {"root": "/nonexistent"}, "missing file"),
+        ("anomaly", {"dataset": "svhn"}, "unknown image dataset 'svhn'"),
+        ("segmentation", {"patch": 3}, "patch=3 must divide canvas=16"),
+        ("segmentation", {"plus_channels": 3}, "plus_channels=3"),
+    ],
+)
 def test_bad_options_are_one_line_user_errors(name, options, match):
     with pytest.raises(UserError, match=match) as err:
         get_task(name, **options)

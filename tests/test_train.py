@@ -46,13 +46,28 @@ def corpus(tmp_path_factory):
 
 
 def tiny(corpus, **over) -> TrainConfig:
-    base = dict(task_options={"data": str(corpus), "tokenizer": "char", "block_size": 32}, batch_size=8,
-                eval_batches=2, log_tensorboard=False)
+    base = dict(
+        task_options={"data": str(corpus), "tokenizer": "char", "block_size": 32},
+        batch_size=8,
+        eval_batches=2,
+        log_tensorboard=False,
+    )
     return train_preset("tiny", **{**base, **over})
 
 
-CLI_BASE = ["--preset", "tiny", "--tokenizer", "char", "--block-size", "32", "--batch-size", "8",
-            "--eval-batches", "2", "--quiet"]
+CLI_BASE = [
+    "--preset",
+    "tiny",
+    "--tokenizer",
+    "char",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "8",
+    "--eval-batches",
+    "2",
+    "--quiet",
+]
 
 
 def _env(**extra) -> dict:
@@ -93,8 +108,23 @@ def test_tiny_run_learns_writes_metrics_and_a_model_folder(corpus, tmp_path):
 
 def test_killed_anywhere_then_resumed_is_bit_identical(corpus, tmp_path):
     """Real subprocesses, SIGKILL mid-checkpoint-write and mid-step, resumed with --resume."""
-    args = [sys.executable, "-m", "qkvlab.cli", "train", *CLI_BASE, "--data", str(corpus), "--max-steps", "24",
-            "--eval-every", "8", "--checkpoint-every", "4", "--dropout", "0.1"]
+    args = [
+        sys.executable,
+        "-m",
+        "qkvlab.cli",
+        "train",
+        *CLI_BASE,
+        "--data",
+        str(corpus),
+        "--max-steps",
+        "24",
+        "--eval-every",
+        "8",
+        "--checkpoint-every",
+        "4",
+        "--dropout",
+        "0.1",
+    ]
     ref = subprocess.Popen([*args, "--out", str(tmp_path / "ref")], env=_env(), stderr=subprocess.PIPE)
     out = tmp_path / "killed"
     ckpt = out / "checkpoint"
@@ -102,8 +132,11 @@ def test_killed_anywhere_then_resumed_is_bit_identical(corpus, tmp_path):
     delays = []
 
     def run_until(condition, extra_env=None, resume=True):
-        p = subprocess.Popen([*args, "--out", str(out), *(["--resume"] if resume else [])],
-                             env=_env(**(extra_env or {})), stderr=subprocess.PIPE)
+        p = subprocess.Popen(
+            [*args, "--out", str(out), *(["--resume"] if resume else [])],
+            env=_env(**(extra_env or {})),
+            stderr=subprocess.PIPE,
+        )
         deadline = time.time() + 60
         while not condition():
             assert p.poll() is None, p.stderr.read().decode()
@@ -119,16 +152,23 @@ def test_killed_anywhere_then_resumed_is_bit_identical(corpus, tmp_path):
             return 0
 
     # 1) mid-checkpoint: the second checkpoint's temp folder is half written (sleep hook widens it)
-    run_until(lambda: ckpt_step() >= 4 and any((p / "optimizer.safetensors").exists() for p in out.glob(".checkpoint.tmp-*")),
-              {ck.SLOW_HOOK: "1.5"}, resume=False)
+    run_until(
+        lambda: ckpt_step() >= 4 and any((p / "optimizer.safetensors").exists() for p in out.glob(".checkpoint.tmp-*")),
+        {ck.SLOW_HOOK: "1.5"},
+        resume=False,
+    )
     assert ckpt_step() == 4 and list(out.glob(".checkpoint.tmp-*"))  # the old checkpoint is intact
     # 2) and 3) mid-step, at random moments after some progress
     for target in (8, 16):
         delays.append(rng.uniform(0.0, 0.4))
         run_until(lambda: ckpt_step() >= target and not time.sleep(delays[-1]))
     # the last resume names only the folder: the run's own train_config.json supplies the rest
-    done = subprocess.run([sys.executable, "-m", "qkvlab.cli", "train", "--out", str(out), "--resume", "--quiet"],
-                          env=_env(), capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "qkvlab.cli", "train", "--out", str(out), "--resume", "--quiet"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert ref.wait() == 0, ref.stderr.read().decode()
     a, b = load_file(str(tmp_path / "ref" / "model.safetensors")), load_file(str(out / "model.safetensors"))
@@ -166,12 +206,29 @@ def test_checkpoint_parked_between_renames_is_recovered(tmp_path):
 
 def test_ddp_and_fsdp_on_two_cpu_processes_match_one_and_resume_at_world_size_one(corpus, tmp_path):
     common = [*CLI_BASE, "--data", str(corpus), "--max-steps", "6", "--eval-every", "3", "--grad-accum", "2"]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              "-m", "qkvlab.cli", "train", *common]
-    procs = {s: subprocess.Popen([*launch, "--sharding", s, "--out", str(tmp_path / s)], env=_env(),
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for s in ("ddp", "fsdp")}
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "qkvlab.cli",
+        "train",
+        *common,
+    ]
+    procs = {
+        s: subprocess.Popen(
+            [*launch, "--sharding", s, "--out", str(tmp_path / s)],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for s in ("ddp", "fsdp")
+    }
     one = train(tiny(corpus, max_steps=6, eval_every=3, grad_accum=2), tmp_path / "one", progress=False)
-    for s, p in procs.items():
+    for p in procs.values():
         assert p.wait(timeout=120) == 0, p.stdout.read().decode()[-3000:]
     for s in procs:
         rows = read_metrics(tmp_path / s)
@@ -180,7 +237,10 @@ def test_ddp_and_fsdp_on_two_cpu_processes_match_one_and_resume_at_world_size_on
             for key in ("train_loss", "val_loss"):
                 if q[key] is not None:
                     assert abs(r[key] - q[key]) < 1e-5, (s, key, r[key], q[key])
-        final, ref = load_file(str(tmp_path / s / "model.safetensors")), load_file(str(tmp_path / "one" / "model.safetensors"))
+        final, ref = (
+            load_file(str(tmp_path / s / "model.safetensors")),
+            load_file(str(tmp_path / "one" / "model.safetensors")),
+        )
         assert all(torch.allclose(final[k], ref[k], atol=1e-4) for k in ref)
         # written by 2 ranks, continued by 1 (sharding switched too): full state dicts load anywhere
         more = train(tiny(corpus, max_steps=8, eval_every=3, grad_accum=2), tmp_path / s, resume=True, progress=False)
@@ -216,25 +276,55 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint_intact(corpus, tmp_
 
 
 def test_cli_exits_3_when_the_loss_diverges(corpus, tmp_path, capsys):
-    rc = cli.main(["train", *CLI_BASE, "--data", str(corpus), "--max-steps", "20", "--lr", "1e6", "--warmup-steps", "0",
-                   "--grad-clip", "0", "--out", str(tmp_path / "x")])
+    rc = cli.main(
+        [
+            "train",
+            *CLI_BASE,
+            "--data",
+            str(corpus),
+            "--max-steps",
+            "20",
+            "--lr",
+            "1e6",
+            "--warmup-steps",
+            "0",
+            "--grad-clip",
+            "0",
+            "--out",
+            str(tmp_path / "x"),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert rc == 3 and "\n" not in err and re.search(r"loss is (nan|inf)", err) and "step" in err
 
 
-@pytest.mark.parametrize("name, text, args, needle", [
-    ("a.yaml", "lrr: 0.1\n", [], "'lrr'"),
-    ("a.yaml", "model:\n  n_layers: 3\n", [], "'n_layers'"),
-    ("a.toml", 'dtype = "fp8"\n', [], "dtype='fp8'"),
-    ("a.toml", "max_steps = [1\n", [], "cannot parse"),
-    ("a.yaml", "model:\n  preset: huge\n", [], "'huge'"),
-    (None, None, ["--lr", "-1"], "lr=-1.0"),
-    (None, None, ["--batch-size", "10", "--grad-accum", "3"], "batch_size=10"),
-    (None, None, ["--betas", "0.9,1.5"], "betas="),
-    (None, None, ["--task-option", "colour=red"], "'colour'"),
-])
+@pytest.mark.parametrize(
+    "name, text, args, needle",
+    [
+        ("a.yaml", "lrr: 0.1\n", [], "'lrr'"),
+        ("a.yaml", "model:\n  n_layers: 3\n", [], "'n_layers'"),
+        ("a.toml", 'dtype = "fp8"\n', [], "dtype='fp8'"),
+        ("a.toml", "max_steps = [1\n", [], "cannot parse"),
+        ("a.yaml", "model:\n  preset: huge\n", [], "'huge'"),
+        (None, None, ["--lr", "-1"], "lr=-1.0"),
+        (None, None, ["--batch-size", "10", "--grad-accum", "3"], "batch_size=10"),
+        (None, None, ["--betas", "0.9,1.5"], "betas="),
+        (None, None, ["--task-option", "colour=red"], "'colour'"),
+    ],
+)
 def test_config_errors_are_one_line_exit_2(tmp_path, capsys, name, text, args, needle, corpus):
-    argv = ["train", "--out", str(tmp_path / "o"), "--preset", "tiny", "--data", str(corpus), "--tokenizer", "char", *args]
+    argv = [
+        "train",
+        "--out",
+        str(tmp_path / "o"),
+        "--preset",
+        "tiny",
+        "--data",
+        str(corpus),
+        "--tokenizer",
+        "char",
+        *args,
+    ]
     if name:
         (tmp_path / name).write_text(text)
         argv.insert(1, str(tmp_path / name))
@@ -245,9 +335,17 @@ def test_config_errors_are_one_line_exit_2(tmp_path, capsys, name, text, args, n
 
 
 def test_config_files_and_overrides(tmp_path):
-    (tmp_path / "r.yaml").write_text("preset: tiny\nlr: 0.002\nmodel:\n  attn: Id-K-V\ntask_options:\n  tokenizer: char\n")
-    cfg = load_train_config(tmp_path / "r.yaml", {"weight_decay": 2 ** -5, "model": {"kv_heads": 1}})
-    assert (cfg.lr, cfg.weight_decay, cfg.model.attn, cfg.model.kv_heads, cfg.model.n_layer) == (0.002, 0.03125, "Id-K-V", 1, 2)
+    (tmp_path / "r.yaml").write_text(
+        "preset: tiny\nlr: 0.002\nmodel:\n  attn: Id-K-V\ntask_options:\n  tokenizer: char\n"
+    )
+    cfg = load_train_config(tmp_path / "r.yaml", {"weight_decay": 2**-5, "model": {"kv_heads": 1}})
+    assert (cfg.lr, cfg.weight_decay, cfg.model.attn, cfg.model.kv_heads, cfg.model.n_layer) == (
+        0.002,
+        0.03125,
+        "Id-K-V",
+        1,
+        2,
+    )
     assert cfg.task_options == {"tokenizer": "char"} and cfg.max_steps == 300
     (tmp_path / "r.toml").write_text('max_steps = 7\nbetas = [0.8, 0.9]\n[model]\npreset = "small"\nattn = "Q-K=V"\n')
     cfg2 = load_train_config(tmp_path / "r.toml", default_preset="tiny")

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import csv
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -127,8 +127,9 @@ def decode_seconds(model: GPT, prompt: torch.Tensor, new_tokens: int, compile: b
     """Prefill + greedy decode of `new_tokens` per row with qkvlab's cache."""
     device = prompt.device
     prompts = prompt.tolist()
-    return timed(lambda: sum(1 for _ in stream(model, prompts, new_tokens, Sampling(temperature=0.0),
-                                                  compile=compile)), device)
+    return timed(
+        lambda: sum(1 for _ in stream(model, prompts, new_tokens, Sampling(temperature=0.0), compile=compile)), device
+    )
 
 
 def hf_decode_seconds(hf, prompt: torch.Tensor, new_tokens: int) -> float:
@@ -137,8 +138,14 @@ def hf_decode_seconds(hf, prompt: torch.Tensor, new_tokens: int) -> float:
 
     def run():
         with torch.inference_mode():
-            hf.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                        do_sample=False, use_cache=True)
+            hf.generate(
+                prompt,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                use_cache=True,
+            )
 
     return timed(run, device)
 
@@ -162,8 +169,11 @@ class BenchOptions:
     log: Callable[[str], None] = field(default=lambda s: None)
 
     def resolve(self) -> tuple[torch.device, torch.dtype, str]:
-        dev = torch.device("cuda" if self.device == "auto" and torch.cuda.is_available() else
-                           ("cpu" if self.device == "auto" else self.device))
+        dev = torch.device(
+            "cuda"
+            if self.device == "auto" and torch.cuda.is_available()
+            else ("cpu" if self.device == "auto" else self.device)
+        )
         name = self.dtype if self.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
         if name not in DTYPES:
             raise UserError(f"dtype={name!r} is not allowed; use one of {', '.join(DTYPES)} or auto")
@@ -189,18 +199,27 @@ def cache_bytes(cfg: ModelConfig, batch: int, dtype: torch.dtype, device) -> int
 def bench_scheme(cfg: ModelConfig, opts: BenchOptions, flops_peak: float) -> dict:
     device, dtype, dname = opts.resolve()
     per_token = kv_cache_bytes_per_token(cfg, dname)
-    out: dict = {"scheme": cfg.spec.name, "kv_heads": cfg.n_kv_heads, "dtype": dname, "context": cfg.context,
-                 "batch": opts.batch,
-                 "kv_cache_bytes_allocated": cache_bytes(cfg, opts.batch, dtype, device),
-                 "kv_cache_bytes_analytic": per_token * opts.batch * cfg.context,
-                 "kv_cache_bytes_per_token": per_token}
+    out: dict = {
+        "scheme": cfg.spec.name,
+        "kv_heads": cfg.n_kv_heads,
+        "dtype": dname,
+        "context": cfg.context,
+        "batch": opts.batch,
+        "kv_cache_bytes_allocated": cache_bytes(cfg, opts.batch, dtype, device),
+        "kv_cache_bytes_analytic": per_token * opts.batch * cfg.context,
+        "kv_cache_bytes_per_token": per_token,
+    }
     weights = analytic_params(cfg).total * DTYPES[dname].itemsize
     budget = opts.memory_budget if opts.memory_budget is not None else device_memory(device)
-    out |= {"memory_budget_bytes": budget, "weight_bytes": weights,
-            "capacity_sequences": max(0, (budget - weights) // (per_token * cfg.context))}
+    out |= {
+        "memory_budget_bytes": budget,
+        "weight_bytes": weights,
+        "capacity_sequences": max(0, (budget - weights) // (per_token * cfg.context)),
+    }
     if opts.train:
-        tps = train_tokens_per_s(cfg, batch=opts.train_batch, steps=opts.train_steps, device=device, dtype=dtype,
-                                 seed=opts.seed)
+        tps = train_tokens_per_s(
+            cfg, batch=opts.train_batch, steps=opts.train_steps, device=device, dtype=dtype, seed=opts.seed
+        )
         out["train_tokens_per_s"] = tps
         out["train_mfu"] = tps * flops_per_token(cfg) / flops_peak
     torch.manual_seed(opts.seed)
@@ -236,12 +255,19 @@ def bench_scheme(cfg: ModelConfig, opts: BenchOptions, flops_peak: float) -> dic
         ours_by_b[str(b)] = b * new / min(ours)
         if theirs:
             hf_by_b[str(b)] = b * new / min(theirs)
-        opts.log(f"  {label(cfg)} decode b={b}: {ours_by_b[str(b)]:.1f} tok/s"
-                 + (f" (transformers {hf_by_b[str(b)]:.1f})" if theirs else ""))
+        opts.log(
+            f"  {label(cfg)} decode b={b}: {ours_by_b[str(b)]:.1f} tok/s"
+            + (f" (transformers {hf_by_b[str(b)]:.1f})" if theirs else "")
+        )
     first = str(opts.decode_batches[0])
-    out |= {"decode_prompt_len": opts.prompt_len, "decode_new_tokens": new,
-            "decode_tokens_per_s": ours_by_b[first], "decode_tokens_per_s_by_batch": ours_by_b,
-            "hf_decode_tokens_per_s": hf_by_b.get(first), "hf_decode_tokens_per_s_by_batch": hf_by_b or None}
+    out |= {
+        "decode_prompt_len": opts.prompt_len,
+        "decode_new_tokens": new,
+        "decode_tokens_per_s": ours_by_b[first],
+        "decode_tokens_per_s_by_batch": ours_by_b,
+        "hf_decode_tokens_per_s": hf_by_b.get(first),
+        "hf_decode_tokens_per_s_by_batch": hf_by_b or None,
+    }
     if hf_by_b:
         out["decode_speedup_vs_hf"] = {b: ours_by_b[b] / hf_by_b[b] for b in hf_by_b}
     return out
@@ -257,9 +283,15 @@ def run_bench(schemes: list[tuple[str, ModelConfig]], opts: BenchOptions) -> dic
     base = next(iter(results.values()))["kv_cache_bytes_analytic"]
     for r in results.values():
         r["kv_cache_fraction_of_first"] = r["kv_cache_bytes_analytic"] / base
-    return {"device": str(device), "dtype": dname, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "matmul_flops_per_s": peak, "options": {k: v for k, v in vars(opts).items() if k != "log"},
-            "schemes": results}
+    return {
+        "device": str(device),
+        "dtype": dname,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "matmul_flops_per_s": peak,
+        "options": {k: v for k, v in vars(opts).items() if k != "log"},
+        "schemes": results,
+    }
 
 
 # ---- cache bytes vs quality ------------------------------------------------------------------------

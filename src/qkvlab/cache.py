@@ -68,7 +68,7 @@ class KVCache:
     def key_positions(self) -> torch.Tensor:
         return self.positions[:, : self.length]
 
-    def layer(self, index: int) -> "LayerCache":
+    def layer(self, index: int) -> LayerCache:
         return LayerCache(self, index)
 
     def next_positions(self, T: int) -> torch.Tensor:

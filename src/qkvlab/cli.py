@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from qkvlab.config import NORMS, POSITIONS, MLPS, PRESETS, ModelConfig, preset
+from qkvlab.config import MLPS, NORMS, POSITIONS, PRESETS, ModelConfig, preset
 from qkvlab.errors import UserError
 
 COMMANDS = {
@@ -47,33 +47,62 @@ def _positive_int(text: str) -> int:
 
 def add_model_options(p: argparse.ArgumentParser, *, with_preset_default: bool = True) -> None:
     g = p.add_argument_group("model options")
-    g.add_argument("--preset", choices=list(PRESETS), default=None,
-                   help=f"start from a preset (default: {DEFAULT_PRESET})" if with_preset_default else "start from a preset")
+    g.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=None,
+        help=f"start from a preset (default: {DEFAULT_PRESET})" if with_preset_default else "start from a preset",
+    )
     g.add_argument("--attn", metavar="SCHEME", help="projection scheme, e.g. Q-K-V, Id-K-V, Q-K=V, '(Q=K-V)+'")
     g.add_argument("--kv-heads", type=_positive_int, metavar="N", help="key/value heads (n_head: MHA, g: GQA, 1: MQA)")
     g.add_argument("--n-layer", type=_positive_int, metavar="N")
     g.add_argument("--n-head", type=_positive_int, metavar="N")
     g.add_argument("--d-model", type=_positive_int, metavar="N")
     g.add_argument("--d-head", type=_positive_int, metavar="N")
-    g.add_argument("--mlp-hidden", type=_positive_int, metavar="N",
-                   help="MLP width (with --match-params: the reference model's width)")
-    g.add_argument("--match-params", metavar="SCHEME", help="re-spend saved attention params on the MLP to match SCHEME")
+    g.add_argument(
+        "--mlp-hidden",
+        type=_positive_int,
+        metavar="N",
+        help="MLP width (with --match-params: the reference model's width)",
+    )
+    g.add_argument(
+        "--match-params", metavar="SCHEME", help="re-spend saved attention params on the MLP to match SCHEME"
+    )
     g.add_argument("--mlp", choices=MLPS)
     g.add_argument("--norm", choices=NORMS)
-    g.add_argument("--no-mlp-skip", dest="mlp_skip", action="store_false", default=None,
-                   help="no residual skip around the MLP")
+    g.add_argument(
+        "--no-mlp-skip", dest="mlp_skip", action="store_false", default=None, help="no residual skip around the MLP"
+    )
     g.add_argument("--share-layers", action="store_true", default=None, help="one block's weights for every layer")
     g.add_argument("--pos", choices=POSITIONS)
     g.add_argument("--vocab-size", type=_positive_int, metavar="N")
     g.add_argument("--context", type=_positive_int, metavar="N")
     g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--attn-scale", type=float, metavar="S", help="score scale (default 1/sqrt(d_head), 1/(2 sqrt(d_head)) with Id)")
+    g.add_argument(
+        "--attn-scale", type=float, metavar="S", help="score scale (default 1/sqrt(d_head), 1/(2 sqrt(d_head)) with Id)"
+    )
     g.add_argument("--dropout", type=float)
 
 
 MODEL_OPTION_FIELDS = (
-    "attn", "kv_heads", "n_layer", "n_head", "d_model", "d_head", "mlp_hidden", "match_params", "mlp", "norm",
-    "mlp_skip", "share_layers", "pos", "vocab_size", "context", "bias", "attn_scale", "dropout",
+    "attn",
+    "kv_heads",
+    "n_layer",
+    "n_head",
+    "d_model",
+    "d_head",
+    "mlp_hidden",
+    "match_params",
+    "mlp",
+    "norm",
+    "mlp_skip",
+    "share_layers",
+    "pos",
+    "vocab_size",
+    "context",
+    "bias",
+    "attn_scale",
+    "dropout",
 )
 
 
@@ -101,8 +130,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             sub.add_parser(name, help=help_text)
             continue
         module = importlib.import_module(f"qkvlab.commands.{name}")
-        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=(module.__doc__ or help_text).strip(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser

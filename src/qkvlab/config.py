@@ -73,7 +73,7 @@ class ModelConfig:
             return matched_mlp_hidden(self)
         return self.mlp_hidden if self.mlp_hidden is not None else 4 * self.d_model
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         spec = self.spec  # raises on a bad scheme
         for name, allowed in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS)):
             value = getattr(self, name)
@@ -84,9 +84,7 @@ class ModelConfig:
             if not isinstance(value, int) or value <= 0:
                 raise UserError(f"{name}={value!r} must be a positive integer")
         if self.d_head is None and self.d_model % self.n_head:
-            raise UserError(
-                f"d_model={self.d_model} is not divisible by n_head={self.n_head}; set d_head explicitly"
-            )
+            raise UserError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; set d_head explicitly")
         validate_heads(spec, d_model=self.d_model, n_head=self.n_head, d_head=self.head_dim, kv_heads=self.n_kv_heads)
         if self.pos == "rope" and self.head_dim % 2:
             raise UserError(f"pos=rope needs an even d_head, got {self.head_dim}")
@@ -109,7 +107,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -120,7 +118,7 @@ class ModelConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "ModelConfig":
+    def load(cls, path: str | Path) -> ModelConfig:
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
@@ -132,7 +130,7 @@ class ModelConfig:
             raise UserError(f"{path}: expected a JSON object with model config keys")
         return cls.from_dict(data)
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -159,4 +157,3 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     fields = dict(PRESETS[name])
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return ModelConfig.from_dict(fields)
-

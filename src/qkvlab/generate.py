@@ -11,8 +11,8 @@ Sampling: temperature (0 = greedy argmax), then top-k, then top-p (nucleus), dra
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 
@@ -28,8 +28,10 @@ class Sampling:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
 
-    def validate(self) -> "Sampling":
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+    def validate(self) -> Sampling:
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
             raise UserError(f"temperature={self.temperature} must be a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise UserError(f"top_k={self.top_k} must be an integer >= 0 (0 = off)")
@@ -61,8 +63,9 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None,
-               vocab_limit: int | None = None) -> torch.Tensor:
+def next_token(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None, vocab_limit: int | None = None
+) -> torch.Tensor:
     """logits (B, V) -> token ids (B,). vocab_limit: ids >= it are never drawn (a model vocabulary
     padded beyond its tokenizer's, e.g. GPT-2's 50257 ids in a 50304-row embedding)."""
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
@@ -187,8 +190,9 @@ def _decode(model, prompts, steps, sampling, eot_id, generator, step, vocab_limi
             positions += 1
 
 
-def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
-             **kwargs) -> list[list[int]]:
+def generate(
+    model, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(), **kwargs
+) -> list[list[int]]:
     """The new tokens of every row (end-of-text excluded). kwargs: as for `stream`."""
     eot = kwargs.get("eot_id")
     rows: list[list[int]] = [[] for _ in prompts]

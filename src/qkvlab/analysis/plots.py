@@ -37,7 +37,7 @@ def _mean_band(curves: list[tuple[list[float], list[float]]]):
     return common, [sum(v) / len(v) for v in ys], [min(v) for v in ys], [max(v) for v in ys]
 
 
-def plot_loss_curves(res: "Results", path: Path) -> Path:
+def plot_loss_curves(res: Results, path: Path) -> Path:
     tasks, variants = res.tasks, res.variants
     colors = _colors(variants)
     cols = min(len(tasks), 3)
@@ -68,7 +68,7 @@ def plot_loss_curves(res: "Results", path: Path) -> Path:
             top = ax.get_ylim()[1]
             ax.set_ylim(top=min(top, min(finals) + max(1.0, 8 * span)))
         ax.legend(fontsize=8, loc="upper right")
-    for ax in list(axes.flat)[len(tasks):]:
+    for ax in list(axes.flat)[len(tasks) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -76,14 +76,15 @@ def plot_loss_curves(res: "Results", path: Path) -> Path:
     return path
 
 
-def plot_ppl_vs_cache(res: "Results", path: Path, task: str = "lm") -> Path | None:
+def plot_ppl_vs_cache(res: Results, path: Path, task: str = "lm") -> Path | None:
     from qkvlab.analysis import paper_figures as pf
 
     rows = [r for r in res.rows if r.task == task and r.ppl_change]
     if not rows:
         return None
-    colors = _colors([r.variant for r in rows] + [v for v in pf.PAPER_B_LM_CACHE_FRACTION if v not in
-                                                   {r.variant for r in rows}])
+    colors = _colors(
+        [r.variant for r in rows] + [v for v in pf.PAPER_B_LM_CACHE_FRACTION if v not in {r.variant for r in rows}]
+    )
     fig, ax = plt.subplots(figsize=(8, 5.2))
     seen: dict[float, int] = {}
     for r in rows:
@@ -99,10 +100,24 @@ def plot_ppl_vs_cache(res: "Results", path: Path, task: str = "lm") -> Path | No
         if pv is None:
             continue
         x = x / 1.08  # paper points just left of this run's
-        ax.scatter([x], [pv.value], facecolors="none", edgecolors=colors.get(v, "gray"), s=70, marker="s",
-                   label="Paper B 300M (hollow squares)" if first else None)
-        ax.annotate(f"{v} (paper)", (x, pv.value), textcoords="offset points", xytext=(-6, -10), fontsize=7,
-                    color="dimgray", ha="right")
+        ax.scatter(
+            [x],
+            [pv.value],
+            facecolors="none",
+            edgecolors=colors.get(v, "gray"),
+            s=70,
+            marker="s",
+            label="Paper B 300M (hollow squares)" if first else None,
+        )
+        ax.annotate(
+            f"{v} (paper)",
+            (x, pv.value),
+            textcoords="offset points",
+            xytext=(-6, -10),
+            fontsize=7,
+            color="dimgray",
+            ha="right",
+        )
         first = False
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log", base=2)
@@ -120,7 +135,7 @@ def plot_ppl_vs_cache(res: "Results", path: Path, task: str = "lm") -> Path | No
     return path
 
 
-def plot_metric_bars(res: "Results", path: Path) -> Path | None:
+def plot_metric_bars(res: Results, path: Path) -> Path | None:
     rows = [r for r in res.rows if r.metric != "val_loss"]
     if not rows:
         return None
@@ -137,11 +152,23 @@ def plot_metric_bars(res: "Results", path: Path) -> Path | None:
                 continue
             x = j - 0.4 + width * (i + 0.5)
             m, s = r.metric_mean_std
-            ax.bar(x, m, width, yerr=s if r.n > 1 else None, color=colors[v], capsize=2,
-                   label=v if j == tasks.index(next(tt for tt in tasks if res.row(tt, v))) else None)
+            ax.bar(
+                x,
+                m,
+                width,
+                yerr=s if r.n > 1 else None,
+                color=colors[v],
+                capsize=2,
+                label=v if j == tasks.index(next(tt for tt in tasks if res.row(tt, v))) else None,
+            )
             if r.paper_metric is not None:
-                ax.plot([x - width / 2, x + width / 2], [r.paper_metric] * 2, color="black", lw=2,
-                        label="Paper B" if paper_label else None)
+                ax.plot(
+                    [x - width / 2, x + width / 2],
+                    [r.paper_metric] * 2,
+                    color="black",
+                    lw=2,
+                    label="Paper B" if paper_label else None,
+                )
                 paper_label = False
     ax.set_xticks(range(len(tasks)), tasks)
     ax.set_ylabel(rows[0].metric)
@@ -149,17 +176,20 @@ def plot_metric_bars(res: "Results", path: Path) -> Path | None:
     ax.set_ylim(max(0.0, lo - 0.1), 1.0 if all(r.metric_mean_std[0] <= 1 for r in rows) else None)
     ax.set_title(f"{rows[0].metric} per scheme and task (mean ± std over seeds; black: Paper B)", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, ncol=min(7, len(variants) + 1), loc="upper center", bbox_to_anchor=(0.5, -0.12),
-              framealpha=0.9)  # below the axes: never over a bar
+    ax.legend(
+        fontsize=8, ncol=min(7, len(variants) + 1), loc="upper center", bbox_to_anchor=(0.5, -0.12), framealpha=0.9
+    )  # below the axes: never over a bar
     fig.tight_layout()
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def write_plots(res: "Results", out_dir: str | Path) -> list[Path]:
+def write_plots(res: Results, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
-    made = [plot_loss_curves(res, out_dir / "val_loss.png"),
-            plot_ppl_vs_cache(res, out_dir / "ppl_vs_cache.png"),
-            plot_metric_bars(res, out_dir / "metric_by_task.png")]
+    made = [
+        plot_loss_curves(res, out_dir / "val_loss.png"),
+        plot_ppl_vs_cache(res, out_dir / "ppl_vs_cache.png"),
+        plot_metric_bars(res, out_dir / "metric_by_task.png"),
+    ]
     return [p for p in made if p is not None]

@@ -23,9 +23,10 @@ import io
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
@@ -71,7 +72,7 @@ class Variant:
             raise UserError(f"variant {self.name}: {e}") from None
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> "Variant":
+    def from_config(cls, cfg: ModelConfig) -> Variant:
         kv = cfg.kv_heads if cfg.kv_heads not in (None, cfg.n_head) else None
         match = parse_scheme(cfg.match_params).name if cfg.match_params else None
         return cls(cfg.spec.name, kv, match)
@@ -100,8 +101,10 @@ def parse_variant(text: str) -> Variant:
             except UserError as e:
                 raise UserError(f"variant {text!r}: {e}") from None
         else:
-            raise UserError(f"variant {text!r}: option {opt!r} is not one of MQA, GQA-g, mlp, mlp=SCHEME "
-                            "(each at most once), e.g. Q-K=V/MQA or Id-K-V/mlp")
+            raise UserError(
+                f"variant {text!r}: option {opt!r} is not one of MQA, GQA-g, mlp, mlp=SCHEME "
+                "(each at most once), e.g. Q-K=V/MQA or Id-K-V/mlp"
+            )
     return Variant(scheme, kv, match)
 
 
@@ -311,8 +314,9 @@ def collect(out_dir: str | Path) -> Results:
     runs: list[Run] = []
     missing: list[tuple[str, str, int]] = []
     planned: dict[tuple[str, str], int] = {}
-    declared: dict[str, tuple[str, bool]] = {t: (v["metric"], v["higher_is_better"])
-                                             for t, v in manifest.get("metrics", {}).items()}
+    declared: dict[str, tuple[str, bool]] = {
+        t: (v["metric"], v["higher_is_better"]) for t, v in manifest.get("metrics", {}).items()
+    }
     for entry in manifest["runs"]:
         key = (entry["task"], entry["variant"])
         planned[key] = planned.get(key, 0) + 1
@@ -331,31 +335,58 @@ def collect(out_dir: str | Path) -> Results:
         if task not in declared and metric != "val_loss":
             hib = True  # accuracies and IoUs
         tps = [t for t in (r.tokens_per_s for r in group) if t is not None]
-        rows.append(Row(
-            task=task, variant=variant, metric=metric, higher_is_better=hib,
-            seeds=[r.seed for r in group], planned=n_planned, cfg=group[0].cfg,
-            metric_values=[float(r.final[metric]) for r in group],
-            val_losses=[float(r.final["val_loss"]) for r in group],
-            tokens_per_s=sum(tps) / len(tps) if tps else None,
-            steps=max(int(r.final["step"]) for r in group),
-        ))
+        rows.append(
+            Row(
+                task=task,
+                variant=variant,
+                metric=metric,
+                higher_is_better=hib,
+                seeds=[r.seed for r in group],
+                planned=n_planned,
+                cfg=group[0].cfg,
+                metric_values=[float(r.final[metric]) for r in group],
+                val_losses=[float(r.final["val_loss"]) for r in group],
+                tokens_per_s=sum(tps) / len(tps) if tps else None,
+                steps=max(int(r.final["step"]) for r in group),
+            )
+        )
     # Perplexity change vs Q-K-V, paired by seed (same data order and init seed: less noise).
     for row in rows:
         base = next((b for b in rows if b.task == row.task and b.variant == BASELINE), None)
         if base is None or row.metric != "val_loss":
             continue
         base_loss = dict(zip(base.seeds, base.val_losses))
-        row.ppl_change = [100.0 * math.expm1(loss - base_loss[s]) for s, loss in zip(row.seeds, row.val_losses)
-                          if s in base_loss]
+        row.ppl_change = [
+            100.0 * math.expm1(loss - base_loss[s]) for s, loss in zip(row.seeds, row.val_losses) if s in base_loss
+        ]
     return Results(rows, runs, manifest, missing)
 
 
 # ---- writing ----------------------------------------------------------------------------------
 CSV_COLUMNS = (
-    "task", "variant", "scheme", "kv_heads", "mlp_hidden", "params_total", "params_non_embedding",
-    "kv_cache_bytes_per_token", "kv_cache_fraction", "metric", "metric_mean", "metric_std",
-    "val_loss_mean", "val_loss_std", "ppl_change_pct_mean", "ppl_change_pct_std", "tokens_per_s",
-    "steps", "seeds", "seeds_planned", "paper_metric", "paper_ppl_change_pct", "paper_kv_cache_fraction",
+    "task",
+    "variant",
+    "scheme",
+    "kv_heads",
+    "mlp_hidden",
+    "params_total",
+    "params_non_embedding",
+    "kv_cache_bytes_per_token",
+    "kv_cache_fraction",
+    "metric",
+    "metric_mean",
+    "metric_std",
+    "val_loss_mean",
+    "val_loss_std",
+    "ppl_change_pct_mean",
+    "ppl_change_pct_std",
+    "tokens_per_s",
+    "steps",
+    "seeds",
+    "seeds_planned",
+    "paper_metric",
+    "paper_ppl_change_pct",
+    "paper_kv_cache_fraction",
 )
 
 
@@ -366,19 +397,33 @@ def csv_rows(res: Results) -> list[dict[str, Any]]:
         lm, ls = r.val_loss_mean_std
         pc = r.ppl_change_mean_std
         pp = r.paper_ppl_change
-        out.append({
-            "task": r.task, "variant": r.variant, "scheme": r.cfg.spec.name, "kv_heads": r.cfg.n_kv_heads,
-            "mlp_hidden": r.cfg.hidden, "params_total": r.params.total, "params_non_embedding": r.params.non_embedding,
-            "kv_cache_bytes_per_token": r.kv_bytes if r.causal else "",
-            "kv_cache_fraction": round(r.kv_fraction, 6) if r.causal else "",
-            "metric": r.metric, "metric_mean": m, "metric_std": s, "val_loss_mean": lm, "val_loss_std": ls,
-            "ppl_change_pct_mean": pc[0] if pc else "", "ppl_change_pct_std": pc[1] if pc else "",
-            "tokens_per_s": round(r.tokens_per_s, 1) if r.tokens_per_s else "", "steps": r.steps,
-            "seeds": r.n, "seeds_planned": r.planned,
-            "paper_metric": r.paper_metric if r.paper_metric is not None else "",
-            "paper_ppl_change_pct": pp.value if pp else "",
-            "paper_kv_cache_fraction": r.paper_kv_fraction if r.paper_kv_fraction is not None else "",
-        })
+        out.append(
+            {
+                "task": r.task,
+                "variant": r.variant,
+                "scheme": r.cfg.spec.name,
+                "kv_heads": r.cfg.n_kv_heads,
+                "mlp_hidden": r.cfg.hidden,
+                "params_total": r.params.total,
+                "params_non_embedding": r.params.non_embedding,
+                "kv_cache_bytes_per_token": r.kv_bytes if r.causal else "",
+                "kv_cache_fraction": round(r.kv_fraction, 6) if r.causal else "",
+                "metric": r.metric,
+                "metric_mean": m,
+                "metric_std": s,
+                "val_loss_mean": lm,
+                "val_loss_std": ls,
+                "ppl_change_pct_mean": pc[0] if pc else "",
+                "ppl_change_pct_std": pc[1] if pc else "",
+                "tokens_per_s": round(r.tokens_per_s, 1) if r.tokens_per_s else "",
+                "steps": r.steps,
+                "seeds": r.n,
+                "seeds_planned": r.planned,
+                "paper_metric": r.paper_metric if r.paper_metric is not None else "",
+                "paper_ppl_change_pct": pp.value if pp else "",
+                "paper_kv_cache_fraction": r.paper_kv_fraction if r.paper_kv_fraction is not None else "",
+            }
+        )
     return out
 
 
@@ -420,17 +465,37 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str |
 
 def lm_table(res: Results, task: str) -> str:
     rows = [r for r in res.rows if r.task == task]
-    header = ["variant", "params", "non-emb. params", "KV cache B/token (bf16)", "KV vs Q-K-V", "val loss",
-              "ppl vs Q-K-V", "tokens/s", "seeds", "paper: ppl vs Q-K-V", "paper: KV vs Q-K-V"]
+    header = [
+        "variant",
+        "params",
+        "non-emb. params",
+        "KV cache B/token (bf16)",
+        "KV vs Q-K-V",
+        "val loss",
+        "ppl vs Q-K-V",
+        "tokens/s",
+        "seeds",
+        "paper: ppl vs Q-K-V",
+        "paper: KV vs Q-K-V",
+    ]
     body = []
     for r in rows:
         pc, pp, pk = r.ppl_change_mean_std, r.paper_ppl_change, r.paper_kv_fraction
-        body.append([
-            f"`{r.variant}`", _human(r.params.total), _human(r.params.non_embedding), f"{r.kv_bytes:,}",
-            _pct(r.kv_fraction), _pm(r.val_loss_mean_std, n=r.n),
-            ("reference" if r.variant == BASELINE else _pm(pc, "{:+.2f}%", r.n)) if pc else "–", f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "–",
-            f"{r.n}/{r.planned}", str(pp) if pp else "–", _pct(pk),
-        ])
+        body.append(
+            [
+                f"`{r.variant}`",
+                _human(r.params.total),
+                _human(r.params.non_embedding),
+                f"{r.kv_bytes:,}",
+                _pct(r.kv_fraction),
+                _pm(r.val_loss_mean_std, n=r.n),
+                ("reference" if r.variant == BASELINE else _pm(pc, "{:+.2f}%", r.n)) if pc else "–",
+                f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "–",
+                f"{r.n}/{r.planned}",
+                str(pp) if pp else "–",
+                _pct(pk),
+            ]
+        )
     return _md_table(header, body)
 
 
@@ -452,7 +517,11 @@ def family_table(res: Results, tasks: Sequence[str]) -> str:
             paper.append(pv)
             cells.append(_pm(r.metric_mean_std, "{:.3f}", r.n) + (f" ({pv:.3f})" if pv is not None else ""))
         mean = f"{sum(means) / len(means):.3f}" if len(means) == len(tasks) else "–"
-        paper_mean = f"{sum(paper) / len(paper):.3f}" if paper and all(p is not None for p in paper) and len(paper) == len(tasks) else "–"
+        paper_mean = (
+            f"{sum(paper) / len(paper):.3f}"
+            if paper and all(p is not None for p in paper) and len(paper) == len(tasks)
+            else "–"
+        )
         body.append([f"`{v}`", _human(first.params.total)] + cells + [mean, paper_mean])
     return _md_table(header, body)
 
@@ -482,8 +551,12 @@ def verdicts_md(verdicts: Sequence[pf.Verdict]) -> str:
     for v in tested:
         lines.append(f"- {ICON[v.status]} **{v.status}** — Paper {v.claim.paper}: {v.claim.text}. Here: {v.detail}.")
     if untested:
-        lines += ["", f"Not tested ({len(untested)}; a variant or task they need was not run): "
-                  + "; ".join(f"{v.claim.text} ({v.detail})" for v in untested) + "."]
+        lines += [
+            "",
+            f"Not tested ({len(untested)}; a variant or task they need was not run): "
+            + "; ".join(f"{v.claim.text} ({v.detail})" for v in untested)
+            + ".",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -503,16 +576,23 @@ def _run_section(res: Results) -> str:
     if m.get("task_options"):
         lines.append(f"- task options: {json.dumps(m['task_options'])}")
     if m.get("grid"):
-        lines.append(f"- grid: {len(m['grid'])} point(s): " + "; ".join(g.get("label", "default") for g in m["grid"][:6])
-                     + (" ..." if len(m["grid"]) > 6 else ""))
+        lines.append(
+            f"- grid: {len(m['grid'])} point(s): "
+            + "; ".join(g.get("label", "default") for g in m["grid"][:6])
+            + (" ..." if len(m["grid"]) > 6 else "")
+        )
     seeds = f"seeds: {', '.join(map(str, m['seeds']))}; " if m.get("seeds") else ""
-    lines.append(f"- {seeds}runs finished {len(res.runs)} of {len(m.get('runs', []))}"
-                 + (f" (not finished: {len(res.missing)})" if res.missing else ""))
+    lines.append(
+        f"- {seeds}runs finished {len(res.runs)} of {len(m.get('runs', []))}"
+        + (f" (not finished: {len(res.missing)})" if res.missing else "")
+    )
     t = m.get("timing", {})
     if t:
-        lines.append(f"- wall time: {t.get('wall_s', 0):.0f} s this invocation ({t.get('trained', 0)} runs trained, "
-                     f"{t.get('skipped', 0)} already finished and skipped); training-step time summed over all runs "
-                     f"{t.get('train_s_total', 0):.0f} s")
+        lines.append(
+            f"- wall time: {t.get('wall_s', 0):.0f} s this invocation ({t.get('trained', 0)} runs trained, "
+            f"{t.get('skipped', 0)} already finished and skipped); training-step time summed over all runs "
+            f"{t.get('train_s_total', 0):.0f} s"
+        )
     mach = m.get("machine", {})
     if mach:
         lines.append("- machine: " + ", ".join(f"{k} {v}" for k, v in mach.items()))
@@ -528,16 +608,28 @@ def to_markdown(res: Results, plots: Sequence[str] = ()) -> str:
     lm_tasks = [t for t in res.tasks if all(r.metric == "val_loss" for r in res.rows if r.task == t)]
     other = [t for t in res.tasks if t not in lm_tasks]
     for t in lm_tasks:
-        out += [f"## {t}: validation loss and perplexity", "", lm_table(res, t), "",
-                "Mean ± sample std over seeds. Perplexity change is exp(loss − loss of Q-K-V) − 1, paired by seed. "
-                "KV cache: bytes per token over all layers in bf16 (the distinct key/value tensors). "
-                "Paper columns: Paper B 300M (SlimPajama, 10B tokens) and Paper A GPT-2 124M (OpenWebText); "
-                "KV vs Q-K-V of the paper is for its 16-head model (GQA-g keeps g of 16 heads).", ""]
+        out += [
+            f"## {t}: validation loss and perplexity",
+            "",
+            lm_table(res, t),
+            "",
+            "Mean ± sample std over seeds. Perplexity change is exp(loss − loss of Q-K-V) − 1, paired by seed. "
+            "KV cache: bytes per token over all layers in bf16 (the distinct key/value tensors). "
+            "Paper columns: Paper B 300M (SlimPajama, 10B tokens) and Paper A GPT-2 124M (OpenWebText); "
+            "KV vs Q-K-V of the paper is for its 16-head model (GQA-g keeps g of 16 heads).",
+            "",
+        ]
     if other:
         metric = res.rows[[r.task for r in res.rows].index(other[0])].metric
-        out += [f"## {metric} per task", "", family_table(res, other), "",
-                "Mean ± sample std over seeds (and grid points); in parentheses Paper B's Table 1/2 figure where it "
-                "reports one (mnist5k is compared with the paper's MNIST). Paper's grid and data are larger.", ""]
+        out += [
+            f"## {metric} per task",
+            "",
+            family_table(res, other),
+            "",
+            "Mean ± sample std over seeds (and grid points); in parentheses Paper B's Table 1/2 figure where it "
+            "reports one (mnist5k is compared with the paper's MNIST). Paper's grid and data are larger.",
+            "",
+        ]
     out += ["## The papers' orderings", "", verdicts_md(res.verdicts())]
     if "lm" in res.tasks:
         out += ["## Paper A's parameter counts at GPT-2 small (analytic, no training)", "", paper_a_params_table(), ""]

@@ -109,21 +109,26 @@ def format_report(rep: dict) -> str:
 
     def row(label, r, rank_fmt):
         c, e, k = r["cos"], r["erank"], r["rank90"]
-        return (f"{label:>5}  {f(c['k-v']):>8} {f(c['q-k']):>8} {f(c['q-v']):>8}   "
-                f"{f(e['q'], '.1f'):>8} {f(e['k'], '.1f'):>8} {f(e['v'], '.1f'):>8}   "
-                f"{f(k['q'], rank_fmt):>6} {f(k['k'], rank_fmt):>6} {f(k['v'], rank_fmt):>6}")
+        return (
+            f"{label:>5}  {f(c['k-v']):>8} {f(c['q-k']):>8} {f(c['q-v']):>8}   "
+            f"{f(e['q'], '.1f'):>8} {f(e['k'], '.1f'):>8} {f(e['v'], '.1f'):>8}   "
+            f"{f(k['q'], rank_fmt):>6} {f(k['k'], rank_fmt):>6} {f(k['v'], rank_fmt):>6}"
+        )
 
     for r in rep["layers"]:
         lines.append(row(str(r["layer"]), r, "d"))
     lines.append(row("mean", rep["mean"], ".1f"))
     mr = rep["mean"]["max_rank"]
-    lines.append(f"max rank (min of the matrix shape): Q {f(mr.get('q'), 'd')}, K {f(mr.get('k'), 'd')}, V {f(mr.get('v'), 'd')}")
+    lines.append(
+        f"max rank (min of the matrix shape): Q {f(mr.get('q'), 'd')}, K {f(mr.get('k'), 'd')}, V {f(mr.get('v'), 'd')}"
+    )
     pb = rep["paper_b"]["cos"]
     m = rep["mean"]["cos"]
     lines.append(
         f"Paper B (trained Q-K-V LMs): cos K-V {pb['k-v']:.2f} Q-K {pb['q-k']:.2f} Q-V {pb['q-v']:.2f}; "
         f"effective ranks {rep['paper_b']['effective_rank']}"
     )
-    lines.append(f"measured (mean):             cos K-V {f(m['k-v'], '.2f')} Q-K {f(m['q-k'], '.2f')} Q-V {f(m['q-v'], '.2f')}")
+    lines.append(
+        f"measured (mean):             cos K-V {f(m['k-v'], '.2f')} Q-K {f(m['q-k'], '.2f')} Q-V {f(m['q-v'], '.2f')}"
+    )
     return "\n".join(lines)
-

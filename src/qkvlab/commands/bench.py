@@ -18,7 +18,7 @@ def _size(text: str) -> int:
     units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
     t = text.strip().upper()
     num = t.rstrip("KMGTIB")
-    unit = t[len(num):]
+    unit = t[len(num) :]
     try:
         value = float(num) * units[unit]
     except (ValueError, KeyError):
@@ -30,9 +30,12 @@ def _size(text: str) -> int:
 
 def add_arguments(p) -> None:
     add_model_options(p)
-    p.add_argument("--schemes", default=DEFAULT_SCHEMES, metavar="LIST",
-                   help="comma-separated schemes; ':kvN' or ':mqa' sets key/value heads "
-                        f"(default {DEFAULT_SCHEMES})")
+    p.add_argument(
+        "--schemes",
+        default=DEFAULT_SCHEMES,
+        metavar="LIST",
+        help=f"comma-separated schemes; ':kvN' or ':mqa' sets key/value heads (default {DEFAULT_SCHEMES})",
+    )
     p.add_argument("--batch", type=_positive_int, default=16, metavar="B", help="sequences in the cache-bytes figure")
     p.add_argument("--decode-batches", default="1,16", metavar="LIST", help="decode batch sizes (default 1,16)")
     p.add_argument("--prompt-len", type=_positive_int, default=16, metavar="T")
@@ -42,8 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--train-steps", type=_positive_int, default=3, metavar="N")
     p.add_argument("--memory-budget", metavar="SIZE", help="capacity budget, e.g. 24GB (default: this device's memory)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                   help="auto: bf16 on GPU, fp32 on CPU")
+    p.add_argument(
+        "--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto", help="auto: bf16 on GPU, fp32 on CPU"
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
     p.add_argument("--no-train", dest="train", action="store_false", help="skip the training throughput")
@@ -76,12 +80,23 @@ def run(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    opts = BenchOptions(batch=args.batch, decode_batches=batches, prompt_len=args.prompt_len,
-                        new_tokens=args.new_tokens, rounds=args.rounds, train_batch=args.train_batch,
-                        train_steps=args.train_steps,
-                        memory_budget=_size(args.memory_budget) if args.memory_budget else None,
-                        device=str(device), dtype=args.dtype, compile=args.compile, hf=args.hf, train=args.train,
-                        seed=args.seed, log=lambda s: print(s, file=sys.stderr, flush=True))
+    opts = BenchOptions(
+        batch=args.batch,
+        decode_batches=batches,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        rounds=args.rounds,
+        train_batch=args.train_batch,
+        train_steps=args.train_steps,
+        memory_budget=_size(args.memory_budget) if args.memory_budget else None,
+        device=str(device),
+        dtype=args.dtype,
+        compile=args.compile,
+        hf=args.hf,
+        train=args.train,
+        seed=args.seed,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
     if args.compare_dir:  # check the compare folder before spending minutes measuring
         from pathlib import Path
 
@@ -97,18 +112,23 @@ def run(args) -> int:
     table = [head]
     for name, r in rows.items():
         ours, theirs = r["decode_tokens_per_s_by_batch"], r["hf_decode_tokens_per_s_by_batch"] or {}
-        row = [name, _fmt(r.get("train_tokens_per_s"), ".0f"),
-               _fmt(r.get("train_mfu") and 100 * r["train_mfu"], ".1f")]
+        row = [name, _fmt(r.get("train_tokens_per_s"), ".0f"), _fmt(r.get("train_mfu") and 100 * r["train_mfu"], ".1f")]
         for b in keys:
             row += [_fmt(ours[b]), _fmt(theirs.get(b))]
-        row += [f"{r['kv_cache_bytes_allocated']:,}", f"{r['kv_cache_bytes_analytic']:,}",
-                f"{100 * r['kv_cache_fraction_of_first']:.2f}", f"{r['capacity_sequences']:,}"]
+        row += [
+            f"{r['kv_cache_bytes_allocated']:,}",
+            f"{r['kv_cache_bytes_analytic']:,}",
+            f"{100 * r['kv_cache_fraction_of_first']:.2f}",
+            f"{r['capacity_sequences']:,}",
+        ]
         table.append(row)
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     first = rows[next(iter(rows))]
-    print(f"{result['device']} {result['dtype']}, matmul {result['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
-          f"cache at context {first['context']} x batch {args.batch}; capacity in "
-          f"{first['memory_budget_bytes'] / 1e9:.1f} GB; decode prompt {args.prompt_len} + {first['decode_new_tokens']} tokens")
+    print(
+        f"{result['device']} {result['dtype']}, matmul {result['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
+        f"cache at context {first['context']} x batch {args.batch}; capacity in "
+        f"{first['memory_budget_bytes'] / 1e9:.1f} GB; decode prompt {args.prompt_len} + {first['decode_new_tokens']} tokens"
+    )
     for row in table:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
     mismatch = [n for n, r in rows.items() if r["kv_cache_bytes_allocated"] != r["kv_cache_bytes_analytic"]]

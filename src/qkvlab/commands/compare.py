@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from qkvlab.analysis.paper_figures import PAPER_B_SCHEMES
-from qkvlab.analysis.results import (Variant, parse_variants, run_finished, write_manifest, write_results)
+from qkvlab.analysis.results import Variant, parse_variants, run_finished, write_manifest, write_results
 from qkvlab.cli import _positive_int, add_model_options, model_overrides
 from qkvlab.errors import UserError
 
@@ -41,29 +41,53 @@ DEFAULT_LM_VARIANTS = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=K=V
 # thread, 2-core Xeon): docs/results/README.md (lm 8.3, synthetic 7.5, vision 6.7, anomaly 4.0, segmentation 8.6 min).
 CPU_RECIPES: dict[str, dict[str, Any]] = {
     # characters of Shakespeare: attention matters within a few hundred steps (Q=K=V falls behind)
-    "lm": dict(preset="tiny", train=dict(max_steps=600, batch_size=32, lr=3e-3, min_lr=3e-4, warmup_steps=60,
-                                         eval_every=100, eval_batches=8),
-               model=dict(), task_options=dict(tokenizer="char"), seeds=3),
+    "lm": dict(
+        preset="tiny",
+        train=dict(max_steps=600, batch_size=32, lr=3e-3, min_lr=3e-4, warmup_steps=60, eval_every=100, eval_batches=8),
+        model=dict(),
+        task_options=dict(tokenizer="char"),
+        seeds=3,
+    ),
     # length 16 at lr 1e-2: Reverse/Swap sit on a ~0.24 plateau until attention locks on to positions,
     # at step ~250-350 for Q-K-V and later for Q=K=V; 400 steps end inside that window, where schemes
     # differ (length 32 x 300 steps left every scheme on the plateau). 3 seeds: the jump is noisy.
-    "synthetic": dict(preset="tiny", train=dict(max_steps=400, batch_size=64, lr=1e-2, min_lr=1e-3, warmup_steps=30,
-                                                eval_every=50, eval_batches=8),
-                      model=dict(d_model=64, n_layer=2, n_head=4), task_options=dict(length=16), seeds=3),
+    "synthetic": dict(
+        preset="tiny",
+        train=dict(max_steps=400, batch_size=64, lr=1e-2, min_lr=1e-3, warmup_steps=30, eval_every=50, eval_batches=8),
+        model=dict(d_model=64, n_layer=2, n_head=4),
+        task_options=dict(length=16),
+        seeds=3,
+    ),
     # lr 1e-3 x 500 steps left every scheme still falling (mnist5k 0.68-0.86): faster lr, more steps
-    "vision": dict(preset="tiny", train=dict(max_steps=800, batch_size=64, lr=2e-3, min_lr=2e-4, warmup_steps=50,
-                                             eval_every=100, eval_batches=8),
-                   model=dict(d_model=64, n_layer=2, n_head=4), task_options=dict(), seeds=2),
+    "vision": dict(
+        preset="tiny",
+        train=dict(max_steps=800, batch_size=64, lr=2e-3, min_lr=2e-4, warmup_steps=50, eval_every=100, eval_batches=8),
+        model=dict(d_model=64, n_layer=2, n_head=4),
+        task_options=dict(),
+        seeds=2,
+    ),
     # mnist5k, not digits: on digits every scheme reaches ~0.95 within 200 steps; on mnist5k lr 1e-3 is
     # at 0.36-0.60 after 300 steps and still climbing, so 1000 steps at lr 2e-3 end below saturation
-    "anomaly": dict(preset="tiny", train=dict(max_steps=1000, batch_size=64, lr=2e-3, min_lr=2e-4, warmup_steps=50,
-                                              eval_every=100, eval_batches=8),
-                    model=dict(d_model=64, n_layer=2, n_head=4), task_options=dict(dataset="mnist5k"), seeds=3),
+    "anomaly": dict(
+        preset="tiny",
+        train=dict(
+            max_steps=1000, batch_size=64, lr=2e-3, min_lr=2e-4, warmup_steps=50, eval_every=100, eval_batches=8
+        ),
+        model=dict(d_model=64, n_layer=2, n_head=4),
+        task_options=dict(dataset="mnist5k"),
+        seeds=3,
+    ),
     # 64 patches per canvas make a step ~3x a vision step, hence 2 seeds; mIoU still climbs at 600 steps
     # of lr 2e-3 (0.21-0.25), at 1000 steps 0.25-0.30 with Q=K=V (and its '+') last
-    "segmentation": dict(preset="tiny", train=dict(max_steps=1000, batch_size=64, lr=2e-3, min_lr=2e-4,
-                                                   warmup_steps=50, eval_every=100, eval_batches=8),
-                         model=dict(d_model=64, n_layer=2, n_head=4), task_options=dict(), seeds=2),
+    "segmentation": dict(
+        preset="tiny",
+        train=dict(
+            max_steps=1000, batch_size=64, lr=2e-3, min_lr=2e-4, warmup_steps=50, eval_every=100, eval_batches=8
+        ),
+        model=dict(d_model=64, n_layer=2, n_head=4),
+        task_options=dict(),
+        seeds=2,
+    ),
 }
 # The paper's grids (--full-grid): the task modules' PAPER_GRID where they define one; Paper B's
 # anomaly reference setup; segmentation (details not public) reuses the vision grid.
@@ -76,11 +100,23 @@ RESUMABLE_KEYS = ("eval_every", "checkpoint_every", "compile", "log_tensorboard"
 # ---- command line ---------------------------------------------------------------------------
 def add_arguments(p) -> None:
     p.add_argument("--out", metavar="DIR", help="compare folder (default runs/compare-<task>)")
-    p.add_argument("--task", default="lm", metavar="NAME",
-                   help="a task (lm, reverse, mnist5k, ...) or a family (synthetic, vision, anomaly, segmentation)")
-    p.add_argument("--variants", metavar="LIST",
-                   help="comma-separated SCHEME[/MQA|/GQA-g][/mlp] (default: the 8 LM variants, or Paper B's 6 schemes)")
-    p.add_argument("--seeds", type=_positive_int, metavar="N", help="seeds 0..N-1 per variant (default: 3 for lm, synthetic and anomaly; 2 for vision and segmentation)")
+    p.add_argument(
+        "--task",
+        default="lm",
+        metavar="NAME",
+        help="a task (lm, reverse, mnist5k, ...) or a family (synthetic, vision, anomaly, segmentation)",
+    )
+    p.add_argument(
+        "--variants",
+        metavar="LIST",
+        help="comma-separated SCHEME[/MQA|/GQA-g][/mlp] (default: the 8 LM variants, or Paper B's 6 schemes)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=_positive_int,
+        metavar="N",
+        help="seeds 0..N-1 per variant (default: 3 for lm, synthetic and anomaly; 2 for vision and segmentation)",
+    )
     p.add_argument("--max-steps", "--steps", dest="max_steps", type=_positive_int, metavar="N")
     p.add_argument("--batch-size", type=_positive_int, metavar="N", help="global examples per step")
     p.add_argument("--lr", type=float, metavar="LR")
@@ -88,12 +124,22 @@ def add_arguments(p) -> None:
     p.add_argument("--full-grid", action="store_true", help="the paper's grid for the task family (long)")
     p.add_argument("--data", metavar="PATH", help="lm corpus: a text file or folder, or hf:NAME (default Shakespeare)")
     p.add_argument("--tokenizer", metavar="SPEC", help="lm tokenizer: bpe:N, char or gpt2")
-    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a task option (repeatable), e.g. length=64, root=/data/cifar10")
-    p.add_argument("--jobs", type=_positive_int, metavar="N",
-                   help="runs trained at once on CPU, one thread each (default: the CPU count, at most 8)")
-    p.add_argument("--threads", type=_positive_int, metavar="N",
-                   help="torch threads per job on CPU (default: CPU count / jobs)")
+    p.add_argument(
+        "--task-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a task option (repeatable), e.g. length=64, root=/data/cifar10",
+    )
+    p.add_argument(
+        "--jobs",
+        type=_positive_int,
+        metavar="N",
+        help="runs trained at once on CPU, one thread each (default: the CPU count, at most 8)",
+    )
+    p.add_argument(
+        "--threads", type=_positive_int, metavar="N", help="torch threads per job on CPU (default: CPU count / jobs)"
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dry-run", action="store_true", help="print the plan, train nothing")
     p.add_argument("--no-plots", action="store_true")
@@ -124,8 +170,9 @@ def resolve_tasks(name: str) -> tuple[list[str], str]:
     if name in TASK_MODULES:
         family = next((f for f, tasks in FAMILIES.items() if name in tasks), "vision")
         return [name], family
-    raise UserError(f"unknown task {name!r}; allowed: a family ({', '.join(FAMILIES)}) or a task "
-                    f"({', '.join(TASK_MODULES)})")
+    raise UserError(
+        f"unknown task {name!r}; allowed: a family ({', '.join(FAMILIES)}) or a task ({', '.join(TASK_MODULES)})"
+    )
 
 
 def _parse_value(text: str) -> Any:
@@ -152,15 +199,17 @@ def grid_points(family: str, full: bool) -> tuple[list[dict[str, Any]], int | No
     if not full:
         return [{}], None
     if family == "lm":
-        raise UserError("--full-grid is for the task families (synthetic, vision, anomaly, segmentation); "
-                        "for lm use --preset paperB-300m or gpt2-124m")
+        raise UserError(
+            "--full-grid is for the task families (synthetic, vision, anomaly, segmentation); "
+            "for lm use --preset paperB-300m or gpt2-124m"
+        )
     import importlib
 
     if family == "anomaly":
         grid = ANOMALY_GRID
     else:
         module = "qkvlab.tasks.vision" if family == "segmentation" else f"qkvlab.tasks.{family}"
-        grid = dict(getattr(importlib.import_module(module), "PAPER_GRID"))
+        grid = dict(importlib.import_module(module).PAPER_GRID)
         if family == "segmentation":
             grid.pop("patch", None)  # the canvas fixes the patch grid
     axes = {k: v for k, v in grid.items() if isinstance(v, (tuple, list))}
@@ -172,8 +221,11 @@ def grid_points(family: str, full: bool) -> tuple[list[dict[str, Any]], int | No
 
 def point_label(point: dict[str, Any]) -> str:
     short = {"d_model": "d", "n_layer": "L", "n_head": "h", "length": "len", "patch": "p", "lr": "lr"}
-    return "-".join(f"{short.get(k, k)}{v:g}" if isinstance(v, float) else f"{short.get(k, k)}{v}"
-                    for k, v in point.items() if k != "batch_size")
+    return "-".join(
+        f"{short.get(k, k)}{v:g}" if isinstance(v, float) else f"{short.get(k, k)}{v}"
+        for k, v in point.items()
+        if k != "batch_size"
+    )
 
 
 def split_overrides(point: dict[str, Any]) -> tuple[dict, dict, dict]:
@@ -240,8 +292,10 @@ def make_plan(args) -> tuple[list[PlannedRun], dict[str, Any]]:
     tasks, family = resolve_tasks(args.task)
     for key in ("attn", "kv_heads", "match_params"):
         if getattr(args, key, None) is not None:
-            raise UserError(f"--{key.replace('_', '-')} sets one variant; compare takes --variants, "
-                            "e.g. --variants Q-K-V,Q-K=V/MQA,Id-K-V/mlp")
+            raise UserError(
+                f"--{key.replace('_', '-')} sets one variant; compare takes --variants, "
+                "e.g. --variants Q-K-V,Q-K=V/MQA,Id-K-V/mlp"
+            )
     default_variants = DEFAULT_LM_VARIANTS if family == "lm" else PAPER_B_SCHEMES
     variants = parse_variants(args.variants if args.variants else list(default_variants))
     points, grid_seeds = grid_points(family, args.full_grid)
@@ -259,8 +313,14 @@ def make_plan(args) -> tuple[list[PlannedRun], dict[str, Any]]:
                     run = PlannedRun(task, v, seed, label, cfg, out)
                     run.dir = out / run.rel
                     plan.append(run)
-    info = {"family": family, "tasks": tasks, "variants": [v.name for v in variants], "seeds": list(range(n_seeds)),
-            "grid": [{"label": point_label(p) or "default", **p} for p in points], "out": str(out)}
+    info = {
+        "family": family,
+        "tasks": tasks,
+        "variants": [v.name for v in variants],
+        "seeds": list(range(n_seeds)),
+        "grid": [{"label": point_label(p) or "default", **p} for p in points],
+        "out": str(out),
+    }
     return plan, info
 
 
@@ -280,11 +340,16 @@ def run_state(run: PlannedRun) -> str:
         saved = _saved_config(run.dir)
         if saved is not None:
             now = run.cfg.to_dict()
-            diff = [k for k in sorted(set(saved) | set(now))
-                    if k not in RESUMABLE_KEYS and k != "max_steps" and saved.get(k) != now.get(k)]
+            diff = [
+                k
+                for k in sorted(set(saved) | set(now))
+                if k not in RESUMABLE_KEYS and k != "max_steps" and saved.get(k) != now.get(k)
+            ]
             if diff:
-                raise UserError(f"{run.dir} was trained with another {diff[0]} ({json.dumps(saved.get(diff[0]))}); "
-                                "use another --out or the same settings")
+                raise UserError(
+                    f"{run.dir} was trained with another {diff[0]} ({json.dumps(saved.get(diff[0]))}); "
+                    "use another --out or the same settings"
+                )
             if saved.get("max_steps") != now.get("max_steps"):
                 return "resume"
         return "finished"
@@ -306,8 +371,12 @@ def _train_one(cfg, out_dir: str, progress: bool):
         res = train(cfg, out_dir, resume=True, progress=progress)
     except TrainingDiverged as e:
         return {"error": str(e), "seconds": time.perf_counter() - t0}
-    return {"metrics": res.metrics, "metric": res.metric, "higher_is_better": res.higher_is_better,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "metrics": res.metrics,
+        "metric": res.metric,
+        "higher_is_better": res.higher_is_better,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _fmt_time(s: float) -> str:
@@ -335,8 +404,11 @@ class Progress:
             score = f"{m} {result['metrics'].get(m, float('nan')):.4f}"
         where = f"{run.task}{'/' + run.point if run.point else ''} {run.variant.name} seed {run.seed}"
         if self.enabled:
-            print(f"[run {self.done}/{self.total}] {where}: {score} ({result['seconds']:.0f} s)  "
-                  f"elapsed {_fmt_time(elapsed)}  ETA {_fmt_time(eta)}", flush=True)
+            print(
+                f"[run {self.done}/{self.total}] {where}: {score} ({result['seconds']:.0f} s)  "
+                f"elapsed {_fmt_time(elapsed)}  ETA {_fmt_time(eta)}",
+                flush=True,
+            )
 
 
 def machine_info(jobs: int, threads: int, device: str, world: int) -> dict[str, Any]:
@@ -350,11 +422,18 @@ def machine_info(jobs: int, threads: int, device: str, world: int) -> dict[str, 
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "load_avg_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-            "platform": platform.platform(terse=True), "python": platform.python_version(),
-            "torch": torch.__version__, "device": device, "jobs": jobs, "threads_per_job": threads,
-            "world_size": world}
+    info = {
+        "cpu": cpu,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "load_avg_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(terse=True),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+        "jobs": jobs,
+        "threads_per_job": threads,
+        "world_size": world,
+    }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -401,12 +480,16 @@ def run(args) -> int:
     say = print if main else (lambda *a, **k: None)
 
     if args.dry_run:
-        say(f"compare plan: {len(plan)} runs into {out}: tasks {', '.join(info['tasks'])}; "
-            f"variants {', '.join(info['variants'])}; seeds {len(info['seeds'])}; grid points {len(info['grid'])}")
+        say(
+            f"compare plan: {len(plan)} runs into {out}: tasks {', '.join(info['tasks'])}; "
+            f"variants {', '.join(info['variants'])}; seeds {len(info['seeds'])}; grid points {len(info['grid'])}"
+        )
         c = plan[0].cfg
-        say(f"  per run: {c.max_steps} steps x {c.batch_size} examples, lr {c.lr}, model d{c.model.d_model} "
-            f"L{c.model.n_layer} h{c.model.n_head}")
-        for r in plan[: 12]:
+        say(
+            f"  per run: {c.max_steps} steps x {c.batch_size} examples, lr {c.lr}, model d{c.model.d_model} "
+            f"L{c.model.n_layer} h{c.model.n_head}"
+        )
+        for r in plan[:12]:
             say(f"  {r.rel}  [{run_state(r)}]")
         if len(plan) > 12:
             say(f"  ... {len(plan) - 12} more")
@@ -456,20 +539,32 @@ def _run_plan(args, plan, info, out, env, main, say, t_start, family_request) ->
 
     manifest = {
         "command": "qkvlab " + " ".join(sys.argv[1:]) if "compare" in sys.argv[1:] else None,
-        "task_label": args.task, **info,
-        "train": {"preset": args.preset or f"compare default ({CPU_RECIPES[info['family']]['preset']} + CPU recipe)",
-                  **{k: v for k, v in plan[0].cfg.to_dict().items() if k not in ("model", "task_options")}},
-        "model": plan[0].cfg.model.to_dict(), "task_options": plan[0].cfg.task_options,
+        "task_label": args.task,
+        **info,
+        "train": {
+            "preset": args.preset or f"compare default ({CPU_RECIPES[info['family']]['preset']} + CPU recipe)",
+            **{k: v for k, v in plan[0].cfg.to_dict().items() if k not in ("model", "task_options")},
+        },
+        "model": plan[0].cfg.model.to_dict(),
+        "task_options": plan[0].cfg.task_options,
         "metrics": metrics,
-        "runs": [{"task": r.task, "variant": r.variant.name, "seed": r.seed, "point": r.point, "dir": r.rel}
-                 for r in plan],
+        "runs": [
+            {"task": r.task, "variant": r.variant.name, "seed": r.seed, "point": r.point, "dir": r.rel} for r in plan
+        ],
         "machine": machine_info(jobs, threads or 0, device, world),
     }
     if main:
         write_manifest(out, manifest)
-        say(f"compare: {len(plan)} runs in {out} ({len(plan) - len(todo)} finished already, {len(todo)} to train; "
-            + (f"{jobs} parallel jobs x {threads} thread{'s' if threads > 1 else ''}" if parallel
-               else f"one at a time on {device}" + (f" x {world} ranks" if world > 1 else "")) + ")", flush=True)
+        say(
+            f"compare: {len(plan)} runs in {out} ({len(plan) - len(todo)} finished already, {len(todo)} to train; "
+            + (
+                f"{jobs} parallel jobs x {threads} thread{'s' if threads > 1 else ''}"
+                if parallel
+                else f"one at a time on {device}" + (f" x {world} ranks" if world > 1 else "")
+            )
+            + ")",
+            flush=True,
+        )
 
     progress = Progress(len(plan), len(plan) - len(todo), len(todo), enabled=main)
     failures: list[str] = []
@@ -483,8 +578,9 @@ def _run_plan(args, plan, info, out, env, main, say, t_start, family_request) ->
         import multiprocessing as mp
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
-                                 initargs=(threads,)) as pool:
+        with ProcessPoolExecutor(
+            jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(threads,)
+        ) as pool:
             pending = {pool.submit(_train_one, r.cfg, str(r.dir), False): r for r in todo}
             try:
                 while pending:
@@ -506,13 +602,20 @@ def _run_plan(args, plan, info, out, env, main, say, t_start, family_request) ->
         from qkvlab.analysis.results import collect
 
         res = collect(out)
-        manifest["timing"] = {"wall_s": round(wall, 1), "trained": len(todo), "skipped": len(plan) - len(todo),
-                              "train_s_total": round(sum(float(r.final.get("elapsed_s") or 0) for r in res.runs), 1)}
+        manifest["timing"] = {
+            "wall_s": round(wall, 1),
+            "trained": len(todo),
+            "skipped": len(plan) - len(todo),
+            "train_s_total": round(sum(float(r.final.get("elapsed_s") or 0) for r in res.runs), 1),
+        }
         write_manifest(out, manifest)
         res.manifest = manifest
         write_results(out, res, plots=not args.no_plots)
-        say(f"compare: wrote {out / 'results.md'}, {out / 'results.csv'}"
-            + ("" if args.no_plots else " and plots") + f"; wall time {_fmt_time(wall)} ({wall:.0f} s)")
+        say(
+            f"compare: wrote {out / 'results.md'}, {out / 'results.csv'}"
+            + ("" if args.no_plots else " and plots")
+            + f"; wall time {_fmt_time(wall)} ({wall:.0f} s)"
+        )
     if env is not None:
         D.barrier(env)
     if failures:

@@ -18,20 +18,31 @@ from pathlib import Path
 import torch
 
 from qkvlab.convert.reparam import DEFAULT_MAX_COND, DTYPES, TOLERANCE, CheckFailed, check, convert, logit_diff
-from qkvlab.io import load_model
 from qkvlab.errors import UserError
+from qkvlab.io import load_model
 
 
 def add_arguments(p) -> None:
-    p.add_argument("input", metavar="IN", help="qkvlab model folder (or, with --from-hf, a transformers folder or .gguf)")
+    p.add_argument(
+        "input", metavar="IN", help="qkvlab model folder (or, with --from-hf, a transformers folder or .gguf)"
+    )
     p.add_argument("output", metavar="OUT", help="folder to write (replaced atomically)")
-    p.add_argument("--to", metavar="SCHEME", help="target scheme, e.g. Id-K-V (remove W_Q), Q-Id-V (remove W_K), Q-K-V (insert)")
+    p.add_argument(
+        "--to", metavar="SCHEME", help="target scheme, e.g. Id-K-V (remove W_Q), Q-Id-V (remove W_K), Q-K-V (insert)"
+    )
     p.add_argument("--layer", type=int, metavar="L", help="remove the projection of layer L only (theorem a)")
     p.add_argument("--from-hf", action="store_true", help="IN is a Hugging Face GPT-2/Llama folder or a .gguf file")
     p.add_argument("--to-hf", choices=["gpt2", "llama"], help="write a transformers checkpoint of this class")
-    p.add_argument("--dtype", choices=list(DTYPES), help="dtype of the result (default: the input's, float32 or float64)")
-    p.add_argument("--max-cond", type=float, default=DEFAULT_MAX_COND, metavar="X",
-                   help=f"refuse a W_Q/W_K whose condition number exceeds X (default {DEFAULT_MAX_COND:g})")
+    p.add_argument(
+        "--dtype", choices=list(DTYPES), help="dtype of the result (default: the input's, float32 or float64)"
+    )
+    p.add_argument(
+        "--max-cond",
+        type=float,
+        default=DEFAULT_MAX_COND,
+        metavar="X",
+        help=f"refuse a W_Q/W_K whose condition number exceeds X (default {DEFAULT_MAX_COND:g})",
+    )
 
 
 def _step(name: str, abs_d: float, rel_d: float) -> float:
@@ -71,7 +82,9 @@ def _run(args, src: Path) -> int:
         model, cfg = from_hf(hf)
         abs_d, rel_d = logit_diff(hf, model, cfg.vocab_size, cfg.context)
         if not rel_d <= TOLERANCE[torch.float32]:
-            raise CheckFailed(f"import differs from transformers: max_rel_logit_diff={rel_d:.3g} > {TOLERANCE[torch.float32]:g}")
+            raise CheckFailed(
+                f"import differs from transformers: max_rel_logit_diff={rel_d:.3g} > {TOLERANCE[torch.float32]:g}"
+            )
         worst = max(worst, _step(f"import {hf.config.model_type} -> {cfg.spec.name}", abs_d, rel_d))
         del hf
         stored = torch.float32

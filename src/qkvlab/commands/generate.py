@@ -8,8 +8,8 @@ saved qkvlab tokenizer), or give token ids with --prompt-ids.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -48,8 +48,10 @@ def find_model_dir(path: str) -> Path:
     if p.is_dir() and not (p / "config.json").exists() and (p / "checkpoint" / "config.json").exists():
         return p / "checkpoint"
     if not p.is_dir():
-        raise UserError(f"{path}: a file, not a model folder (expected a folder with config.json and "
-                        "model.safetensors, written by qkvlab init/train/convert)")
+        raise UserError(
+            f"{path}: a file, not a model folder (expected a folder with config.json and "
+            "model.safetensors, written by qkvlab init/train/convert)"
+        )
     return p
 
 
@@ -98,7 +100,9 @@ def add_arguments(p) -> None:
     p.add_argument("model_dir", metavar="MODEL_DIR", help="model folder (config.json + model.safetensors)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text (repeat for a batch)")
-    src.add_argument("--prompt-ids", action="append", metavar="IDS", help="prompt as token ids, e.g. '1,2,3' (repeatable)")
+    src.add_argument(
+        "--prompt-ids", action="append", metavar="IDS", help="prompt as token ids, e.g. '1,2,3' (repeatable)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=100, metavar="N")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0 = off)")
@@ -106,8 +110,12 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
     p.add_argument("--tokenizer", metavar="gpt2|bytes|DIR", help="tokenizer when the model folder records none")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                   help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        default="auto",
+        help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
 
 
@@ -123,9 +131,13 @@ def run(args) -> int:
     tok = resolve_tokenizer(args.tokenizer, model_dir, body)
     if args.prompt is not None:
         if tok is None:
-            raise UserError(f"{args.model_dir}: no tokenizer recorded; pass --tokenizer gpt2|bytes|DIR, or --prompt-ids")
+            raise UserError(
+                f"{args.model_dir}: no tokenizer recorded; pass --tokenizer gpt2|bytes|DIR, or --prompt-ids"
+            )
         if tok.vocab_size > cfg.vocab_size:
-            raise UserError(f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's vocabulary is {cfg.vocab_size}")
+            raise UserError(
+                f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's vocabulary is {cfg.vocab_size}"
+            )
         if any(not text for text in args.prompt):
             raise UserError("empty prompt: give at least one character to start from")
         prompts = [tok.encode(text) for text in args.prompt]
@@ -135,8 +147,16 @@ def run(args) -> int:
     dtype = DTYPES[args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")]
     model, cfg, _ = load_model(model_dir, device=device, dtype=dtype)
     eot = getattr(tok, "eot_id", None)
-    tokens = stream(model, prompts, args.max_new_tokens, sampling, eot_id=eot, seed=args.seed, compile=args.compile,
-                    vocab_limit=tok.vocab_size if tok is not None else None)
+    tokens = stream(
+        model,
+        prompts,
+        args.max_new_tokens,
+        sampling,
+        eot_id=eot,
+        seed=args.seed,
+        compile=args.compile,
+        vocab_limit=tok.vocab_size if tok is not None else None,
+    )
     longest = max(len(p) for p in prompts)
     if longest + args.max_new_tokens > cfg.context + 1:
         print(f"qkvlab generate: note: stopping at the model's context of {cfg.context} tokens", file=sys.stderr)
@@ -153,10 +173,10 @@ def run(args) -> int:
             ids.append(t)
             text = show(ids)
             if not text.endswith("\ufffd"):
-                out.write(text[len(shown):])
+                out.write(text[len(shown) :])
                 out.flush()
                 shown = text
-        out.write(show(ids)[len(shown):] + "\n")
+        out.write(show(ids)[len(shown) :] + "\n")
         return 0
     rows: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)

@@ -13,8 +13,12 @@ from qkvlab.spec import KNOWN_SCHEMES
 def add_arguments(p) -> None:
     add_model_options(p)
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="cache dtype (default bf16)")
-    p.add_argument("--cache-tokens", type=int, metavar="T",
-                   help="tokens held in the KV cache figure (default: the model's --context)")
+    p.add_argument(
+        "--cache-tokens",
+        type=int,
+        metavar="T",
+        help="tokens held in the KV cache figure (default: the model's --context)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -43,7 +47,10 @@ def run(args) -> int:
         ("params non-embedding", f"{info['params_non_embedding']:,} ({_human(info['params_non_embedding'])})"),
         ("params attention", f"{info['params_attention']:,} ({_human(info['params_attention'])})"),
         (f"KV cache / token ({args.dtype})", f"{info['kv_cache_bytes_per_token']:,} B"),
-        (f"KV cache @ {info['context']} tokens", f"{info['kv_cache_bytes']:,} B ({_human(info['kv_cache_bytes'], 'B')})"),
+        (
+            f"KV cache @ {info['context']} tokens",
+            f"{info['kv_cache_bytes']:,} B ({_human(info['kv_cache_bytes'], 'B')})",
+        ),
         ("train FLOPs / token", f"{info['flops_per_token']:,} ({_human(info['flops_per_token'])})"),
     ]
     width = max(len(k) for k, _ in rows)

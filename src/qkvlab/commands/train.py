@@ -22,12 +22,23 @@ from qkvlab.errors import UserError
 
 # flag -> TrainConfig key (types are checked by TrainConfig.validate, so errors name the key)
 TRAIN_FLAGS: dict[str, tuple[str, type]] = {
-    "--max-steps": ("max_steps", int), "--seed": ("seed", int), "--batch-size": ("batch_size", int),
-    "--grad-accum": ("grad_accum", int), "--micro-batch-size": ("micro_batch_size", int), "--lr": ("lr", float),
-    "--min-lr": ("min_lr", float), "--warmup-steps": ("warmup_steps", int), "--weight-decay": ("weight_decay", float),
-    "--grad-clip": ("grad_clip", float), "--eval-every": ("eval_every", int), "--eval-batches": ("eval_batches", int),
-    "--eval-batch-size": ("eval_batch_size", int), "--checkpoint-every": ("checkpoint_every", int),
-    "--dtype": ("dtype", str), "--device": ("device", str), "--sharding": ("sharding", str),
+    "--max-steps": ("max_steps", int),
+    "--seed": ("seed", int),
+    "--batch-size": ("batch_size", int),
+    "--grad-accum": ("grad_accum", int),
+    "--micro-batch-size": ("micro_batch_size", int),
+    "--lr": ("lr", float),
+    "--min-lr": ("min_lr", float),
+    "--warmup-steps": ("warmup_steps", int),
+    "--weight-decay": ("weight_decay", float),
+    "--grad-clip": ("grad_clip", float),
+    "--eval-every": ("eval_every", int),
+    "--eval-batches": ("eval_batches", int),
+    "--eval-batch-size": ("eval_batch_size", int),
+    "--checkpoint-every": ("checkpoint_every", int),
+    "--dtype": ("dtype", str),
+    "--device": ("device", str),
+    "--sharding": ("sharding", str),
     "--log-every": ("log_every", int),
 }
 
@@ -40,8 +51,13 @@ def add_arguments(p) -> None:
     p.add_argument("--data", metavar="SOURCE", help="lm corpus: a path, 'shakespeare[:genres]' or 'hf:NAME?split=..'")
     p.add_argument("--tokenizer", metavar="SPEC", help="lm tokenizer: bpe:N, char or gpt2")
     p.add_argument("--block-size", type=int, metavar="T", help="lm training window (default: the model context)")
-    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="any task option (VALUE read as YAML), repeatable")
+    p.add_argument(
+        "--task-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any task option (VALUE read as YAML), repeatable",
+    )
     g = p.add_argument_group("training options")
     for flag, (key, kind) in TRAIN_FLAGS.items():
         g.add_argument(flag, dest=key, type=kind, metavar=key.upper().split("_")[-1])
@@ -101,6 +117,8 @@ def run(args) -> int:
         m = result.metrics
         keys = dict.fromkeys(("val_loss", "val_ppl", result.metric))
         score = " ".join(f"{k} {m[k]:.4f}" for k in keys if isinstance(m.get(k), float))
-        print(f"{cfg.model.attn}: {result.step} steps, {result.tokens:,} tokens, {result.params:,} params, "
-              f"{score}, {result.tokens_per_s:,.0f} tokens/s -> {args.out}")
+        print(
+            f"{cfg.model.attn}: {result.step} steps, {result.tokens:,} tokens, {result.params:,} params, "
+            f"{score}, {result.tokens_per_s:,.0f} tokens/s -> {args.out}"
+        )
     return 0

@@ -67,12 +67,16 @@ def load_hf(path: str | Path, *, cache: bool = True):
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path, cache=cache)
     if path.is_file():
-        raise UserError(f"{path}: a file; give the Hugging Face model folder (config.json + model.safetensors) or a .gguf file")
+        raise UserError(
+            f"{path}: a file; give the Hugging Face model folder (config.json + model.safetensors) or a .gguf file"
+        )
     ggufs = sorted(path.glob("*.gguf"))
     if not (path / "config.json").exists():
         if len(ggufs) == 1:
             return _load_gguf(ggufs[0], cache=cache)
-        raise UserError(f"{path}: no config.json (not a Hugging Face model folder); qkvlab model folders are read without --from-hf")
+        raise UserError(
+            f"{path}: no config.json (not a Hugging Face model folder); qkvlab model folders are read without --from-hf"
+        )
     try:
         body = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -84,7 +88,9 @@ def load_hf(path: str | Path, *, cache: bool = True):
         raise UserError(f"{path}: model_type {kind!r} is not supported; qkvlab imports {', '.join(FORMATS)}")
     if not list(path.glob("*.safetensors")):
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
-        what = f"only {pickles[0]} (a pickle, which can run code when loaded)" if pickles else "no *.safetensors weights"
+        what = (
+            f"only {pickles[0]} (a pickle, which can run code when loaded)" if pickles else "no *.safetensors weights"
+        )
         raise UserError(f"{path}: {what}; qkvlab reads Hugging Face weights only as safetensors")
     try:
         model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
@@ -112,7 +118,9 @@ def _load_gguf(file: Path, *, cache: bool):
     except Exception as e:
         raise UserError(f"{file}: transformers could not read this GGUF ({str(e).splitlines()[0][:200]})") from None
     if model.config.model_type not in FORMATS:
-        raise UserError(f"{file}: model_type {model.config.model_type!r} is not supported; qkvlab imports {', '.join(FORMATS)}")
+        raise UserError(
+            f"{file}: model_type {model.config.model_type!r} is not supported; qkvlab imports {', '.join(FORMATS)}"
+        )
     if not cache:
         return model.eval()
     # A GGUF-loaded model refuses save_pretrained; rebuild a plain one with the same weights.
@@ -152,7 +160,9 @@ def _build(cfg: ModelConfig, st: dict[str, torch.Tensor]) -> tuple[GPT, ModelCon
     expected = model.state_dict()
     for name, t in st.items():
         if name not in expected or tuple(t.shape) != tuple(expected[name].shape):
-            raise UserError(f"weight {name}: shape {tuple(t.shape)} does not fit the config ({tuple(expected.get(name, torch.empty(0)).shape)})")
+            raise UserError(
+                f"weight {name}: shape {tuple(t.shape)} does not fit the config ({tuple(expected.get(name, torch.empty(0)).shape)})"
+            )
     missing = [n for n in expected if n not in st and not (n == "lm_head.weight" and cfg.tie_embeddings)]
     for n in missing:  # biases the source lacks (e.g. Llama's MLP when only attention has them) are zero
         if n.endswith(".bias"):
@@ -166,22 +176,40 @@ def _build(cfg: ModelConfig, st: dict[str, torch.Tensor]) -> tuple[GPT, ModelCon
 def _from_gpt2(hf) -> tuple[GPT, ModelConfig]:
     c = hf.config
     if c.activation_function not in GPT2_ACT:
-        raise UserError(f"GPT-2 activation_function={c.activation_function!r} is not supported; allowed: {', '.join(GPT2_ACT)}")
+        raise UserError(
+            f"GPT-2 activation_function={c.activation_function!r} is not supported; allowed: {', '.join(GPT2_ACT)}"
+        )
     if getattr(c, "scale_attn_by_inverse_layer_idx", False):
-        raise UserError("GPT-2 scale_attn_by_inverse_layer_idx=True: a per-layer score scale has no qkvlab config value")
+        raise UserError(
+            "GPT-2 scale_attn_by_inverse_layer_idx=True: a per-layer score scale has no qkvlab config value"
+        )
     if getattr(c, "add_cross_attention", False):
         raise UserError("GPT-2 add_cross_attention=True: cross-attention is not part of a decoder-only qkvlab model")
     d, nh = c.n_embd, c.n_head
     cfg = ModelConfig(
-        attn="Q-K-V", n_layer=c.n_layer, n_head=nh, d_model=d, mlp=GPT2_ACT[c.activation_function],
-        mlp_hidden=c.n_inner or 4 * d, norm="layernorm", norm_eps=c.layer_norm_epsilon, pos="learned",
-        vocab_size=c.vocab_size, context=c.n_positions, bias=True, dropout=0.0,
+        attn="Q-K-V",
+        n_layer=c.n_layer,
+        n_head=nh,
+        d_model=d,
+        mlp=GPT2_ACT[c.activation_function],
+        mlp_hidden=c.n_inner or 4 * d,
+        norm="layernorm",
+        norm_eps=c.layer_norm_epsilon,
+        pos="learned",
+        vocab_size=c.vocab_size,
+        context=c.n_positions,
+        bias=True,
+        dropout=0.0,
         tie_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
         attn_scale=None if c.scale_attn_weights else 1.0,
     ).validate()
     sd = hf.state_dict()
-    st = {"tok_emb.weight": sd["transformer.wte.weight"], "pos_emb.weight": sd["transformer.wpe.weight"],
-          "trunk.norm.weight": sd["transformer.ln_f.weight"], "trunk.norm.bias": sd["transformer.ln_f.bias"]}
+    st = {
+        "tok_emb.weight": sd["transformer.wte.weight"],
+        "pos_emb.weight": sd["transformer.wpe.weight"],
+        "trunk.norm.weight": sd["transformer.ln_f.weight"],
+        "trunk.norm.bias": sd["transformer.ln_f.bias"],
+    }
     if not cfg.tie_embeddings:
         st["lm_head.weight"] = sd["lm_head.weight"]
     for i in range(c.n_layer):
@@ -189,8 +217,12 @@ def _from_gpt2(hf) -> tuple[GPT, ModelConfig]:
         for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
             st[p + ours + ".weight"], st[p + ours + ".bias"] = sd[h + theirs + ".weight"], sd[h + theirs + ".bias"]
         # Conv1D stores (in, out): our Linear wants (out, in).
-        for ours, theirs in (("attn.in_proj", "attn.c_attn"), ("attn.out_proj", "attn.c_proj"),
-                             ("mlp.up", "mlp.c_fc"), ("mlp.down", "mlp.c_proj")):
+        for ours, theirs in (
+            ("attn.in_proj", "attn.c_attn"),
+            ("attn.out_proj", "attn.c_proj"),
+            ("mlp.up", "mlp.c_fc"),
+            ("mlp.down", "mlp.c_proj"),
+        ):
             st[p + ours + ".weight"] = sd[h + theirs + ".weight"].T.contiguous()
             st[p + ours + ".bias"] = sd[h + theirs + ".bias"]
     return _build(cfg, st)
@@ -200,7 +232,9 @@ def _rope_theta(c) -> float:
     params = getattr(c, "rope_parameters", None) or {}
     kind = params.get("rope_type", "default")
     scaling = getattr(c, "rope_scaling", None)
-    if kind != "default" or (isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
+    if kind != "default" or (
+        isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (None, "default")
+    ):
         raise UserError(f"Llama rope_type={kind!r}: only the default rotary embedding maps onto qkvlab's pos=rope")
     return float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
 
@@ -208,15 +242,29 @@ def _rope_theta(c) -> float:
 def _from_llama(hf) -> tuple[GPT, ModelConfig]:
     c = hf.config
     if c.hidden_act != "silu":
-        raise UserError(f"Llama hidden_act={c.hidden_act!r}: qkvlab's gated MLP is SwiGLU (silu); other gates have no config value")
+        raise UserError(
+            f"Llama hidden_act={c.hidden_act!r}: qkvlab's gated MLP is SwiGLU (silu); other gates have no config value"
+        )
     nh = c.num_attention_heads
     hd = getattr(c, "head_dim", None) or c.hidden_size // nh
     bias = bool(getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False))
     cfg = ModelConfig(
-        attn="Q-K-V", n_layer=c.num_hidden_layers, n_head=nh, d_model=c.hidden_size, d_head=hd,
-        kv_heads=c.num_key_value_heads or nh, mlp="swiglu", mlp_hidden=c.intermediate_size, norm="rmsnorm",
-        norm_eps=float(c.rms_norm_eps), pos="rope", rope_theta=_rope_theta(c), vocab_size=c.vocab_size,
-        context=c.max_position_embeddings, bias=bias, dropout=0.0,
+        attn="Q-K-V",
+        n_layer=c.num_hidden_layers,
+        n_head=nh,
+        d_model=c.hidden_size,
+        d_head=hd,
+        kv_heads=c.num_key_value_heads or nh,
+        mlp="swiglu",
+        mlp_hidden=c.intermediate_size,
+        norm="rmsnorm",
+        norm_eps=float(c.rms_norm_eps),
+        pos="rope",
+        rope_theta=_rope_theta(c),
+        vocab_size=c.vocab_size,
+        context=c.max_position_embeddings,
+        bias=bias,
+        dropout=0.0,
         tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
     ).validate()
     sd = hf.state_dict()
@@ -230,8 +278,12 @@ def _from_llama(hf) -> tuple[GPT, ModelConfig]:
         st[p + "attn.in_proj.weight"] = torch.cat([sd[h + f"self_attn.{r}_proj.weight"] for r in "qkv"], 0)
         if h + "self_attn.q_proj.bias" in sd:
             st[p + "attn.in_proj.bias"] = torch.cat([sd[h + f"self_attn.{r}_proj.bias"] for r in "qkv"], 0)
-        for ours, theirs in (("attn.out_proj", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"),
-                             ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")):
+        for ours, theirs in (
+            ("attn.out_proj", "self_attn.o_proj"),
+            ("mlp.gate", "mlp.gate_proj"),
+            ("mlp.up", "mlp.up_proj"),
+            ("mlp.down", "mlp.down_proj"),
+        ):
             st[p + ours + ".weight"] = sd[h + theirs + ".weight"]
             if h + theirs + ".bias" in sd:
                 st[p + ours + ".bias"] = sd[h + theirs + ".bias"]
@@ -247,13 +299,17 @@ def _check_exportable(cfg: ModelConfig, fmt: str) -> None:
         raise UserError(f"{why}: mlp_skip=False (no skip around the MLP) is not a standard block")
     if not cfg.causal:
         raise UserError(f"{why}: a bidirectional model is not a causal LM")
-    need = {"gpt2": dict(norm=("layernorm",), pos=("learned", "none"), mlp=tuple(GPT2_ACT_OUT)),
-            "llama": dict(norm=("rmsnorm",), pos=("rope",), mlp=("swiglu",))}[fmt]
+    need = {
+        "gpt2": dict(norm=("layernorm",), pos=("learned", "none"), mlp=tuple(GPT2_ACT_OUT)),
+        "llama": dict(norm=("rmsnorm",), pos=("rope",), mlp=("swiglu",)),
+    }[fmt]
     for key, allowed in need.items():
         if getattr(cfg, key) not in allowed:
             raise UserError(f"{why}: {key}={getattr(cfg, key)} (that class needs {' or '.join(allowed)})")
     if fmt == "gpt2" and cfg.n_head * cfg.head_dim != cfg.d_model:
-        raise UserError(f"{why}: GPT-2 needs n_head*d_head == d_model, got {cfg.n_head}*{cfg.head_dim} != {cfg.d_model}")
+        raise UserError(
+            f"{why}: GPT-2 needs n_head*d_head == d_model, got {cfg.n_head}*{cfg.head_dim} != {cfg.d_model}"
+        )
 
 
 def _explicit_roles(block, cfg: ModelConfig, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -287,13 +343,25 @@ def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
 
     if fmt == "gpt2":
         hf_cfg = tf.GPT2Config(
-            vocab_size=cfg.vocab_size, n_positions=cfg.context, n_embd=d, n_layer=cfg.n_layer, n_head=nh,
-            n_inner=cfg.hidden, activation_function=GPT2_ACT_OUT[cfg.mlp], layer_norm_epsilon=cfg.norm_eps,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=cfg.tie_embeddings,
-            bos_token_id=None, eos_token_id=None,  # GPT-2's 50256 need not exist in this vocabulary
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.context,
+            n_embd=d,
+            n_layer=cfg.n_layer,
+            n_head=nh,
+            n_inner=cfg.hidden,
+            activation_function=GPT2_ACT_OUT[cfg.mlp],
+            layer_norm_epsilon=cfg.norm_eps,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=cfg.tie_embeddings,
+            bos_token_id=None,
+            eos_token_id=None,  # GPT-2's 50256 need not exist in this vocabulary
         )
         st["transformer.wte.weight"] = sd["tok_emb.weight"]
-        st["transformer.wpe.weight"] = sd["pos_emb.weight"] if cfg.pos == "learned" else torch.zeros(cfg.context, d, dtype=dtype)
+        st["transformer.wpe.weight"] = (
+            sd["pos_emb.weight"] if cfg.pos == "learned" else torch.zeros(cfg.context, d, dtype=dtype)
+        )
         st["transformer.ln_f.weight"] = sd["trunk.norm.weight"]
         st["transformer.ln_f.bias"] = bias_or_zero(sd.get("trunk.norm.bias"), d)
         for i in range(cfg.n_layer):
@@ -311,8 +379,11 @@ def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
                 bs.append(bias_or_zero(b, nh * hd))
             st[h + "attn.c_attn.weight"] = torch.cat(ws, 0).T.contiguous()
             st[h + "attn.c_attn.bias"] = torch.cat(bs, 0)
-            for ours, theirs, n_out in (("attn.out_proj", "attn.c_proj", d), ("mlp.up", "mlp.c_fc", cfg.hidden),
-                                        ("mlp.down", "mlp.c_proj", d)):
+            for ours, theirs, n_out in (
+                ("attn.out_proj", "attn.c_proj", d),
+                ("mlp.up", "mlp.c_fc", cfg.hidden),
+                ("mlp.down", "mlp.c_proj", d),
+            ):
                 st[h + theirs + ".weight"] = sd[p + ours + ".weight"].T.contiguous()
                 st[h + theirs + ".bias"] = bias_or_zero(sd.get(p + ours + ".bias"), n_out)
             for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
@@ -323,11 +394,21 @@ def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
         hf = tf.GPT2LMHeadModel(hf_cfg)
     else:
         hf_cfg = tf.LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=d, intermediate_size=cfg.hidden, num_hidden_layers=cfg.n_layer,
-            num_attention_heads=nh, num_key_value_heads=kv, head_dim=hd, hidden_act="silu",
-            max_position_embeddings=cfg.context, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+            vocab_size=cfg.vocab_size,
+            hidden_size=d,
+            intermediate_size=cfg.hidden,
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=nh,
+            num_key_value_heads=kv,
+            head_dim=hd,
+            hidden_act="silu",
+            max_position_embeddings=cfg.context,
+            rms_norm_eps=cfg.norm_eps,
+            tie_word_embeddings=cfg.tie_embeddings,
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            attention_bias=cfg.bias, mlp_bias=cfg.bias, attention_dropout=0.0,
+            attention_bias=cfg.bias,
+            mlp_bias=cfg.bias,
+            attention_dropout=0.0,
         )
         st["model.embed_tokens.weight"] = sd["tok_emb.weight"]
         st["model.norm.weight"] = sd["trunk.norm.weight"]
@@ -339,8 +420,12 @@ def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
                 st[h + f"self_attn.{r}_proj.weight"] = w.clone()  # K=V: two copies of one tensor
                 if cfg.bias:
                     st[h + f"self_attn.{r}_proj.bias"] = bias_or_zero(b, w.shape[0]).clone()
-            for ours, theirs in (("attn.out_proj", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"),
-                                 ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")):
+            for ours, theirs in (
+                ("attn.out_proj", "self_attn.o_proj"),
+                ("mlp.gate", "mlp.gate_proj"),
+                ("mlp.up", "mlp.up_proj"),
+                ("mlp.down", "mlp.down_proj"),
+            ):
                 st[h + theirs + ".weight"] = sd[p + ours + ".weight"]
                 if cfg.bias:
                     st[h + theirs + ".bias"] = sd[p + ours + ".bias"]

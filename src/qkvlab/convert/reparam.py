@@ -68,7 +68,9 @@ def role_change(src: ProjectionSpec, dst: ProjectionSpec) -> tuple[str, str]:
     others = [r for r in ROLES if r != role]
     a, b = others
     if src.shared(a, b) != dst.shared(a, b):
-        raise UserError(f"{why}: the sharing of {ROLE_NAMES[a]} and {ROLE_NAMES[b]} would change (sharing is not a change of basis)")
+        raise UserError(
+            f"{why}: the sharing of {ROLE_NAMES[a]} and {ROLE_NAMES[b]} would change (sharing is not a change of basis)"
+        )
     learned = src if dst.is_identity(role) else dst
     if learned.projections[learned.role_source(role)] != (role,):
         raise UserError(
@@ -127,8 +129,13 @@ def convert(
         if layer is not None:
             raise UserError("--layer applies to removing a projection; inserting one is done in every layer")
         out_cfg = _target_cfg(cfg, dst, untie=False)
-        return _rebuild(m, out_cfg, _insert_rows(m, cfg, dst, role), dtype,
-                        [f"inserted an explicit {ROLE_NAMES[role]} projection W = I in every layer"])
+        return _rebuild(
+            m,
+            out_cfg,
+            _insert_rows(m, cfg, dst, role),
+            dtype,
+            [f"inserted an explicit {ROLE_NAMES[role]} projection W = I in every layer"],
+        )
     return _remove(m, cfg, dst, role, layer, max_cond, dtype)
 
 
@@ -146,10 +153,14 @@ def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int
             f"n_head={cfg.n_head}), so {name} is {width}x{d}, not square"
         )
     if width != d:
-        raise UserError(f"{name} is {width}x{d}, not square (n_head*d_head must equal d_model={d}); no change of basis makes it Id")
+        raise UserError(
+            f"{name} is {width}x{d}, not square (n_head*d_head must equal d_model={d}); no change of basis makes it Id"
+        )
     n = cfg.n_layer
     if cfg.share_layers and layer is not None:
-        raise UserError("--layer: with share_layers every layer uses one block, so all layers are converted together; drop --layer")
+        raise UserError(
+            "--layer: with share_layers every layer uses one block, so all layers are converted together; drop --layer"
+        )
     if layer is None and n > 1 and cfg.mlp_skip and not cfg.share_layers:
         raise UserError(
             "mlp_skip=True: with a skip around the MLP every layer shares one basis of the residual stream, so only one "
@@ -258,7 +269,10 @@ def _insert_rows(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str):
     for block in m.trunk.blocks:
         rows = role_weights(block, cfg.spec)
         bias = cfg.bias
-        rows[role] = (torch.eye(cfg.d_model, dtype=torch.float64), torch.zeros(cfg.d_model, dtype=torch.float64) if bias else None)
+        rows[role] = (
+            torch.eye(cfg.d_model, dtype=torch.float64),
+            torch.zeros(cfg.d_model, dtype=torch.float64) if bias else None,
+        )
         fused.append(_fuse(dst, rows))
     return fused
 
@@ -301,8 +315,17 @@ def _rebuild(m: GPT, out_cfg: ModelConfig, fused, dtype, notes) -> Result:
 
 # ---- the equivalence check -------------------------------------------------------------------
 @torch.no_grad()
-def logit_diff(ref: torch.nn.Module, cand: torch.nn.Module, vocab: int, context: int, *, seed: int = 0,
-               batch: int = 2, length: int = 32, cand_logits=None) -> tuple[float, float]:
+def logit_diff(
+    ref: torch.nn.Module,
+    cand: torch.nn.Module,
+    vocab: int,
+    context: int,
+    *,
+    seed: int = 0,
+    batch: int = 2,
+    length: int = 32,
+    cand_logits=None,
+) -> tuple[float, float]:
     """Max abs and relative (max|Δ| / max|ref|) logit difference on random token ids."""
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, vocab, (batch, min(length, context)), generator=g)

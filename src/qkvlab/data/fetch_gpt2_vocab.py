@@ -46,8 +46,18 @@ def fetch_gpt2_vocab(dest: Path | None = None) -> Path:
     atomically to `dest` (default: the qkvlab cache). Returns the path."""
     dest = Path(dest) if dest is not None else default_vocab_path()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               WHISPER_REQUIREMENT, "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            WHISPER_REQUIREMENT,
+            "-d",
+            tmp,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         sdists = sorted(Path(tmp).glob("*.tar.gz"))
         if proc.returncode != 0 or not sdists:

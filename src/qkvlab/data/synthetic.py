@@ -6,8 +6,8 @@ Inputs are uniform random digits drawn from a seeded ``torch.Generator``; the sa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

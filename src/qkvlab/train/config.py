@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from qkvlab.config import PRESETS as MODEL_PRESETS
 from qkvlab.config import ModelConfig, preset
@@ -62,12 +63,15 @@ class TrainConfig:
         if self.micro_batch_size is not None:
             per = self.batch_size // world
             if self.batch_size % world or per % self.micro_batch_size:
-                raise UserError(f"batch_size={self.batch_size} is not divisible by world size {world} x "
-                                f"micro_batch_size={self.micro_batch_size}")
+                raise UserError(
+                    f"batch_size={self.batch_size} is not divisible by world size {world} x "
+                    f"micro_batch_size={self.micro_batch_size}"
+                )
             return per // self.micro_batch_size
         if self.batch_size % (world * self.grad_accum):
-            raise UserError(f"batch_size={self.batch_size} is not divisible by world size {world} x "
-                            f"grad_accum={self.grad_accum}")
+            raise UserError(
+                f"batch_size={self.batch_size} is not divisible by world size {world} x grad_accum={self.grad_accum}"
+            )
         return self.grad_accum
 
     @property
@@ -77,7 +81,7 @@ class TrainConfig:
         return self.micro_batch_size or max(1, self.batch_size // self.grad_accum)
 
     # ---- validation --------------------------------------------------------------------------
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         _check_type("task", self.task, str)
         if not isinstance(self.task_options, dict):
             raise UserError(f"task_options must be a mapping, got {self.task_options!r}")
@@ -97,8 +101,11 @@ class TrainConfig:
         if self.min_lr is not None:
             _check_float("min_lr", self.min_lr)
         b = self.betas
-        if (not isinstance(b, (list, tuple)) or len(b) != 2
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in b)):
+        if (
+            not isinstance(b, (list, tuple))
+            or len(b) != 2
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in b)
+        ):
             raise UserError(f"betas={b!r} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
         self.betas = (float(b[0]), float(b[1]))
         for name in ("compile", "log_tensorboard"):
@@ -124,7 +131,7 @@ class TrainConfig:
         return json.loads(json.dumps(d))  # plain JSON types only
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
         """Keys of TrainConfig, plus `preset` (a training preset to start from); `model` may be a
         ModelConfig or a mapping of model keys (with an optional model `preset`)."""
         if not isinstance(data, Mapping):
@@ -144,7 +151,7 @@ class TrainConfig:
             data["model"] = _model_from_mapping(model)
         return cls(**data).validate()
 
-    def replace(self, **changes: Any) -> "TrainConfig":
+    def replace(self, **changes: Any) -> TrainConfig:
         return TrainConfig.from_dict(merge(self.to_dict(), changes))
 
 
@@ -169,7 +176,12 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 
 def _check_float(name: str, value: Any, positive: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and value == value
+        and abs(value) != float("inf")
+    )
     if not ok or value < 0 or (positive and value == 0):
         raise UserError(f"{name}={value!r} must be a {'positive' if positive else 'non-negative'} number")
 
@@ -200,26 +212,81 @@ def merge(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
 # in papers.md; their corpora need the network (or a local copy passed with --data).
 TRAIN_PRESETS: dict[str, dict[str, Any]] = {
     # a few hundred steps in well under a minute on 2 CPU cores (tests and scripts use it)
-    "tiny": dict(model="tiny", task_options={"tokenizer": "bpe:512"}, max_steps=300, batch_size=16, lr=3e-3,
-                 min_lr=3e-4, warmup_steps=30, eval_every=50, eval_batches=4),
+    "tiny": dict(
+        model="tiny",
+        task_options={"tokenizer": "bpe:512"},
+        max_steps=300,
+        batch_size=16,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=30,
+        eval_every=50,
+        eval_batches=4,
+    ),
     # a few minutes on 2 CPU cores
-    "small": dict(model="small", task_options={"tokenizer": "bpe:2048"}, max_steps=1000, batch_size=32, lr=2e-3,
-                  min_lr=2e-4, warmup_steps=100, eval_every=100, eval_batches=8),
+    "small": dict(
+        model="small",
+        task_options={"tokenizer": "bpe:2048"},
+        max_steps=1000,
+        batch_size=32,
+        lr=2e-3,
+        min_lr=2e-4,
+        warmup_steps=100,
+        eval_every=100,
+        eval_batches=8,
+    ),
     # Paper A (nanoGPT GPT-2 small on OpenWebText): 480 x 1024 = 491,520 tokens/step
-    "gpt2-124m": dict(model="gpt2-124m", task_options={"data": "hf:Skylion007/openwebtext", "tokenizer": "gpt2"},
-                      max_steps=105_000, batch_size=480, micro_batch_size=12, lr=6e-4, min_lr=6e-5,
-                      warmup_steps=2000, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, eval_every=1000,
-                      eval_batches=200, compile=True),
+    "gpt2-124m": dict(
+        model="gpt2-124m",
+        task_options={"data": "hf:Skylion007/openwebtext", "tokenizer": "gpt2"},
+        max_steps=105_000,
+        batch_size=480,
+        micro_batch_size=12,
+        lr=6e-4,
+        min_lr=6e-5,
+        warmup_steps=2000,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        grad_clip=1.0,
+        eval_every=1000,
+        eval_batches=200,
+        compile=True,
+    ),
     # Paper B 300M on 10B SlimPajama tokens: 1152 x 2048 = 2,359,296 tokens/step, 4,239 steps
-    "paperB-300m": dict(model="paperB-300m", task_options={"data": "hf:cerebras/SlimPajama-627B", "tokenizer": "gpt2"},
-                        max_steps=4239, batch_size=1152, micro_batch_size=8, lr=2e-4, min_lr=2e-5,
-                        warmup_steps=500, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, eval_every=250,
-                        eval_batches=100, compile=True),
+    "paperB-300m": dict(
+        model="paperB-300m",
+        task_options={"data": "hf:cerebras/SlimPajama-627B", "tokenizer": "gpt2"},
+        max_steps=4239,
+        batch_size=1152,
+        micro_batch_size=8,
+        lr=2e-4,
+        min_lr=2e-5,
+        warmup_steps=500,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        grad_clip=1.0,
+        eval_every=250,
+        eval_batches=100,
+        compile=True,
+    ),
     # Paper B 1.2B: 576 x 2048 = 1,179,648 tokens/step, 8,478 steps; optimizer state sharded
-    "paperB-1.2b": dict(model="paperB-1.2b", task_options={"data": "hf:cerebras/SlimPajama-627B", "tokenizer": "gpt2"},
-                        max_steps=8478, batch_size=576, micro_batch_size=4, lr=6e-5, min_lr=6e-6,
-                        warmup_steps=1000, weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, eval_every=500,
-                        eval_batches=100, compile=True, sharding="fsdp"),
+    "paperB-1.2b": dict(
+        model="paperB-1.2b",
+        task_options={"data": "hf:cerebras/SlimPajama-627B", "tokenizer": "gpt2"},
+        max_steps=8478,
+        batch_size=576,
+        micro_batch_size=4,
+        lr=6e-5,
+        min_lr=6e-6,
+        warmup_steps=1000,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        grad_clip=1.0,
+        eval_every=500,
+        eval_batches=100,
+        compile=True,
+        sharding="fsdp",
+    ),
 }
 
 
@@ -277,8 +344,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_train_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
-                      default_preset: str | None = "small") -> TrainConfig:
+def load_train_config(
+    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None, default_preset: str | None = "small"
+) -> TrainConfig:
     """File (optional) + overrides. The base is the `preset` named in overrides, else in the file,
     else `default_preset` (None: TrainConfig's defaults)."""
     body = read_config_file(path) if path is not None else {}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
 from qkvlab.errors import UserError
 
 
@@ -127,26 +128,39 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool
     models go through torch.distributed.checkpoint (a collective: call on every rank); replicated
     and single-process ones take the direct route, same layout (tested), without DCP's import cost."""
     if sharded:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     names = _index_names(model, optimizer)
     osd = optimizer.state_dict()
-    state = {names[i]: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
-             for i, s in osd["state"].items()}
+    state = {
+        names[i]: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+        for i, s in osd["state"].items()
+    }
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]
     return weights, {"state": state, "param_groups": groups}
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict,
-                    optim_state: dict | None, sharded: bool = False) -> None:
+def load_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    weights: dict,
+    optim_state: dict | None,
+    sharded: bool = False,
+) -> None:
     """Full state dicts (from any world size, either route) into a possibly sharded model."""
     if sharded:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, weights, options=opts)
@@ -156,10 +170,12 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, w
     model.load_state_dict(weights)
     if optimizer is not None and optim_state is not None:
         index = {n: i for i, n in _index_names(model, optimizer).items()}
-        optimizer.load_state_dict({
-            "state": {index[n]: s for n, s in optim_state["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optim_state["param_groups"]],
-        })
+        optimizer.load_state_dict(
+            {
+                "state": {index[n]: s for n, s in optim_state["state"].items()},
+                "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optim_state["param_groups"]],
+            }
+        )
 
 
 def _index_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:

@@ -34,8 +34,16 @@ METRICS = "metrics.jsonl"
 TRAIN_CONFIG = "train_config.json"
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")  # wall-clock, excluded from exact comparisons
 # changing these between a run and its resume keeps the replay exact (or only extends it)
-RESUMABLE = ("max_steps", "eval_every", "checkpoint_every", "compile", "log_tensorboard", "log_every", "sharding",
-             "device")
+RESUMABLE = (
+    "max_steps",
+    "eval_every",
+    "checkpoint_every",
+    "compile",
+    "log_tensorboard",
+    "log_every",
+    "sharding",
+    "device",
+)
 
 
 class TrainingDiverged(RuntimeError):
@@ -102,21 +110,43 @@ def _check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> No
     now = cfg.to_dict()
     for key in sorted(set(saved) | set(now)):
         if key not in RESUMABLE and saved.get(key) != now.get(key):
-            raise UserError(f"{where} was trained with {key}={json.dumps(saved.get(key))}, not "
-                            f"{json.dumps(now.get(key))}; resume with the same {key} or use another --out")
+            raise UserError(
+                f"{where} was trained with {key}={json.dumps(saved.get(key))}, not "
+                f"{json.dumps(now.get(key))}; resume with the same {key} or use another --out"
+            )
 
 
 def _result(out: Path, cfg: TrainConfig, state: dict[str, Any], tokens_per_s: float) -> TrainResult:
     rows = state["metrics"]
-    return TrainResult(out_dir=out, step=state["step"], tokens=state["tokens"], metrics=rows[-1] if rows else {},
-                       history=rows, params=state["params"], tokens_per_s=tokens_per_s,
-                       metric=state.get("metric", "val_loss"), higher_is_better=state.get("higher_is_better", False))
+    return TrainResult(
+        out_dir=out,
+        step=state["step"],
+        tokens=state["tokens"],
+        metrics=rows[-1] if rows else {},
+        history=rows,
+        params=state["params"],
+        tokens_per_s=tokens_per_s,
+        metric=state.get("metric", "val_loss"),
+        higher_is_better=state.get("higher_is_better", False),
+    )
 
 
 def _finish(out: Path, ckpt: Path, cfg: TrainConfig, state: dict[str, Any]) -> None:
     last = state["metrics"][-1] if state["metrics"] else {}
-    ck.write_final_model(out, ckpt, {"train": {"finished": True, "step": state["step"], "tokens": state["tokens"],
-                                               "metrics": last, "task": state.get("task"), "config": cfg.to_dict()}})
+    ck.write_final_model(
+        out,
+        ckpt,
+        {
+            "train": {
+                "finished": True,
+                "step": state["step"],
+                "tokens": state["tokens"],
+                "metrics": last,
+                "task": state.get("task"),
+                "config": cfg.to_dict(),
+            }
+        },
+    )
 
 
 def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> TrainResult:
@@ -171,9 +201,12 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, cfg.betas, env.device)
     fwd = torch.compile(raw) if cfg.compile else raw  # eval and the FSDP forward run this
     train_fwd = D.replicate(fwd, env) if env.distributed and cfg.sharding == "ddp" else fwd
-    dtype = {"auto": torch.bfloat16 if env.device.type == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-    autocast = (torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
+    dtype = {
+        "auto": torch.bfloat16 if env.device.type == "cuda" else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+    }[cfg.dtype]
+    autocast = torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
     if state is not None:  # resume
         D.load_full_state(raw, optimizer, {**weights, **{d: weights[c] for d, c in tied.items()}}, optim_state, sharded)
@@ -220,9 +253,15 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
     def log_row(scores: dict[str, float], lr: float) -> None:
         nonlocal loss_sum, loss_n, seg_tokens, seg_time
         tokens = step * tokens_per_step if step else 0
-        row = {"step": step, "tokens": tokens, "train_loss": loss_sum / loss_n if loss_n else None,
-               **{k: v for k, v in scores.items()}, "lr": lr,
-               "tokens_per_s": seg_tokens / seg_time if seg_time > 0 else None, "elapsed_s": elapsed}
+        row = {
+            "step": step,
+            "tokens": tokens,
+            "train_loss": loss_sum / loss_n if loss_n else None,
+            **{k: v for k, v in scores.items()},
+            "lr": lr,
+            "tokens_per_s": seg_tokens / seg_time if seg_time > 0 else None,
+            "elapsed_s": elapsed,
+        }
         rows.append(row)
         loss_sum, loss_n, seg_tokens, seg_time = 0.0, 0, 0, 0.0
         if env.main:
@@ -238,10 +277,22 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
     def save() -> dict[str, Any]:
         full_w, full_o = D.full_state(raw, optimizer, sharded)
         rng = D.all_gather_object(env, _rng_state(env))
-        st = {"step": step, "tokens": step * tokens_per_step, "metrics": rows, "loss_sum": loss_sum,
-                  "loss_n": loss_n, "elapsed_s": elapsed, "rng": rng, "data_position": {"next_step": step},
-                  "params": params, "world_size": env.world, "metric": task.metric,
-              "higher_is_better": task.higher_is_better, "task": task.describe(), "train_config": cfg.to_dict()}
+        st = {
+            "step": step,
+            "tokens": step * tokens_per_step,
+            "metrics": rows,
+            "loss_sum": loss_sum,
+            "loss_n": loss_n,
+            "elapsed_s": elapsed,
+            "rng": rng,
+            "data_position": {"next_step": step},
+            "params": params,
+            "world_size": env.world,
+            "metric": task.metric,
+            "higher_is_better": task.higher_is_better,
+            "task": task.describe(),
+            "train_config": cfg.to_dict(),
+        }
         if env.main:
             ck.save_checkpoint(out, ck.untie(full_w, tied), full_o, model_cfg, kind, st)
         D.barrier(env)
@@ -259,21 +310,26 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
             group["lr"] = lr
         x, y = task.batch(step, cfg.batch_size, cfg.seed)
         lo = env.rank * rows_per_rank
-        x, y = x[lo:lo + rows_per_rank], y[lo:lo + rows_per_rank]  # this rank's slice of the global batch
+        x, y = x[lo : lo + rows_per_rank], y[lo : lo + rows_per_rank]  # this rank's slice of the global batch
         step_loss = torch.zeros((), device=env.device)
         for i in range(accum):
-            xb = x[i * micro:(i + 1) * micro].to(env.device, non_blocking=True)
-            yb = y[i * micro:(i + 1) * micro].to(env.device, non_blocking=True)
+            xb = x[i * micro : (i + 1) * micro].to(env.device, non_blocking=True)
+            yb = y[i * micro : (i + 1) * micro].to(env.device, non_blocking=True)
             with D.grad_sync(train_fwd, i == accum - 1), autocast:
                 loss = task.loss(train_fwd, xb, yb) / accum
             loss.backward()
             step_loss += loss.detach().float()
         loss_val = D.mean(env, step_loss).item()
         if not math.isfinite(loss_val):
-            where = (f"last good checkpoint: {out / ck.CHECKPOINT} (step {last_state['step']})" if last_state
-                     else "no checkpoint was written")
-            raise TrainingDiverged(f"loss is {loss_val} at step {step + 1} (lr {lr:.3g}); stopped, {where}; "
-                                   f"try a lower --lr or longer --warmup-steps")
+            where = (
+                f"last good checkpoint: {out / ck.CHECKPOINT} (step {last_state['step']})"
+                if last_state
+                else "no checkpoint was written"
+            )
+            raise TrainingDiverged(
+                f"loss is {loss_val} at step {step + 1} (lr {lr:.3g}); stopped, {where}; "
+                f"try a lower --lr or longer --warmup-steps"
+            )
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
         optimizer.step()

@@ -18,8 +18,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
-                   device: torch.device) -> torch.optim.AdamW:
+def make_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], device: torch.device
+) -> torch.optim.AdamW:
     # fused kernels on CUDA (one launch for all parameters); the default foreach path elsewhere
     fused = device.type == "cuda"
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=fused or None)
