@@ -11,8 +11,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from qkvlab.config import ModelConfig
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from qkvlab.devices import DTYPE_BYTES, dtype_name
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
     """Distinct key/value tensors per layer x kv heads x head dim x bytes (every layer caches,
     shared weights or not)."""
     n_tensors = len(cfg.spec.cached_sources())
-    return cfg.n_layer * n_tensors * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+    return cfg.n_layer * n_tensors * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype_name(dtype)]
 
 
 def flops_per_token(cfg: ModelConfig, context: int | None = None) -> int:

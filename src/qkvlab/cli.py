@@ -11,8 +11,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from qkvlab.config import MLPS, NORMS, POSITIONS, PRESETS, ModelConfig, preset
+from qkvlab.config import PRESETS, ModelConfig, preset
 from qkvlab.errors import UserError
+from qkvlab.settings import add_options, config_to_text, nonempty, options_from_args, positive_int
 
 COMMANDS = {
     "info": "parameters, KV-cache bytes and FLOPs of a model config",
@@ -35,79 +36,44 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
-    return value
+_positive_int = positive_int  # commands' integer options share the settings' parsers
 
 
 def add_model_options(p: argparse.ArgumentParser, *, with_preset_default: bool = True) -> None:
+    """--preset plus one option per ModelConfig field (generated from its metadata)."""
     g = p.add_argument_group("model options")
     g.add_argument(
         "--preset",
         choices=list(PRESETS),
         default=None,
-        help=f"start from a preset (default: {DEFAULT_PRESET})" if with_preset_default else "start from a preset",
+        help=f"start from a model preset (default: {DEFAULT_PRESET})" if with_preset_default else "start from a preset",
     )
-    g.add_argument("--attn", metavar="SCHEME", help="projection scheme, e.g. Q-K-V, Id-K-V, Q-K=V, '(Q=K-V)+'")
-    g.add_argument("--kv-heads", type=_positive_int, metavar="N", help="key/value heads (n_head: MHA, g: GQA, 1: MQA)")
-    g.add_argument("--n-layer", type=_positive_int, metavar="N")
-    g.add_argument("--n-head", type=_positive_int, metavar="N")
-    g.add_argument("--d-model", type=_positive_int, metavar="N")
-    g.add_argument("--d-head", type=_positive_int, metavar="N")
-    g.add_argument(
-        "--mlp-hidden",
-        type=_positive_int,
-        metavar="N",
-        help="MLP width (with --match-params: the reference model's width)",
-    )
-    g.add_argument(
-        "--match-params", metavar="SCHEME", help="re-spend saved attention params on the MLP to match SCHEME"
-    )
-    g.add_argument("--mlp", choices=MLPS)
-    g.add_argument("--norm", choices=NORMS)
-    g.add_argument(
-        "--no-mlp-skip", dest="mlp_skip", action="store_false", default=None, help="no residual skip around the MLP"
-    )
-    g.add_argument("--share-layers", action="store_true", default=None, help="one block's weights for every layer")
-    g.add_argument("--pos", choices=POSITIONS)
-    g.add_argument("--vocab-size", type=_positive_int, metavar="N")
-    g.add_argument("--context", type=_positive_int, metavar="N")
-    g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument(
-        "--attn-scale", type=float, metavar="S", help="score scale (default 1/sqrt(d_head), 1/(2 sqrt(d_head)) with Id)"
-    )
-    g.add_argument("--dropout", type=float)
+    add_options(g, ModelConfig, defaults_in_help=False)  # the preset decides the defaults
 
 
-MODEL_OPTION_FIELDS = (
-    "attn",
-    "kv_heads",
-    "n_layer",
-    "n_head",
-    "d_model",
-    "d_head",
-    "mlp_hidden",
-    "match_params",
-    "mlp",
-    "norm",
-    "mlp_skip",
-    "share_layers",
-    "pos",
-    "vocab_size",
-    "context",
-    "bias",
-    "attn_scale",
-    "dropout",
-)
+def add_config_options(p: argparse.ArgumentParser, what: str = "settings") -> None:
+    """--config FILE and --print-config, for every command that runs something."""
+    p.add_argument("--config", metavar="FILE", type=nonempty, help=f"{what} file (.yaml/.yml/.toml/.json)")
+    p.add_argument(
+        "--print-config",
+        nargs="?",
+        const="yaml",
+        choices=("yaml", "json"),
+        help="print the resolved settings (YAML, or JSON) and exit",
+    )
+
+
+def print_config(args: argparse.Namespace, body: dict) -> bool:
+    """Print `body` if --print-config was given; True when the command should stop there."""
+    fmt = getattr(args, "print_config", None)
+    if fmt is None:
+        return False
+    print(config_to_text(body, fmt))
+    return True
 
 
 def model_overrides(args: argparse.Namespace) -> dict:
-    return {f: getattr(args, f) for f in MODEL_OPTION_FIELDS if getattr(args, f, None) is not None}
+    return options_from_args(args, ModelConfig)
 
 
 def model_config_from_args(args: argparse.Namespace, base: ModelConfig | None = None) -> ModelConfig:

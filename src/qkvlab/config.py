@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from qkvlab.errors import UserError
+from qkvlab.settings import setting
 from qkvlab.spec import ProjectionSpec, parse_scheme, validate_heads
 
 NORMS = ("layernorm", "rmsnorm", "none")
@@ -18,30 +18,36 @@ MLPS = ("gelu", "gelu_tanh", "relu", "swiglu")
 
 @dataclass
 class ModelConfig:
-    attn: str = "Q-K-V"
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 128
-    d_head: int | None = None  # None: d_model // n_head
-    kv_heads: int | None = None  # None: n_head (MHA); g: GQA-g; 1: MQA
-    attn_scale: float | None = None  # None: 1/sqrt(d_head), or 1/(2 sqrt(d_head)) with an identity Q/K
-    plus_channels: int = 10  # m, channels of the 2D positional score term ("+" schemes)
-    mlp: str = "gelu"
-    mlp_hidden: int | None = None  # None: 4 * d_model. With match_params: the reference's width
-    match_params: str | None = None  # MLP width chosen so params equal this scheme's (same config)
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    mlp_skip: bool = True  # residual skip around the MLP (Paper A's theorems need it off)
-    share_layers: bool = False  # one block's weights used by every layer (ALBERT-style)
-    pos: str = "learned"
-    rope_theta: float = 10000.0
-    vocab_size: int = 256
-    context: int = 256
-    bias: bool = False
-    dropout: float = 0.0
-    tie_embeddings: bool = True
-    causal: bool = True
-    init_std: float = 0.02
+    attn: str = setting("Q-K-V", help="projection scheme, e.g. Q-K-V, Id-K-V, Q-K=V, '(Q=K-V)+'", metavar="SCHEME")
+    n_layer: int = setting(4, help="transformer blocks")
+    n_head: int = setting(4, help="query heads")
+    d_model: int = setting(128, help="residual stream width")
+    d_head: int | None = setting(None, help="width of one head (default d_model / n_head)")
+    kv_heads: int | None = setting(None, help="key/value heads (default n_head: MHA; g: GQA-g; 1: MQA)")
+    attn_scale: float | None = setting(
+        None, help="score scale (default 1/sqrt(d_head), 1/(2 sqrt(d_head)) with an identity Q or K)", metavar="S"
+    )
+    plus_channels: int = setting(10, help="channels m of the 2D positional score term ('+' schemes)")
+    mlp: str = setting("gelu", help="MLP activation", choices=MLPS)
+    mlp_hidden: int | None = setting(
+        None, help="MLP width (default 4 * d_model; with --match-params: the reference model's width)"
+    )
+    match_params: str | None = setting(
+        None, help="re-spend saved attention params on the MLP to match SCHEME's count", metavar="SCHEME"
+    )
+    norm: str = setting("layernorm", help="normalisation", choices=NORMS)
+    norm_eps: float = setting(1e-5, help="epsilon of the norms")
+    mlp_skip: bool = setting(True, help="residual skip around the MLP (Paper A's theorems need it off)")
+    share_layers: bool = setting(False, help="one block's weights for every layer (ALBERT-style)")
+    pos: str = setting("learned", help="input positions", choices=POSITIONS)
+    rope_theta: float = setting(10000.0, help="rotary base (pos=rope)")
+    vocab_size: int = setting(256, help="vocabulary size (tasks fit it to their data)")
+    context: int = setting(256, help="longest sequence (positions)")
+    bias: bool = setting(False, help="biases in linear layers")
+    dropout: float = setting(0.0, help="dropout probability")
+    tie_embeddings: bool = setting(True, help="output head shares the token embedding")
+    causal: bool = setting(True, help="causal attention (set by the task)", cli=False)
+    init_std: float = setting(0.02, help="std of the normal initialisation")
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -90,6 +96,12 @@ class ModelConfig:
             raise UserError(f"pos=rope needs an even d_head, got {self.head_dim}")
         if spec.plus and (self.plus_channels < 2 or self.plus_channels % 2):
             raise UserError(f"plus_channels={self.plus_channels} must be an even number >= 2")
+        for name in ("attn_scale", "norm_eps", "rope_theta", "dropout", "init_std"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            ):
+                raise UserError(f"{name}={value!r} must be a finite number")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"dropout={self.dropout} must be in [0, 1)")
         if self.attn_scale is not None and not self.attn_scale > 0:
@@ -108,27 +120,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Validated config from a mapping; keys an older file lacks take the defaults."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise UserError(f"unknown model config key {unknown[0]!r}; allowed: {', '.join(sorted(names))}")
         return cls(**data).validate()
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> ModelConfig:
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise UserError(f"{path}: no such file (expected a qkvlab config.json)") from None
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        data = data.get("model", data) if isinstance(data, dict) else data
-        if not isinstance(data, dict):
-            raise UserError(f"{path}: expected a JSON object with model config keys")
-        return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -1,9 +1,10 @@
-"""Train a model: a preset or config file (YAML/TOML) plus command-line overrides.
+"""Train a model: a preset or config file (YAML/TOML/JSON) plus command-line overrides.
 
   qkvlab train --preset tiny --out runs/tiny
   qkvlab train run.yaml --out runs/a --attn Id-K-V --weight-decay 0.03125
   qkvlab train --out runs/a --resume                 # continue after a crash or kill
-  torchrun --nproc-per-node 2 -m qkvlab.cli train --preset small --out runs/ddp
+  qkvlab train --preset tiny --attn Id-K-V --print-config
+  torchrun --nproc-per-node 2 -m qkvlab train --preset small --out runs/ddp
 
 OUT gets metrics.jsonl, checkpoint/, and the final model (OUT is a model folder).
 Exit status: 0 done, 2 bad input, 3 the loss became non-finite.
@@ -11,46 +12,33 @@ Exit status: 0 done, 2 bad input, 3 the loss became non-finite.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
-from qkvlab.cli import DEFAULT_PRESET, add_model_options, model_overrides
+from qkvlab.cli import DEFAULT_PRESET, add_config_options, add_model_options, model_overrides, print_config
 from qkvlab.errors import UserError
-
-# flag -> TrainConfig key (types are checked by TrainConfig.validate, so errors name the key)
-TRAIN_FLAGS: dict[str, tuple[str, type]] = {
-    "--max-steps": ("max_steps", int),
-    "--seed": ("seed", int),
-    "--batch-size": ("batch_size", int),
-    "--grad-accum": ("grad_accum", int),
-    "--micro-batch-size": ("micro_batch_size", int),
-    "--lr": ("lr", float),
-    "--min-lr": ("min_lr", float),
-    "--warmup-steps": ("warmup_steps", int),
-    "--weight-decay": ("weight_decay", float),
-    "--grad-clip": ("grad_clip", float),
-    "--eval-every": ("eval_every", int),
-    "--eval-batches": ("eval_batches", int),
-    "--eval-batch-size": ("eval_batch_size", int),
-    "--checkpoint-every": ("checkpoint_every", int),
-    "--dtype": ("dtype", str),
-    "--device": ("device", str),
-    "--sharding": ("sharding", str),
-    "--log-every": ("log_every", int),
-}
+from qkvlab.settings import add_options, nonempty, options_from_args, parse_key_values, positive_int
 
 
 def add_arguments(p) -> None:
-    p.add_argument("config", nargs="?", metavar="CONFIG", help="training config file (.yaml/.yml/.toml/.json)")
-    p.add_argument("--out", required=True, metavar="DIR", help="run folder (metrics, checkpoint, final model)")
+    p.add_argument(
+        "config_path", nargs="?", type=nonempty, metavar="CONFIG", help="training config file (same as --config)"
+    )
+    add_config_options(p, "training config")
+    p.add_argument("--out", type=nonempty, metavar="DIR", help="run folder (metrics, checkpoint, final model)")
     p.add_argument("--resume", action="store_true", help="continue from DIR's last complete checkpoint")
-    p.add_argument("--task", metavar="NAME", help="task (default lm)")
-    p.add_argument("--data", metavar="SOURCE", help="lm corpus: a path, 'shakespeare[:genres]' or 'hf:NAME?split=..'")
-    p.add_argument("--tokenizer", metavar="SPEC", help="lm tokenizer: bpe:N, char or gpt2")
-    p.add_argument("--block-size", type=int, metavar="T", help="lm training window (default: the model context)")
+    p.add_argument(
+        "--data",
+        type=nonempty,
+        metavar="SOURCE",
+        help="lm corpus: a path, 'shakespeare[:genres]' or 'hf:NAME?split=..'",
+    )
+    p.add_argument("--tokenizer", type=nonempty, metavar="SPEC", help="lm tokenizer: bpe:N, char or gpt2")
+    p.add_argument(
+        "--block-size", type=positive_int, metavar="T", help="lm training window (default: the model context)"
+    )
     p.add_argument(
         "--task-option",
         action="append",
@@ -58,37 +46,21 @@ def add_arguments(p) -> None:
         metavar="KEY=VALUE",
         help="any task option (VALUE read as YAML), repeatable",
     )
-    g = p.add_argument_group("training options")
-    for flag, (key, kind) in TRAIN_FLAGS.items():
-        g.add_argument(flag, dest=key, type=kind, metavar=key.upper().split("_")[-1])
-    g.add_argument("--betas", type=_betas, metavar="B1,B2")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
-    g.add_argument("--tensorboard", dest="log_tensorboard", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from qkvlab.train.config import TrainConfig
+
+    add_options(p, TrainConfig, title="training options (default: the preset's)", defaults_in_help=False)
     add_model_options(p)
 
 
-def _betas(text: str) -> tuple[float, float]:
-    try:
-        b1, b2 = (float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not two numbers B1,B2") from None
-    return b1, b2
-
-
 def overrides_from_args(args) -> dict:
-    import yaml
+    from qkvlab.train.config import TrainConfig
 
-    over: dict = {k: getattr(args, k) for k, _ in TRAIN_FLAGS.values() if getattr(args, k, None) is not None}
-    for key in ("betas", "compile", "log_tensorboard", "task", "preset"):
-        if getattr(args, key, None) is not None:
-            over[key] = getattr(args, key)
+    over: dict = options_from_args(args, TrainConfig)
+    if args.preset is not None:
+        over["preset"] = args.preset
     opts = {k: getattr(args, k) for k in ("data", "tokenizer", "block_size") if getattr(args, k) is not None}
-    for item in args.task_option:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise UserError(f"--task-option {item!r} must be KEY=VALUE")
-        opts[key] = yaml.safe_load(value)
+    opts.update(parse_key_values(args.task_option))
     if opts:
         over["task_options"] = opts
     model = model_overrides(args)
@@ -97,17 +69,30 @@ def overrides_from_args(args) -> dict:
     return over
 
 
-def run(args) -> int:
+def resolve(args):
+    """The TrainConfig the command line describes."""
     from qkvlab.train.config import TrainConfig, load_train_config, merge
-    from qkvlab.train.loop import TRAIN_CONFIG, TrainingDiverged, train
+    from qkvlab.train.loop import TRAIN_CONFIG
 
+    if args.config and args.config_path and args.config != args.config_path:
+        raise UserError(f"two config files given ({args.config_path} and --config {args.config}); give one")
+    path = args.config or args.config_path
     overrides = overrides_from_args(args)
-    saved = Path(args.out) / TRAIN_CONFIG
-    if args.resume and args.config is None and "preset" not in overrides and saved.is_file():
+    saved = Path(args.out) / TRAIN_CONFIG if args.out else None
+    if args.resume and path is None and "preset" not in overrides and saved is not None and saved.is_file():
         # `qkvlab train --out DIR --resume` alone continues DIR's run with the config it started with
-        cfg = TrainConfig.from_dict(merge(json.loads(saved.read_text()), overrides))
-    else:
-        cfg = load_train_config(args.config, overrides, default_preset=DEFAULT_PRESET)
+        return TrainConfig.from_dict(merge(json.loads(saved.read_text()), overrides))
+    return load_train_config(path, overrides, default_preset=DEFAULT_PRESET)
+
+
+def run(args) -> int:
+    from qkvlab.train.loop import TrainingDiverged, train
+
+    cfg = resolve(args)
+    if print_config(args, cfg.to_dict()):
+        return 0
+    if args.out is None:
+        raise UserError("--out DIR is required (the run folder)")
     try:
         result = train(cfg, args.out, resume=args.resume, progress=not args.quiet)
     except TrainingDiverged as e:

@@ -8,46 +8,75 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qkvlab.config import PRESETS as MODEL_PRESETS
 from qkvlab.config import ModelConfig, preset
+from qkvlab.devices import check_device, check_dtype
 from qkvlab.errors import UserError
+from qkvlab.settings import resumable_fields, setting
 
-DTYPES = ("auto", "float32", "bfloat16")
+TRAIN_DTYPES = ("fp32", "bf16")  # autocast dtypes; also spelled float32, bfloat16
 SHARDINGS = ("ddp", "fsdp")
+WEIGHT_DECAY = 0.1  # nanoGPT's, on weights with dim >= 2
+IDENTITY_WEIGHT_DECAY = 2**-5  # Paper A's identity models (an identity Q, K or V role)
+
+
+def default_weight_decay(model: ModelConfig) -> float:
+    """The recipe's weight decay for a model when the user sets none."""
+    return IDENTITY_WEIGHT_DECAY if model.spec.identity_role else WEIGHT_DECAY
 
 
 @dataclass
 class TrainConfig:
-    task: str = "lm"
-    task_options: dict[str, Any] = field(default_factory=dict)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    seed: int = 0
-    max_steps: int = 1000
-    batch_size: int = 32  # global sequences (examples) per optimizer step, over all ranks
-    grad_accum: int = 1  # micro-batches per rank per step
-    micro_batch_size: int | None = None  # if set, grad_accum = batch_size / (world * micro): scales to any world size
-    lr: float = 1e-3
-    min_lr: float | None = None  # end of the cosine; None: lr / 10
-    warmup_steps: int = 100
-    weight_decay: float = 0.1  # on weights with dim >= 2 (nanoGPT); Paper A's identity model: 2**-5
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0  # max global grad norm; 0 disables
-    eval_every: int = 100
-    eval_batches: int = 10
-    eval_batch_size: int | None = None  # None: the micro-batch size at world size 1
-    checkpoint_every: int | None = None  # None: eval_every
-    compile: bool = False
-    dtype: str = "auto"  # auto: bf16 autocast on CUDA, float32 elsewhere
-    device: str = "auto"  # auto: cuda:LOCAL_RANK if available, else cpu
-    sharding: str = "ddp"  # ddp: replicate; fsdp: FSDP2 fully_shard (params, grads, optimizer state)
-    log_tensorboard: bool = True  # OUT/tb when tensorboard is installed
-    log_every: int = 10  # progress-bar refresh (steps)
+    task: str = setting("lm", help="task name (lm, reverse, mnist5k, ...)", metavar="NAME")
+    task_options: dict[str, Any] = setting(
+        help="task options (--data, --tokenizer, --task-option KEY=VALUE)", default_factory=dict, cli=False
+    )
+    model: ModelConfig = setting(help="the model (model options)", default_factory=ModelConfig, cli=False)
+    seed: int = setting(0, help="seed of the initial weights and the data order")
+    max_steps: int = setting(1000, help="optimizer steps (may grow on resume)", resumable=True)
+    batch_size: int = setting(32, help="global sequences (examples) per optimizer step, over all ranks")
+    grad_accum: int = setting(1, help="micro-batches per rank per step")
+    micro_batch_size: int | None = setting(
+        None, help="sequences per micro-batch; then grad_accum = batch_size / (world * micro): any world size"
+    )
+    lr: float = setting(1e-3, help="peak learning rate")
+    min_lr: float | None = setting(None, help="end of the cosine (default lr / 10)")
+    warmup_steps: int = setting(100, help="linear warmup steps")
+    weight_decay: float | None = setting(
+        None,
+        help=f"AdamW weight decay on weights with dim >= 2 (default {WEIGHT_DECAY}; "
+        f"{IDENTITY_WEIGHT_DECAY} for schemes with an identity role, Paper A)",
+    )
+    betas: tuple[float, float] = setting((0.9, 0.95), help="AdamW betas", metavar="B1,B2")
+    grad_clip: float = setting(1.0, help="max global grad norm; 0 disables")
+    eval_every: int = setting(100, help="steps between evaluations", resumable=True)
+    eval_batches: int = setting(10, help="batches per evaluation")
+    eval_batch_size: int | None = setting(None, help="examples per eval batch (default: the micro-batch size)")
+    checkpoint_every: int | None = setting(None, help="steps between checkpoints (default eval_every)", resumable=True)
+    compile: bool = setting(False, help="torch.compile the model", resumable=True)
+    dtype: str = setting(
+        "auto",
+        help="autocast dtype (auto: bf16 on CUDA, fp32 elsewhere)",
+        choices=("auto", *TRAIN_DTYPES, "float32", "bfloat16"),
+    )
+    device: str = setting(
+        "auto", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:N, mps", resumable=True
+    )
+    sharding: str = setting(
+        "ddp",
+        help="ddp: replicate; fsdp: FSDP2 (params, grads, optimizer state sharded)",
+        choices=SHARDINGS,
+        resumable=True,
+    )
+    log_tensorboard: bool = setting(
+        True, help="TensorBoard logs in OUT/tb when tensorboard is installed", resumable=True, flags=("--tensorboard",)
+    )
+    log_every: int = setting(10, help="progress-bar refresh (steps)", resumable=True)
 
     # ---- derived ---------------------------------------------------------------------------
     @property
@@ -96,6 +125,8 @@ class TrainConfig:
         _check_int("seed", self.seed, minimum=0)
         _check_int("warmup_steps", self.warmup_steps, minimum=0)
         _check_float("lr", self.lr, positive=True)
+        if self.weight_decay is None:  # resolved here, so saved configs and --print-config show it
+            self.weight_decay = default_weight_decay(self.model)
         for name in ("weight_decay", "grad_clip"):
             _check_float(name, getattr(self, name))
         if self.min_lr is not None:
@@ -111,10 +142,9 @@ class TrainConfig:
         for name in ("compile", "log_tensorboard"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"{name}={getattr(self, name)!r} must be true or false")
-        _check_choice("dtype", self.dtype, DTYPES)
+        check_dtype(self.dtype, TRAIN_DTYPES)
         _check_choice("sharding", self.sharding, SHARDINGS)
-        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device):
-            raise UserError(f"device={self.device!r} is not allowed; use auto, cpu, cuda, cuda:N or mps")
+        check_device(self.device)
         self.accum_steps(1)
         from qkvlab.tasks import TASK_MODULES
 
@@ -153,6 +183,21 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return TrainConfig.from_dict(merge(self.to_dict(), changes))
+
+
+# changing these between a run and its resume keeps the replay exact (or only extends it)
+RESUMABLE_FIELDS = resumable_fields(TrainConfig)
+
+
+def changed_fields(saved: Mapping[str, Any], now: TrainConfig) -> list[str]:
+    """Fields (not resumable) whose saved value differs from `now`'s. The saved config is read
+    through TrainConfig first, so keys an older qkvlab did not write take today's defaults."""
+    try:
+        old = TrainConfig.from_dict(saved).to_dict()
+    except (UserError, TypeError):
+        old = dict(saved)
+    new = now.to_dict()
+    return [k for k in sorted(set(old) | set(new)) if k not in RESUMABLE_FIELDS and old.get(k) != new.get(k)]
 
 
 def _model_from_mapping(model: Mapping[str, Any], base: ModelConfig | None = None) -> ModelConfig:
@@ -245,7 +290,6 @@ TRAIN_PRESETS: dict[str, dict[str, Any]] = {
         lr=6e-4,
         min_lr=6e-5,
         warmup_steps=2000,
-        weight_decay=0.1,
         betas=(0.9, 0.95),
         grad_clip=1.0,
         eval_every=1000,
@@ -262,7 +306,6 @@ TRAIN_PRESETS: dict[str, dict[str, Any]] = {
         lr=2e-4,
         min_lr=2e-5,
         warmup_steps=500,
-        weight_decay=0.1,
         betas=(0.9, 0.95),
         grad_clip=1.0,
         eval_every=250,
@@ -279,7 +322,6 @@ TRAIN_PRESETS: dict[str, dict[str, Any]] = {
         lr=6e-5,
         min_lr=6e-6,
         warmup_steps=1000,
-        weight_decay=0.1,
         betas=(0.9, 0.95),
         grad_clip=1.0,
         eval_every=500,

@@ -22,28 +22,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.io import atomic_write_text
 from qkvlab.tasks import get_task
 from qkvlab.train import checkpoint as ck
 from qkvlab.train import distributed as D
-from qkvlab.train.config import TrainConfig
+from qkvlab.train.config import TrainConfig, changed_fields
 from qkvlab.train.optim import lr_at, make_optimizer
 
 METRICS = "metrics.jsonl"
 TRAIN_CONFIG = "train_config.json"
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")  # wall-clock, excluded from exact comparisons
-# changing these between a run and its resume keeps the replay exact (or only extends it)
-RESUMABLE = (
-    "max_steps",
-    "eval_every",
-    "checkpoint_every",
-    "compile",
-    "log_tensorboard",
-    "log_every",
-    "sharding",
-    "device",
-)
 
 
 class TrainingDiverged(RuntimeError):
@@ -108,12 +98,11 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
 
 def _check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> None:
     now = cfg.to_dict()
-    for key in sorted(set(saved) | set(now)):
-        if key not in RESUMABLE and saved.get(key) != now.get(key):
-            raise UserError(
-                f"{where} was trained with {key}={json.dumps(saved.get(key))}, not "
-                f"{json.dumps(now.get(key))}; resume with the same {key} or use another --out"
-            )
+    for key in changed_fields(saved, cfg):  # RESUMABLE_FIELDS (train/config.py) may change
+        raise UserError(
+            f"{where} was trained with {key}={json.dumps(saved.get(key))}, not "
+            f"{json.dumps(now.get(key))}; resume with the same {key} or use another --out"
+        )
 
 
 def _result(out: Path, cfg: TrainConfig, state: dict[str, Any], tokens_per_s: float) -> TrainResult:
@@ -201,11 +190,7 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, cfg.betas, env.device)
     fwd = torch.compile(raw) if cfg.compile else raw  # eval and the FSDP forward run this
     train_fwd = D.replicate(fwd, env) if env.distributed and cfg.sharding == "ddp" else fwd
-    dtype = {
-        "auto": torch.bfloat16 if env.device.type == "cuda" else torch.float32,
-        "float32": torch.float32,
-        "bfloat16": torch.bfloat16,
-    }[cfg.dtype]
+    dtype = torch_dtype(cfg.dtype, env.device.type)
     autocast = torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
     if state is not None:  # resume

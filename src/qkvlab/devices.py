@@ -1,0 +1,68 @@
+"""One dtype vocabulary and one device resolver for every command.
+
+dtype names: fp32, bf16, fp16, fp64 (also spelled float32, bfloat16, float16, float64), and "auto"
+(bf16 on CUDA, fp32 elsewhere). Devices: auto, cpu, cuda, cuda:N, mps. `resolve_device` is a pure
+function of (requested, CUDA available, local rank) so the distributed setup can call it as is.
+"""
+
+from __future__ import annotations
+
+import re
+
+from qkvlab.errors import UserError
+
+DTYPES = ("fp32", "bf16", "fp16", "fp64")
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps"
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
+
+
+def dtype_name(name: str, *, device_type: str = "cpu", allowed: tuple[str, ...] = DTYPES) -> str:
+    """Canonical short name of a dtype spelling; "auto" -> bf16 on CUDA, fp32 elsewhere."""
+    if name == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    short = DTYPE_ALIASES.get(name, name)
+    if short not in allowed:
+        raise UserError(f"dtype={name!r} is not allowed; use auto or one of {', '.join(allowed)}")
+    return short
+
+
+def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES) -> str:
+    """`name` unchanged if it is auto or an allowed spelling (configs keep what the user wrote)."""
+    if name != "auto":
+        dtype_name(name, allowed=allowed)
+    return name
+
+
+def torch_dtype(name: str, device_type: str = "cpu"):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[
+        dtype_name(name, device_type=device_type)
+    ]
+
+
+def check_device(name: str) -> str:
+    if not isinstance(name, str) or not _DEVICE.fullmatch(name):
+        raise UserError(f"device={name!r} is not allowed; use {DEVICE_HELP}")
+    return name
+
+
+def resolve_device(requested: str, cuda_available: bool, local_rank: int = 0, per_rank: bool = False) -> str:
+    """The device string to use. auto: CUDA when available, else cpu. With `per_rank` (several ranks
+    or GPUs), a bare "cuda" becomes this rank's cuda:LOCAL_RANK. Pure: no torch calls."""
+    check_device(requested)
+    device = ("cuda" if cuda_available else "cpu") if requested == "auto" else requested
+    if device.startswith("cuda") and not cuda_available:
+        raise UserError(f"device={requested}: no CUDA device on this machine; use cpu or auto")
+    if device == "cuda" and per_rank:
+        device = f"cuda:{local_rank}"
+    return device
+
+
+def pick_device(requested: str = "auto"):
+    """torch.device for a single-process command (generate, bench)."""
+    import torch
+
+    return torch.device(resolve_device(requested, torch.cuda.is_available()))
