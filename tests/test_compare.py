@@ -12,18 +12,13 @@ import pytest
 
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
-from qkvlab.analysis.results import (
-    collect,
-    parse_variant,
-    parse_variants,
-    read_history,
-    run_finished,
-    write_manifest,
-    write_results,
-)
+from qkvlab.analysis.report import write_results
+from qkvlab.analysis.results import collect
+from qkvlab.analysis.runs import read_history, run_finished, write_manifest
 from qkvlab.cli import main
 from qkvlab.config import preset
 from qkvlab.errors import UserError
+from qkvlab.variants import parse_variant, parse_variants
 
 
 # ---- variants --------------------------------------------------------------------------------
@@ -346,15 +341,13 @@ def test_full_grid_plan(tmp_path, capsys):
 def test_full_grid_drops_points_a_task_cannot_take():
     """Paper B's vision grid has patch 7, which does not divide 8-px digits: those points are
     skipped (with a note), the others kept; nothing is trained here."""
-    from qkvlab.cli import build_parser
-    from qkvlab.commands import compare as C
+    from qkvlab.compare import CompareConfig
+    from qkvlab.compare import plan as make_plan
+    from qkvlab.compare.execute import _check_tasks
 
-    args = build_parser("compare").parse_args(
-        ["compare", "--task", "digits", "--full-grid", "--variants", "Q-K-V", "--seeds", "1"]
-    )
-    plan, _ = C.make_plan(args)
+    plan = make_plan(CompareConfig(task="digits", full_grid=True, variants="Q-K-V", seeds=1)).runs
     notes = []
-    keep, metrics = C._check_tasks(plan, False, notes.append)
+    keep, metrics = _check_tasks(plan, False, notes.append)
     assert {r.point.split("-")[0] for r in plan} == {"p4", "p7"}
     assert {r.point.split("-")[0] for r in keep} == {"p4"} and len(keep) == len(plan) // 2
     assert notes and all("patch=7" in n for n in notes) and metrics["digits"]["metric"] == "accuracy"

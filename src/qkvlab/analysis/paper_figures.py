@@ -2,7 +2,7 @@
 
 Every figure comes from ``shared/papers.md`` (Paper A: Karbevski & Mijoski, arXiv 2510.23912;
 Paper B: Kayyam, Madan Gopal & Lewis, arXiv 2606.04032). Variant names use qkvlab's compare
-notation (``SCHEME[/OPTION...]``, see :mod:`qkvlab.analysis.results`): the paper's
+notation (``SCHEME[/OPTION...]``, see :mod:`qkvlab.variants`): the paper's
 "Q-K=V+MQA" is ``Q-K=V/MQA`` here, because ``+`` already names the 2D positional score term.
 
 A claim is checked against a table ``{task: {variant: Stat}}`` of a run's own results and
@@ -22,9 +22,9 @@ PAPER_A_NON_EMBEDDING_M = {
     "Q-K-V": 84.95,
     "Id-K-V": 77.88,
     "Id-K-V/mlp": 84.95,  # identity_larger_mlp: MLP 3456 re-spends the saved 12 * 768^2
+    "Q-K-V/mlp=Id-K-V": 77.88,  # original_smaller_mlp: MLP 2688 (3.5x)
+    "Q-K-V/width=Id-K-V": 79.73,  # original_smaller_overall: d_model 744, d_head 62
 }
-# Variants of Paper A without a scheme-level name in qkvlab (kept for the record).
-PAPER_A_SIZE_VARIANTS_M = {"original_smaller_mlp": 77.88, "original_smaller_overall": 79.73}
 PAPER_A_VAL_LOSS = {"Q-K-V": 3.016, "Id-K-V/mlp": 3.004}
 PAPER_A_OLD_RUN_VAL_LOSS = {"Q-K-V": 2.9159, "Id-K-V": 2.9274}  # after 170k steps
 

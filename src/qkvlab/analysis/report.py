@@ -1,0 +1,308 @@
+"""Results -> results.csv, results.md (tables beside the papers' figures, which orderings the runs
+reproduced) and the plots."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from qkvlab.accounting import analytic_params
+from qkvlab.analysis import paper_figures as pf
+from qkvlab.analysis.results import Results, collect
+from qkvlab.variants import BASELINE, parse_variant
+
+# ---- writing ----------------------------------------------------------------------------------
+CSV_COLUMNS = (
+    "task",
+    "variant",
+    "scheme",
+    "kv_heads",
+    "mlp_hidden",
+    "params_total",
+    "params_non_embedding",
+    "kv_cache_bytes_per_token",
+    "kv_cache_fraction",
+    "metric",
+    "metric_mean",
+    "metric_std",
+    "val_loss_mean",
+    "val_loss_std",
+    "ppl_change_pct_mean",
+    "ppl_change_pct_std",
+    "tokens_per_s",
+    "steps",
+    "seeds",
+    "seeds_planned",
+    "paper_metric",
+    "paper_ppl_change_pct",
+    "paper_kv_cache_fraction",
+)
+
+
+def csv_rows(res: Results) -> list[dict[str, Any]]:
+    out = []
+    for r in res.rows:
+        m, s = r.metric_mean_std
+        lm, ls = r.val_loss_mean_std
+        pc = r.ppl_change_mean_std
+        pp = r.paper_ppl_change
+        out.append(
+            {
+                "task": r.task,
+                "variant": r.variant,
+                "scheme": r.cfg.spec.name,
+                "kv_heads": r.cfg.n_kv_heads,
+                "mlp_hidden": r.cfg.hidden,
+                "params_total": r.params.total,
+                "params_non_embedding": r.params.non_embedding,
+                "kv_cache_bytes_per_token": r.kv_bytes if r.causal else "",
+                "kv_cache_fraction": round(r.kv_fraction, 6) if r.causal else "",
+                "metric": r.metric,
+                "metric_mean": m,
+                "metric_std": s,
+                "val_loss_mean": lm,
+                "val_loss_std": ls,
+                "ppl_change_pct_mean": pc[0] if pc else "",
+                "ppl_change_pct_std": pc[1] if pc else "",
+                "tokens_per_s": round(r.tokens_per_s, 1) if r.tokens_per_s else "",
+                "steps": r.steps,
+                "seeds": r.n,
+                "seeds_planned": r.planned,
+                "paper_metric": r.paper_metric if r.paper_metric is not None else "",
+                "paper_ppl_change_pct": pp.value if pp else "",
+                "paper_kv_cache_fraction": r.paper_kv_fraction if r.paper_kv_fraction is not None else "",
+            }
+        )
+    return out
+
+
+def to_csv(res: Results) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    w.writeheader()
+    w.writerows(csv_rows(res))
+    return buf.getvalue()
+
+
+def _human(n: float) -> str:
+    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:g}"
+
+
+def _pm(ms: tuple[float, float] | None, fmt: str = "{:.4f}", n: int = 1) -> str:
+    if ms is None:
+        return "–"
+    m, s = ms
+    return fmt.format(m) + (" ± " + fmt.format(s).lstrip("+") if n > 1 else "")
+
+
+def _pct(x: float | None) -> str:
+    if x is None:
+        return "–"
+    return f"{100 * x:.1f}%" if x >= 0.1 else f"{100 * x:.2g}%"
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> str:
+    align = align or "l" + "r" * (len(header) - 1)
+    sep = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def lm_table(res: Results, task: str) -> str:
+    rows = [r for r in res.rows if r.task == task]
+    header = [
+        "variant",
+        "params",
+        "non-emb. params",
+        "KV cache B/token (bf16)",
+        "KV vs Q-K-V",
+        "val loss",
+        "ppl vs Q-K-V",
+        "tokens/s",
+        "seeds",
+        "paper: ppl vs Q-K-V",
+        "paper: KV vs Q-K-V",
+    ]
+    body = []
+    for r in rows:
+        pc, pp, pk = r.ppl_change_mean_std, r.paper_ppl_change, r.paper_kv_fraction
+        body.append(
+            [
+                f"`{r.variant}`",
+                _human(r.params.total),
+                _human(r.params.non_embedding),
+                f"{r.kv_bytes:,}",
+                _pct(r.kv_fraction),
+                _pm(r.val_loss_mean_std, n=r.n),
+                ("reference" if r.variant == BASELINE else _pm(pc, "{:+.2f}%", r.n)) if pc else "–",
+                f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "–",
+                f"{r.n}/{r.planned}",
+                str(pp) if pp else "–",
+                _pct(pk),
+            ]
+        )
+    return _md_table(header, body)
+
+
+def family_table(res: Results, tasks: Sequence[str]) -> str:
+    variants = [v for v in res.variants if any(res.row(t, v) for t in tasks)]
+    metric = next(r.metric for r in res.rows if r.task in tasks)
+    header = ["variant", "params"] + [f"{t} {metric}" for t in tasks] + ["mean", "paper mean"]
+    body = []
+    for v in variants:
+        cells, means, paper = [], [], []
+        first = next(res.row(t, v) for t in tasks if res.row(t, v))
+        for t in tasks:
+            r = res.row(t, v)
+            if r is None:
+                cells.append("–")
+                continue
+            means.append(r.metric_mean_std[0])
+            pv = r.paper_metric
+            paper.append(pv)
+            cells.append(_pm(r.metric_mean_std, "{:.3f}", r.n) + (f" ({pv:.3f})" if pv is not None else ""))
+        mean = f"{sum(means) / len(means):.3f}" if len(means) == len(tasks) else "–"
+        paper_mean = (
+            f"{sum(paper) / len(paper):.3f}"
+            if paper and all(p is not None for p in paper) and len(paper) == len(tasks)
+            else "–"
+        )
+        body.append([f"`{v}`", _human(first.params.total)] + cells + [mean, paper_mean])
+    return _md_table(header, body)
+
+
+def paper_a_params_table() -> str:
+    """Our analytic counts at Paper A's GPT-2 small config against the paper's figures."""
+    from qkvlab.config import preset
+
+    base = preset("gpt2-124m")
+    body = []
+    for name, paper in pf.PAPER_A_NON_EMBEDDING_M.items():
+        ours = analytic_params(parse_variant(name).apply(base)).non_embedding / 1e6
+        body.append([f"`{name}`", f"{ours:.2f}M", f"{paper:.2f}M", "yes" if abs(ours - paper) < 0.005 else "no"])
+    return _md_table(["variant", "qkvlab (analytic)", "Paper A", "match"], body, "lrrl")
+
+
+ICON = {pf.REPRODUCED: "✅", pf.NOT_REPRODUCED: "❌", pf.NOT_TESTED: "➖"}
+
+
+def verdicts_md(verdicts: Sequence[pf.Verdict]) -> str:
+    if not verdicts:
+        return "No claim of the papers covers these tasks.\n"
+    tested = [v for v in verdicts if v.status != pf.NOT_TESTED]
+    untested = [v for v in verdicts if v.status == pf.NOT_TESTED]
+    ok = sum(v.status == pf.REPRODUCED for v in tested)
+    lines = [f"Reproduced {ok} of {len(tested)} claims tested here.", ""]
+    for v in tested:
+        lines.append(f"- {ICON[v.status]} **{v.status}** — Paper {v.claim.paper}: {v.claim.text}. Here: {v.detail}.")
+    if untested:
+        lines += [
+            "",
+            f"Not tested ({len(untested)}; a variant or task they need was not run): "
+            + "; ".join(f"{v.claim.text} ({v.detail})" for v in untested)
+            + ".",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _run_section(res: Results) -> str:
+    m = res.manifest
+    lines = []
+    if m.get("command"):
+        lines.append(f"- command: `{m['command']}`")
+    tr = m.get("train", {})
+    if tr:
+        keys = ("preset", "max_steps", "batch_size", "lr", "warmup_steps", "eval_every", "eval_batches", "dtype")
+        lines.append("- training: " + ", ".join(f"{k} {tr[k]}" for k in keys if k in tr))
+    model = res.runs[0].cfg.to_dict() if res.runs else m.get("model", {})  # as trained (vocab fitted to data)
+    if model:
+        keys = ("n_layer", "n_head", "d_model", "mlp_hidden", "context", "vocab_size", "norm", "pos", "mlp")
+        lines.append("- base model: " + ", ".join(f"{k} {model[k]}" for k in keys if model.get(k) is not None))
+    if m.get("task_options"):
+        lines.append(f"- task options: {json.dumps(m['task_options'])}")
+    if m.get("grid"):
+        lines.append(
+            f"- grid: {len(m['grid'])} point(s): "
+            + "; ".join(g.get("label", "default") for g in m["grid"][:6])
+            + (" ..." if len(m["grid"]) > 6 else "")
+        )
+    seeds = f"seeds: {', '.join(map(str, m['seeds']))}; " if m.get("seeds") else ""
+    lines.append(
+        f"- {seeds}runs finished {len(res.runs)} of {len(m.get('runs', []))}"
+        + (f" (not finished: {len(res.missing)})" if res.missing else "")
+    )
+    t = m.get("timing", {})
+    if t:
+        lines.append(
+            f"- wall time: {t.get('wall_s', 0):.0f} s this invocation ({t.get('trained', 0)} runs trained, "
+            f"{t.get('skipped', 0)} already finished and skipped); training-step time summed over all runs "
+            f"{t.get('train_s_total', 0):.0f} s"
+        )
+    mach = m.get("machine", {})
+    if mach:
+        lines.append("- machine: " + ", ".join(f"{k} {v}" for k, v in mach.items()))
+    return "\n".join(lines) + "\n"
+
+
+def to_markdown(res: Results, plots: Sequence[str] = ()) -> str:
+    m = res.manifest
+    title = m.get("task_label") or ", ".join(res.tasks)
+    out = [f"# qkvlab compare: {title}", ""]
+    if not res.rows:
+        out += ["No run has finished yet.", ""]
+    lm_tasks = [t for t in res.tasks if all(r.metric == "val_loss" for r in res.rows if r.task == t)]
+    other = [t for t in res.tasks if t not in lm_tasks]
+    for t in lm_tasks:
+        out += [
+            f"## {t}: validation loss and perplexity",
+            "",
+            lm_table(res, t),
+            "",
+            "Mean ± sample std over seeds. Perplexity change is exp(loss − loss of Q-K-V) − 1, paired by seed. "
+            "KV cache: bytes per token over all layers in bf16 (the distinct key/value tensors). "
+            "Paper columns: Paper B 300M (SlimPajama, 10B tokens) and Paper A GPT-2 124M (OpenWebText); "
+            "KV vs Q-K-V of the paper is for its 16-head model (GQA-g keeps g of 16 heads).",
+            "",
+        ]
+    if other:
+        metric = res.rows[[r.task for r in res.rows].index(other[0])].metric
+        out += [
+            f"## {metric} per task",
+            "",
+            family_table(res, other),
+            "",
+            "Mean ± sample std over seeds (and grid points); in parentheses Paper B's Table 1/2 figure where it "
+            "reports one (mnist5k is compared with the paper's MNIST). Paper's grid and data are larger.",
+            "",
+        ]
+    out += ["## The papers' orderings", "", verdicts_md(res.verdicts())]
+    if "lm" in res.tasks:
+        out += ["## Paper A's parameter counts at GPT-2 small (analytic, no training)", "", paper_a_params_table(), ""]
+    if plots:
+        out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    out += ["## Run", "", _run_section(res)]
+    return "\n".join(out)
+
+
+def write_results(out_dir: str | Path, res: Results | None = None, *, plots: bool = True) -> Results:
+    """Collect (unless given) and write results.md, results.csv and the plots into out_dir."""
+    from qkvlab.io import atomic_write_text
+
+    out_dir = Path(out_dir)
+    res = res or collect(out_dir)
+    written: list[Path] = []
+    if plots and res.rows:
+        from qkvlab.analysis.plots import write_plots
+
+        written = write_plots(res, out_dir)
+    atomic_write_text(out_dir / "results.csv", to_csv(res))
+    atomic_write_text(out_dir / "results.md", to_markdown(res, [str(p) for p in written]))
+    return res

@@ -1,0 +1,93 @@
+"""A compare folder on disk: ``compare.json`` (the plan: tasks, variants, seeds, run folders,
+timing, machine) and one run folder per (task, variant, seed), each written by the train loop
+(``metrics.jsonl``, ``config.json`` whose ``train.finished`` is true, ``model.safetensors``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qkvlab.config import ModelConfig
+from qkvlab.errors import UserError
+
+MANIFEST = "compare.json"
+
+# ---- runs -------------------------------------------------------------------------------------
+METRICS, CONFIG, WEIGHTS = "metrics.jsonl", "config.json", "model.safetensors"
+
+
+def run_finished(run_dir: str | Path) -> bool:
+    """A run is finished when its final model and metrics exist (config.json says finished)."""
+    d = Path(run_dir)
+    if not ((d / WEIGHTS).is_file() and (d / METRICS).is_file() and (d / CONFIG).is_file()):
+        return False
+    try:
+        body = json.loads((d / CONFIG).read_text())
+        return bool(body.get("finished") or (body.get("train") or {}).get("finished"))
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+
+
+def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
+    rows = []
+    path = Path(run_dir) / METRICS
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise UserError(f"{path}:{n}: not a JSON line") from None
+    if not rows:
+        raise UserError(f"{path}: no metrics rows")
+    return rows
+
+
+@dataclass
+class Run:
+    task: str
+    variant: str
+    seed: int
+    dir: Path
+    cfg: ModelConfig
+    history: list[dict[str, Any]]
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.history[-1]
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        vals = [r["tokens_per_s"] for r in self.history if r.get("step", 0) > 0 and r.get("tokens_per_s")]
+        return sum(vals) / len(vals) if vals else None
+
+    def curve(self, key: str = "val_loss") -> tuple[list[float], list[float]]:
+        pts = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def load_run(task: str, variant: str, seed: int, run_dir: str | Path) -> Run:
+    from qkvlab.io import read_config
+
+    cfg, _ = read_config(run_dir)
+    return Run(task, variant, seed, Path(run_dir), cfg, read_history(run_dir))
+
+
+# ---- manifest ---------------------------------------------------------------------------------
+def read_manifest(out_dir: str | Path) -> dict[str, Any]:
+    path = Path(out_dir) / MANIFEST
+    if not path.is_file():
+        raise UserError(f"{path}: no such file (a compare folder is written by `qkvlab compare`)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg})") from None
+
+
+def write_manifest(out_dir: str | Path, manifest: dict[str, Any]) -> None:
+    from qkvlab.io import atomic_write_text
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(out_dir) / MANIFEST, json.dumps(manifest, indent=2) + "\n")

@@ -1,0 +1,275 @@
+"""Running a plan: the runs train in parallel processes on CPU (one thread each), or one at a time
+over every rank under torchrun; compare.json records the plan, machine and timing; results.md,
+results.csv and the plots are written at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qkvlab.compare.planning import Plan, PlannedRun, run_state
+from qkvlab.compare.recipes import CPU_RECIPES
+from qkvlab.errors import UserError
+
+
+@dataclass
+class Outcome:
+    """What `run` did: the results (None on ranks other than 0) and the runs that diverged."""
+
+    out: Path
+    results: Any = None  # qkvlab.analysis.results.Results
+    failures: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _train_one(cfg, out_dir: str, progress: bool):
+    from qkvlab.train.loop import TrainingDiverged, train
+
+    t0 = time.perf_counter()
+    try:
+        res = train(cfg, out_dir, resume=True, progress=progress)
+    except TrainingDiverged as e:
+        return {"error": str(e), "seconds": time.perf_counter() - t0}
+    return {
+        "metrics": res.metrics,
+        "metric": res.metric,
+        "higher_is_better": res.higher_is_better,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def fmt_time(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class Progress:
+    """One line per finished run: run i/N, its score, elapsed and ETA."""
+
+    def __init__(self, total: int, done: int, to_train: int, say: Callable[..., None] = print):
+        self.total, self.done, self.to_train, self.trained = total, done, to_train, 0
+        self.t0 = time.perf_counter()
+        self.say = say
+
+    def update(self, run: PlannedRun, result: dict[str, Any]) -> None:
+        self.done += 1
+        self.trained += 1
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / self.trained * (self.to_train - self.trained)
+        if "error" in result:
+            score = f"FAILED: {result['error']}"
+        else:
+            m = result["metric"]
+            score = f"{m} {result['metrics'].get(m, float('nan')):.4f}"
+        where = f"{run.task}{'/' + run.point if run.point else ''} {run.variant.name} seed {run.seed}"
+        self.say(
+            f"[run {self.done}/{self.total}] {where}: {score} ({result['seconds']:.0f} s)  "
+            f"elapsed {fmt_time(elapsed)}  ETA {fmt_time(eta)}",
+            flush=True,
+        )
+
+
+def machine_info(jobs: int, threads: int, device: str, world: int) -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "load_avg_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(terse=True),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+        "jobs": jobs,
+        "threads_per_job": threads,
+        "world_size": world,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _check_tasks(plan: list[PlannedRun], family_request: bool, say) -> tuple[list[PlannedRun], dict[str, Any]]:
+    """Build each task once per distinct option set (validates options and data, caches a tokenized
+    corpus before parallel runs read it); read its metric. With a family, a task whose data is
+    missing is skipped with a note, and so is a grid point a task cannot take (e.g. patch 7 on
+    32-px images); a task named alone at its default point fails with its one-line error."""
+    from qkvlab.tasks import get_task
+
+    metrics: dict[str, Any] = {}
+    checked: dict[tuple[str, str], bool] = {}
+    for run in plan:
+        key = (run.task, json.dumps(run.cfg.task_options, sort_keys=True, default=str))
+        if key in checked:
+            continue
+        try:
+            t = get_task(run.task, **run.cfg.task_options)
+            t.adapt_config(run.cfg.model)
+        except UserError as e:
+            if run.task == "lm" or not (family_request or run.point):
+                raise
+            say(f"compare: skipping {run.task}{' at ' + run.point if run.point else ''}: {e}")
+            checked[key] = False
+            continue
+        checked[key] = True
+        metrics[run.task] = {"metric": t.metric, "higher_is_better": bool(t.higher_is_better)}
+        del t
+    keep = [r for r in plan if checked[(r.task, json.dumps(r.cfg.task_options, sort_keys=True, default=str))]]
+    return keep, metrics
+
+
+def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = print) -> Outcome:
+    """Train every run of `plan` that is not finished (resuming interrupted ones), then write the
+    results. `command` is recorded in compare.json; `say` gets the progress lines (rank 0 only)."""
+    t_start = time.perf_counter()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if int(os.environ.get("RANK", "0")) != 0:
+        say = lambda *a, **k: None  # noqa: E731
+    env = None
+    if world > 1:  # under torchrun every rank walks the same plan; each run is one distributed train()
+        from qkvlab.train import distributed as D
+
+        env = D.setup(plan.config.device)
+    try:
+        return _run_plan(plan, env, say, t_start, command)
+    finally:
+        if env is not None:
+            from qkvlab.train import distributed as D
+
+            D.teardown(env)
+
+
+def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outcome:
+    from qkvlab.analysis.runs import write_manifest
+    from qkvlab.devices import resolve_device
+    from qkvlab.tasks import FAMILIES
+    from qkvlab.train import distributed as D
+
+    cfg, out, runs = plan.config, plan.out, plan.runs
+    world = env.world if env is not None else 1
+    main = env is None or env.main
+    family_request = cfg.task in FAMILIES and cfg.task != "lm"
+    metrics: dict[str, Any] = {}
+    if main:
+        runs, metrics = _check_tasks(runs, family_request, say)
+        if not runs:
+            raise UserError(f"no task of {cfg.task!r} could be loaded")
+    if env is not None:  # rank 0's view of tasks and finished runs is everyone's
+        plan_rel, metrics = D.all_gather_object(env, ([r.rel for r in runs], metrics))[0]
+        runs = [r for r in runs if r.rel in set(plan_rel)]
+    states = [run_state(r) for r in runs]
+    if env is not None:
+        states = D.all_gather_object(env, states)[0]
+    todo = [r for r, s in zip(runs, states) if s != "finished"]
+
+    import torch
+
+    device = resolve_device(cfg.device, torch.cuda.is_available())
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    parallel = device == "cpu" and world == 1
+    jobs = min(cfg.jobs or min(cpus, 8), max(1, len(todo))) if parallel else 1
+    threads = (cfg.threads or max(1, cpus // jobs)) if parallel else None
+
+    manifest = {
+        "command": command,
+        "task_label": cfg.task,
+        **plan.info,
+        "train": {
+            "preset": cfg.preset or f"compare default ({CPU_RECIPES[plan.family]['preset']} + CPU recipe)",
+            **{k: v for k, v in runs[0].cfg.to_dict().items() if k not in ("model", "task_options")},
+        },
+        "model": runs[0].cfg.model.to_dict(),
+        "task_options": runs[0].cfg.task_options,
+        "metrics": metrics,
+        "runs": [
+            {"task": r.task, "variant": r.variant.name, "seed": r.seed, "point": r.point, "dir": r.rel} for r in runs
+        ],
+        "machine": machine_info(jobs, threads or 0, device, world),
+    }
+    if main:
+        write_manifest(out, manifest)
+        say(
+            f"compare: {len(runs)} runs in {out} ({len(runs) - len(todo)} finished already, {len(todo)} to train; "
+            + (
+                f"{jobs} parallel jobs x {threads} thread{'s' if threads > 1 else ''}"
+                if parallel
+                else f"one at a time on {device}" + (f" x {world} ranks" if world > 1 else "")
+            )
+            + ")",
+            flush=True,
+        )
+
+    progress = Progress(len(runs), len(runs) - len(todo), len(todo), say=say)
+    outcome = Outcome(out)
+
+    def record(r: PlannedRun, result: dict[str, Any]) -> None:
+        progress.update(r, result)
+        if "error" in result:
+            outcome.failures.append(f"{r.rel}: {result['error']}")
+
+    if parallel and jobs > 1:
+        import multiprocessing as mp
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+        with ProcessPoolExecutor(
+            jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(threads,)
+        ) as pool:
+            pending = {pool.submit(_train_one, r.cfg, str(r.dir), False): r for r in todo}
+            try:
+                while pending:
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        record(pending.pop(fut), fut.result())
+            except BaseException:
+                for fut in pending:
+                    fut.cancel()
+                raise
+    else:
+        if parallel:
+            _worker_init(threads)
+        for r in todo:
+            record(r, _train_one(r.cfg, str(r.dir), progress=not parallel and main))
+
+    outcome.wall_s = wall = time.perf_counter() - t_start
+    if main:
+        from qkvlab.analysis.report import write_results
+        from qkvlab.analysis.results import collect
+
+        res = collect(out)
+        manifest["timing"] = {
+            "wall_s": round(wall, 1),
+            "trained": len(todo),
+            "skipped": len(runs) - len(todo),
+            "train_s_total": round(sum(float(r.final.get("elapsed_s") or 0) for r in res.runs), 1),
+        }
+        write_manifest(out, manifest)
+        res.manifest = manifest
+        outcome.results = write_results(out, res, plots=cfg.plots)
+        say(
+            f"compare: wrote {out / 'results.md'}, {out / 'results.csv'}"
+            + (" and plots" if cfg.plots else "")
+            + f"; wall time {fmt_time(wall)} ({wall:.0f} s)"
+        )
+    if env is not None:
+        D.barrier(env)
+    return outcome

@@ -1,0 +1,300 @@
+"""A comparison's settings (`CompareConfig`) and its plan: one TrainConfig per (task, grid point,
+variant, seed), each with its run folder, and each run's state on disk (new, resume, finished)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qkvlab.compare.recipes import ANOMALY_GRID, CPU_RECIPES, DEFAULT_LM_VARIANTS, FULL_GRID_STEPS
+from qkvlab.config import PRESETS
+from qkvlab.errors import UserError
+from qkvlab.settings import setting
+from qkvlab.variants import Variant, parse_variants
+
+
+@dataclass
+class CompareConfig:
+    """What `qkvlab compare` reads; usable as is from Python (`plan(CompareConfig(task="reverse"))`)."""
+
+    task: str = setting(
+        "lm", help="a task (lm, reverse, mnist5k, ...) or a family (synthetic, vision, anomaly, segmentation)"
+    )
+    variants: str | None = setting(
+        None,
+        help="comma-separated SCHEME[/MQA|/GQA-g][/mlp[=SCHEME]|/width=SCHEME] "
+        "(default: the 8 LM variants, or Paper B's 6 schemes)",
+        metavar="LIST",
+    )
+    out: str | None = setting(None, help="compare folder (default runs/compare-<task>)", metavar="DIR")
+    seeds: int | None = setting(
+        None, help="seeds 0..N-1 per variant (default: 3 for lm, synthetic, anomaly; 2 for vision, segmentation)"
+    )
+    preset: str | None = setting(None, help="training preset (default: the CPU recipe)", choices=PRESETS, cli=False)
+    max_steps: int | None = setting(None, help="optimizer steps per run (default: the recipe's)", flags=("--steps",))
+    batch_size: int | None = setting(None, help="global examples per step (default: the recipe's)")
+    lr: float | None = setting(None, help="peak learning rate, min_lr = lr / 10 (default: the recipe's)")
+    eval_every: int | None = setting(None, help="steps between evaluations (default: the recipe's)")
+    full_grid: bool = setting(False, help="the paper's grid for the task family (long)")
+    data: str | None = setting(
+        None, help="lm corpus: a text file or folder, or hf:NAME (default Shakespeare)", metavar="PATH"
+    )
+    tokenizer: str | None = setting(None, help="lm tokenizer: bpe:N, char or gpt2", metavar="SPEC")
+    task_options: dict[str, Any] = setting(
+        help="task options (--task-option KEY=VALUE)", default_factory=dict, cli=False
+    )
+    model: dict[str, Any] = setting(help="model overrides (model options)", default_factory=dict, cli=False)
+    jobs: int | None = setting(None, help="runs trained at once on CPU, one thread each (default: CPU count, max 8)")
+    threads: int | None = setting(None, help="torch threads per job on CPU (default: CPU count / jobs)")
+    device: str = setting("auto", help="auto, cpu, cuda, cuda:N or mps")
+    plots: bool = setting(True, help="write the plots")
+
+    def validate(self) -> CompareConfig:
+        for key in ("attn", "kv_heads", "match_params"):
+            if self.model.get(key) is not None:
+                raise UserError(
+                    f"--{key.replace('_', '-')} sets one variant; compare takes --variants, "
+                    "e.g. --variants Q-K-V,Q-K=V/MQA,Id-K-V/mlp"
+                )
+        if self.preset is not None and self.preset not in PRESETS:
+            raise UserError(f"unknown preset {self.preset!r}; allowed: {', '.join(PRESETS)}")
+        from qkvlab.devices import check_device
+
+        check_device(self.device)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class PlannedRun:
+    task: str
+    variant: Variant
+    seed: int
+    point: str  # grid point label ("" for the default point)
+    cfg: Any  # TrainConfig
+    dir: Path
+
+    @property
+    def rel(self) -> str:
+        return str(Path(self.task, self.point, self.variant.slug, f"seed{self.seed}"))
+
+
+@dataclass
+class Plan:
+    config: CompareConfig
+    runs: list[PlannedRun]
+    family: str
+    tasks: list[str]
+    variants: list[Variant]
+    seeds: list[int]
+    grid: list[dict[str, Any]]
+    out: Path
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The plan's part of compare.json."""
+        return {
+            "family": self.family,
+            "tasks": self.tasks,
+            "variants": [v.name for v in self.variants],
+            "seeds": self.seeds,
+            "grid": [{"label": point_label(p) or "default", **p} for p in self.grid],
+            "out": str(self.out),
+        }
+
+    def describe(self, limit: int = 12) -> list[str]:
+        """Lines of a dry run: the totals, the per-run recipe, the first runs with their state."""
+        lines = [
+            f"compare plan: {len(self.runs)} runs into {self.out}: tasks {', '.join(self.tasks)}; "
+            f"variants {', '.join(v.name for v in self.variants)}; seeds {len(self.seeds)}; "
+            f"grid points {len(self.grid)}"
+        ]
+        c = self.runs[0].cfg
+        lines.append(
+            f"  per run: {c.max_steps} steps x {c.batch_size} examples, lr {c.lr}, model d{c.model.d_model} "
+            f"L{c.model.n_layer} h{c.model.n_head}"
+        )
+        lines += [f"  {r.rel}  [{run_state(r)}]" for r in self.runs[:limit]]
+        if len(self.runs) > limit:
+            lines.append(f"  ... {len(self.runs) - limit} more")
+        return lines
+
+
+def resolve_tasks(name: str) -> tuple[list[str], str]:
+    """A task or family name -> (task names, family). Unknown -> one-line error listing what is allowed."""
+    from qkvlab.tasks import FAMILIES, TASK_MODULES
+
+    if name in FAMILIES:
+        return list(FAMILIES[name]), name
+    if name in TASK_MODULES:
+        family = next((f for f, tasks in FAMILIES.items() if name in tasks), "vision")
+        return [name], family
+    raise UserError(
+        f"unknown task {name!r}; allowed: a family ({', '.join(FAMILIES)}) or a task ({', '.join(TASK_MODULES)})"
+    )
+
+
+def grid_points(family: str, full: bool) -> tuple[list[dict[str, Any]], int | None]:
+    """Grid points (dicts of overrides) and the grid's seed count (None: no opinion)."""
+    if not full:
+        return [{}], None
+    if family == "lm":
+        raise UserError(
+            "--full-grid is for the task families (synthetic, vision, anomaly, segmentation); "
+            "for lm use --preset paperB-300m or gpt2-124m"
+        )
+    if family == "anomaly":
+        grid = ANOMALY_GRID
+    else:
+        module = "qkvlab.tasks.vision" if family == "segmentation" else f"qkvlab.tasks.{family}"
+        grid = dict(importlib.import_module(module).PAPER_GRID)
+        if family == "segmentation":
+            grid.pop("patch", None)  # the canvas fixes the patch grid
+    axes = {k: v for k, v in grid.items() if isinstance(v, (tuple, list))}
+    seeds = grid.get("seeds", grid.get("runs"))
+    fixed = {k: v for k, v in grid.items() if k == "batch_size"}
+    points = [{**fixed, **dict(zip(axes, values))} for values in itertools.product(*axes.values())]
+    return points, seeds
+
+
+def point_label(point: dict[str, Any]) -> str:
+    short = {"d_model": "d", "n_layer": "L", "n_head": "h", "length": "len", "patch": "p", "lr": "lr"}
+    return "-".join(
+        f"{short.get(k, k)}{v:g}" if isinstance(v, float) else f"{short.get(k, k)}{v}"
+        for k, v in point.items()
+        if k != "batch_size"
+    )
+
+
+def split_overrides(point: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """A grid point -> (model keys, train keys, task options)."""
+    from qkvlab.config import ModelConfig
+    from qkvlab.train.config import TrainConfig
+
+    model_keys = {f.name for f in dataclasses.fields(ModelConfig)}
+    train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
+    model = {k: v for k, v in point.items() if k in model_keys}
+    train = {k: v for k, v in point.items() if k in train_keys and k not in model}
+    task = {k: v for k, v in point.items() if k not in model and k not in train}
+    return model, train, task
+
+
+def base_train_config(cfg: CompareConfig, family: str, task: str, point: dict[str, Any]):
+    """The TrainConfig of one grid point before the variant: preset recipe (or the CPU recipe),
+    grid point, then the settings' overrides."""
+    from qkvlab.config import preset as model_preset
+    from qkvlab.train.config import TRAIN_PRESETS, TrainConfig
+
+    recipe = CPU_RECIPES[family]
+    name = cfg.preset or recipe["preset"]
+    body = dict(TRAIN_PRESETS[name])
+    model_name = body.pop("model")
+    preset_task_options = body.pop("task_options", {})
+    if cfg.preset is None:
+        body.update(recipe["train"])
+    g_model, g_train, g_task = split_overrides(point)
+    body.update(g_train)
+    if cfg.full_grid and cfg.max_steps is None and "max_steps" not in g_train:
+        body["max_steps"] = FULL_GRID_STEPS.get(family, body["max_steps"])
+    for key in ("max_steps", "batch_size", "lr", "eval_every"):
+        if getattr(cfg, key) is not None:
+            body[key] = getattr(cfg, key)
+    if cfg.lr is not None and "min_lr" in body:
+        body["min_lr"] = cfg.lr / 10
+    if body.get("warmup_steps", 0) >= body["max_steps"]:
+        body["warmup_steps"] = max(0, body["max_steps"] // 10)
+    body["eval_every"] = min(body["eval_every"], body["max_steps"])
+
+    task_options = dict(preset_task_options) if task == "lm" else {}
+    if cfg.preset is None:
+        task_options.update(recipe["task_options"])
+    task_options.update(g_task)
+    if task == "lm":
+        if cfg.data is not None:
+            task_options["data"] = cfg.data
+        if cfg.tokenizer is not None:
+            task_options["tokenizer"] = cfg.tokenizer
+    elif cfg.data is not None or cfg.tokenizer is not None:
+        raise UserError(f"--data and --tokenizer are lm options; task {task} takes --task-option KEY=VALUE")
+    task_options.update(cfg.task_options)
+
+    overrides = dict(recipe["model"]) if cfg.preset is None else {}
+    overrides.update(g_model)
+    overrides.update(cfg.model)
+    model = model_preset(model_name, **overrides)
+    body.update(task=task, task_options=task_options, model=model, device=cfg.device, log_tensorboard=False)
+    return TrainConfig.from_dict(body)
+
+
+def plan(cfg: CompareConfig) -> Plan:
+    """Every run of the comparison, with its TrainConfig and folder (nothing is trained or written)."""
+    from qkvlab.train.config import default_weight_decay
+
+    cfg.validate()
+    tasks, family = resolve_tasks(cfg.task)
+    default_variants = DEFAULT_LM_VARIANTS if family == "lm" else _paper_b_schemes()
+    variants = parse_variants(cfg.variants if cfg.variants is not None else list(default_variants))
+    points, grid_seeds = grid_points(family, cfg.full_grid)
+    n_seeds = cfg.seeds or grid_seeds or (CPU_RECIPES[family]["seeds"] if cfg.preset is None else 1)
+    out = Path(cfg.out or f"runs/compare-{cfg.task}")
+    runs: list[PlannedRun] = []
+    for task in tasks:
+        for point in points:
+            base = base_train_config(cfg, family, task, point)
+            label = point_label(point)
+            for v in variants:
+                model = v.apply(base.model)
+                decay = default_weight_decay(model)  # the recipe's: 2**-5 with an identity role
+                for seed in range(n_seeds):
+                    train_cfg = dataclasses.replace(base, model=model, seed=seed, weight_decay=decay)
+                    run = PlannedRun(task, v, seed, label, train_cfg, out)
+                    run.dir = out / run.rel
+                    runs.append(run)
+    return Plan(cfg, runs, family, tasks, variants, list(range(n_seeds)), points, out)
+
+
+def _paper_b_schemes() -> tuple[str, ...]:
+    from qkvlab.analysis.paper_figures import PAPER_B_SCHEMES
+
+    return PAPER_B_SCHEMES
+
+
+# ---- run state --------------------------------------------------------------------------------
+def _saved_config(run_dir: Path) -> dict[str, Any] | None:
+    from qkvlab.io import read_config
+
+    try:
+        _, body = read_config(run_dir)
+    except UserError:
+        return None
+    return (body.get("train") or {}).get("config")
+
+
+def run_state(run: PlannedRun) -> str:
+    """'finished' (skip), 'resume' (train continues or extends it), 'new'. A finished or started
+    run with another recipe is a one-line error: compare never overwrites a run. A run folder
+    written by an older qkvlab (fewer config keys) is read with today's defaults for those keys."""
+    import json
+
+    from qkvlab.analysis.runs import run_finished
+    from qkvlab.train.config import changed_fields
+
+    if run_finished(run.dir):
+        saved = _saved_config(run.dir)
+        if saved is not None:
+            diff = changed_fields(saved, run.cfg)
+            if diff:
+                raise UserError(
+                    f"{run.dir} was trained with another {diff[0]} ({json.dumps(saved.get(diff[0]))}); "
+                    "use another --out or the same settings"
+                )
+            if saved.get("max_steps") != run.cfg.max_steps:
+                return "resume"
+        return "finished"
+    return "resume" if (run.dir / "checkpoint").exists() else "new"

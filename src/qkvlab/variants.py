@@ -1,0 +1,142 @@
+"""Variant notation, shared by compare, bench and their outputs: ``SCHEME[/OPTION...]``.
+
+SCHEME is a projection scheme (``Q-K-V``, ``Id-K-V``, ``Q-K=V``, ``(Q=K-V)+`` ...); options:
+
+- ``MQA``: one key/value head; ``GQA-g`` (or ``GQAg``): g key/value heads;
+- ``mlp``: MLP widened so the parameter count equals Q-K-V's (Paper A's identity_larger_mlp);
+  ``mlp=SCHEME`` matches another scheme's count (``Q-K-V/mlp=Id-K-V``: Paper A's
+  original_smaller_mlp, MLP 3.5x at GPT-2 small);
+- ``width=SCHEME``: d_model shrunk to the smallest multiple of n_head whose non-embedding
+  parameters are at least SCHEME's (``Q-K-V/width=Id-K-V``: Paper A's original_smaller_overall,
+  d_model 744 at GPT-2 small).
+
+e.g. ``Id-K-V/mlp``, ``Q-K=V/MQA``, ``Q-K=V/GQA-4``. ``/`` rather than the paper's "Q-K=V+MQA",
+because ``+`` already means the 2D positional score term. A list is comma-separated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qkvlab.config import ModelConfig
+from qkvlab.errors import UserError
+from qkvlab.spec import parse_scheme
+
+BASELINE = "Q-K-V"
+_GQA = re.compile(r"^GQA-?(\d+)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A scheme plus the options compare varies: key/value heads and a parameter-matched MLP or
+    width."""
+
+    scheme: str  # canonical, e.g. "Q-K=V"
+    kv_heads: int | None = None  # None: as many as query heads (MHA); 1: MQA; g: GQA-g
+    match: str | None = None  # match_params scheme (MLP re-spends saved params)
+    width: str | None = None  # d_model shrunk to this scheme's parameter count
+
+    @property
+    def name(self) -> str:
+        out = self.scheme
+        if self.kv_heads is not None:
+            out += "/MQA" if self.kv_heads == 1 else f"/GQA-{self.kv_heads}"
+        if self.match is not None:
+            out += "/mlp" if self.match == BASELINE else f"/mlp={self.match}"
+        if self.width is not None:
+            out += f"/width={self.width}"
+        return out
+
+    @property
+    def slug(self) -> str:
+        """A folder name without shell-special characters: Q-K=V/MQA -> Q-K=V_MQA."""
+        return self.name.replace("(", "").replace(")", "").replace("+", "plus").replace("/", "_")
+
+    def apply(self, cfg: ModelConfig) -> ModelConfig:
+        """The variant's model config on top of a base config (validated: one-line errors)."""
+        try:
+            out = cfg.replace(attn=self.scheme, kv_heads=self.kv_heads, match_params=self.match).validate()
+            if self.width is not None:
+                out = out.replace(d_model=matched_width(out, self.width), d_head=None)
+                if cfg.mlp_hidden is not None and cfg.mlp_hidden == 4 * cfg.d_model:
+                    out = out.replace(mlp_hidden=None)  # keeps following 4 * d_model
+                out = out.validate()
+            return out
+        except UserError as e:
+            raise UserError(f"variant {self.name}: {e}") from None
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> Variant:
+        kv = cfg.kv_heads if cfg.kv_heads not in (None, cfg.n_head) else None
+        match = parse_scheme(cfg.match_params).name if cfg.match_params else None
+        return cls(cfg.spec.name, kv, match)
+
+
+def matched_width(cfg: ModelConfig, scheme: str) -> int:
+    """Smallest multiple of n_head for d_model (d_head = d_model / n_head, MLP following d_model
+    unless set) whose non-embedding parameter count is at least `cfg` with `scheme`'s. Paper A's
+    original_smaller_overall: Q-K-V at d_model 744 vs Id-K-V at GPT-2 small."""
+    from qkvlab.accounting import analytic_params
+
+    target = analytic_params(cfg.replace(attn=scheme, match_params=None)).non_embedding
+    follow = cfg.mlp_hidden is not None and cfg.mlp_hidden == 4 * cfg.d_model
+    for k in range(1, cfg.d_model // cfg.n_head + 1):
+        d = k * cfg.n_head
+        trial = cfg.replace(d_model=d, d_head=None, mlp_hidden=None if follow else cfg.mlp_hidden)
+        if analytic_params(trial).non_embedding >= target:
+            return d
+    return cfg.d_model
+
+
+def parse_variant(text: str) -> Variant:
+    parts = [p.strip() for p in text.strip().split("/")]
+    if not parts[0]:
+        raise UserError(
+            f"variant {text!r} is empty; write SCHEME[/MQA|/GQA-g][/mlp[=SCHEME]|/width=SCHEME], e.g. Q-K=V/MQA"
+        )
+    try:
+        scheme = parse_scheme(parts[0]).name
+    except UserError as e:
+        raise UserError(f"variant {text!r}: {e}") from None
+    kv, match, width = None, None, None
+    for opt in parts[1:]:
+        gqa = _GQA.match(opt)
+        if opt.upper() == "MQA" and kv is None:
+            kv = 1
+        elif gqa and kv is None and int(gqa.group(1)) > 0:
+            kv = int(gqa.group(1))
+        elif opt.lower() == "mlp" and match is None:
+            match = BASELINE
+        elif opt.lower().startswith("mlp=") and match is None:
+            try:
+                match = parse_scheme(opt[4:]).name
+            except UserError as e:
+                raise UserError(f"variant {text!r}: {e}") from None
+        elif opt.lower().startswith("width=") and width is None and match is None:
+            try:
+                width = parse_scheme(opt[6:]).name
+            except UserError as e:
+                raise UserError(f"variant {text!r}: {e}") from None
+        else:
+            raise UserError(
+                f"variant {text!r}: option {opt!r} is not one of MQA, GQA-g, mlp, mlp=SCHEME, width=SCHEME "
+                "(each at most once; mlp or width, not both), e.g. Q-K=V/MQA or Id-K-V/mlp"
+            )
+    if width is not None and match is not None:
+        raise UserError(f"variant {text!r}: mlp and width both match parameters; give one (each at most once)")
+    return Variant(scheme, kv, match, width)
+
+
+def parse_variants(text: str | Sequence[str]) -> list[Variant]:
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out: list[Variant] = []
+    for item in items:
+        if item.strip():
+            v = parse_variant(item)
+            if v not in out:
+                out.append(v)
+    if not out:
+        raise UserError(f"--variants {text!r} names no variant; e.g. Q-K-V,Id-K-V/mlp,Q-K=V/MQA")
+    return out
