@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qkvlab.accounting import kv_cache_bytes_per_token
-from qkvlab.bench import hf_twin, parse_scheme_list
+from qkvlab.bench import BenchConfig, hf_twin, variant_configs
 from qkvlab.cache import KVCache
 from qkvlab.cli import main
 from qkvlab.config import ModelConfig
@@ -296,13 +296,13 @@ def test_transformers_gpt2_twin_computes_the_same_logits(scheme, kv):
         torch.testing.assert_close(hf(x).logits, model(x)[0], rtol=1e-4, atol=1e-4)
 
 
-def test_scheme_list_parsing():
-    cfg = cfg_for("Q-K-V")
-    names = [n for n, _ in parse_scheme_list("Q-K-V, Q-K=V:mqa ,Q-K=V:kv2", cfg)]
-    assert names == ["Q-K-V", "Q-K=V+MQA", "Q-K=V+GQA-2"]
-    for bad in ("Q-K-V:kvx", ",", "Q-X-V"):
+def test_bench_variants_use_the_compare_notation():
+    cfgs = variant_configs(BenchConfig(variants="Q-K-V, Q-K=V/mqa ,Q-K=V/GQA-2", preset="tiny").validate())
+    assert [n for n, _ in cfgs] == ["Q-K-V", "Q-K=V/MQA", "Q-K=V/GQA-2"]
+    assert [c.n_kv_heads for _, c in cfgs] == [4, 1, 2]
+    for bad in ("Q-K=V:mqa", ",", "Q-X-V"):
         with pytest.raises(UserError):
-            parse_scheme_list(bad, cfg)
+            BenchConfig(variants=bad, preset="tiny").validate()
 
 
 # ---- command lines ------------------------------------------------------------------------------
@@ -434,8 +434,8 @@ def test_cli_bench_json(tmp_path, capsys):
     csv = tmp_path / "cmp"
     csv.mkdir()
     (csv / "results.csv").write_text(
-        "variant,kv_cache_bytes_per_token,val_loss_mean,ppl_change_pct\n"
-        "Q-K-V,4096,3.1,0\nQ-K=V,2048,3.2,3.1\nQ-K=V+MQA,256,3.25,4.8\n"
+        "variant,kv_cache_bytes_per_token,val_loss_mean,ppl_change_pct_mean\n"
+        "Q-K-V,4096,3.1,0\nQ-K=V,2048,3.2,3.1\nQ-K=V/MQA,256,3.25,4.8\n"
     )
     rc = main(
         [
@@ -445,7 +445,7 @@ def test_cli_bench_json(tmp_path, capsys):
             "--context",
             "32",
             "--schemes",
-            "Q-K-V,Q-K=V:mqa",
+            "Q-K-V,Q-K=V/MQA",
             "--batch",
             "2",
             "--decode-batches",
@@ -472,7 +472,7 @@ def test_cli_bench_json(tmp_path, capsys):
     )
     assert rc == 0
     data = json.loads(out.read_text())["schemes"]
-    assert list(data) == ["Q-K-V", "Q-K=V+MQA"]
+    assert list(data) == ["Q-K-V", "Q-K=V/MQA"]
     for r in data.values():
         for key in (
             "kv_cache_bytes_allocated",
@@ -485,6 +485,6 @@ def test_cli_bench_json(tmp_path, capsys):
         assert r["kv_cache_bytes_allocated"] == r["kv_cache_bytes_analytic"]
         assert r["hf_max_logit_diff"] < 1e-4
     full = data["Q-K-V"]["kv_cache_bytes_allocated"]
-    assert 2 * 4 * data["Q-K=V+MQA"]["kv_cache_bytes_allocated"] == full  # tiny: 4 heads
-    assert data["Q-K=V+MQA"]["capacity_sequences"] > data["Q-K-V"]["capacity_sequences"]
+    assert 2 * 4 * data["Q-K=V/MQA"]["kv_cache_bytes_allocated"] == full  # tiny: 4 heads
+    assert data["Q-K=V/MQA"]["capacity_sequences"] > data["Q-K-V"]["capacity_sequences"]
     assert (tmp_path / "p.png").stat().st_size > 0

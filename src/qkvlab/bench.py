@@ -13,53 +13,114 @@ attention scale is folded into W_Q (GPT-2 always scales by 1/sqrt(d_head)).
 
 from __future__ import annotations
 
-import csv
+import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from qkvlab.accounting import analytic_params, flops_per_token, kv_cache_bytes_per_token
 from qkvlab.cache import KVCache
-from qkvlab.config import ModelConfig
+from qkvlab.config import PRESETS, ModelConfig, preset
+from qkvlab.devices import DEVICE_HELP, DTYPE_BYTES, check_device, dtype_name, pick_device, torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.generate import Sampling, stream
 from qkvlab.model import GPT
+from qkvlab.settings import setting
+from qkvlab.variants import parse_variants
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# ---- scheme lists -------------------------------------------------------------------------------
-def parse_scheme_list(text: str, cfg: ModelConfig) -> list[tuple[str, ModelConfig]]:
-    """'Q-K-V,Q-K=V,Q-K=V:kv1' -> [(label, config)]; ':kvN' sets kv_heads (':mqa' = 1)."""
-    out = []
-    for item in (s.strip() for s in text.split(",")):
-        if not item:
-            continue
-        scheme, _, heads = item.partition(":")
-        kv = None
-        if heads:
-            h = heads.lower()
-            if h == "mqa":
-                kv = 1
-            elif h.startswith("kv") and h[2:].isdigit() and int(h[2:]) > 0:
-                kv = int(h[2:])
-            else:
-                raise UserError(f"scheme entry {item!r}: after ':' write kvN (N key/value heads) or mqa")
-        c = ModelConfig.from_dict({**cfg.to_dict(), "attn": scheme, "kv_heads": kv if kv is not None else cfg.kv_heads})
-        out.append((label(c), c))
-    if not out:
-        raise UserError(f"--schemes {text!r} names no scheme; e.g. Q-K-V,Q-K=V,Q-K=V:mqa")
-    return out
+DEFAULT_VARIANTS = "Q-K-V,Id-K-V,Q-K=V,Q=K=V,Id-K=V,Q-K=V/MQA"
+SIZE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def label(cfg: ModelConfig) -> str:
-    kv = cfg.n_kv_heads
-    if kv == cfg.n_head:
-        return cfg.spec.name
-    return f"{cfg.spec.name}+{'MQA' if kv == 1 else f'GQA-{kv}'}"
+@dataclass
+class BenchConfig:
+    """What `qkvlab bench` measures; usable as is from Python (`run(BenchConfig(variants="Q-K-V"))`)."""
+
+    variants: str = setting(
+        DEFAULT_VARIANTS,
+        help="comma-separated variants, SCHEME[/MQA|/GQA-g][/mlp]",
+        metavar="LIST",
+        flags=("--schemes",),
+    )
+    preset: str = setting("small", help="model preset", choices=PRESETS, cli=False)
+    model: dict[str, Any] = setting(help="model overrides (model options)", default_factory=dict, cli=False)
+    batch: int = setting(16, help="sequences in the cache-bytes figure")
+    decode_batches: tuple[int, ...] = setting((1, 16), help="decode batch sizes", metavar="LIST")
+    prompt_len: int = setting(16, help="prompt tokens per decoded sequence")
+    new_tokens: int = setting(32, help="tokens decoded per sequence")
+    rounds: int = setting(3, help="alternating timing rounds (the best is reported)")
+    train_batch: int = setting(4, help="sequences per training step")
+    train_steps: int = setting(3, help="timed training steps (the best is reported)")
+    memory_budget: str | None = setting(
+        None, help="capacity budget, e.g. 24GB or 80GiB (default: this device's memory)", metavar="SIZE"
+    )
+    device: str = setting("auto", help=DEVICE_HELP, metavar="DEVICE")
+    dtype: str = setting(
+        "auto",
+        help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
+        choices=("auto", "fp32", "bf16", "fp16"),
+    )
+    compile: bool = setting(False, help="torch.compile the decode step")
+    hf: bool = setting(True, help="time transformers' generate on the same weights")
+    train: bool = setting(True, help="measure training throughput")
+    threads: int | None = setting(None, help="torch CPU threads (default: torch's)")
+    seed: int = setting(0, help="seed of the weights and prompts")
+    json: str | None = setting(None, help="also write the results as JSON to FILE", metavar="FILE")
+    compare_dir: str | None = setting(None, help="a qkvlab compare output: plot cache bytes vs quality", metavar="DIR")
+    plot: str = setting("cache_vs_quality.png", help="where the plot goes", metavar="FILE")
+
+    def validate(self) -> BenchConfig:
+        for key in ("attn", "kv_heads", "match_params"):
+            if self.model.get(key) is not None:
+                raise UserError(
+                    f"--{key.replace('_', '-')} sets one variant; bench takes --variants, e.g. Q-K-V,Q-K=V/MQA"
+                )
+        if ":" in self.variants:
+            raise UserError(f"--variants {self.variants!r}: write key/value heads as /MQA or /GQA-g, e.g. Q-K=V/MQA")
+        parse_variants(self.variants)
+        for name in ("batch", "prompt_len", "new_tokens", "rounds", "train_batch", "train_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UserError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if not self.decode_batches or min(self.decode_batches) < 1:
+            raise UserError(f"decode_batches={self.decode_batches!r}: positive integers")
+        check_device(self.device)
+        dtype_name(self.dtype)
+        self.budget_bytes  # noqa: B018 (checks the size)
+        if self.prompt_len >= self.model_config.context:
+            raise UserError(
+                f"--prompt-len {self.prompt_len} leaves no room to decode in a context of {self.model_config.context}"
+            )
+        return self
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return preset(self.preset, **self.model)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        if self.memory_budget is None:
+            return None
+        t = self.memory_budget.strip().upper()
+        num = t.rstrip("KMGTIB")
+        try:
+            value = float(num) * SIZE_UNITS[t[len(num) :]]
+        except (ValueError, KeyError):
+            raise UserError(f"--memory-budget {self.memory_budget!r}: write a size like 24GB, 80GiB or 512MB") from None
+        if not value > 0 or value == float("inf"):
+            raise UserError(f"--memory-budget {self.memory_budget!r} must be positive")
+        return int(value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def variant_configs(cfg: BenchConfig) -> list[tuple[str, ModelConfig]]:
+    """[(variant name, model config)] of the benchmark."""
+    base = cfg.model_config
+    return [(v.name, v.apply(base)) for v in parse_variants(cfg.variants)]
 
 
 # ---- the transformers twin ---------------------------------------------------------------------
@@ -150,36 +211,6 @@ def hf_decode_seconds(hf, prompt: torch.Tensor, new_tokens: int) -> float:
     return timed(run, device)
 
 
-@dataclass
-class BenchOptions:
-    batch: int = 16  # sequences in the cache-bytes figure
-    decode_batches: tuple[int, ...] = (1, 16)
-    prompt_len: int = 16
-    new_tokens: int = 32
-    rounds: int = 3
-    train_batch: int = 4
-    train_steps: int = 3
-    memory_budget: int | None = None  # bytes; None: this device's memory
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: bool = False
-    hf: bool = True
-    train: bool = True
-    seed: int = 0
-    log: Callable[[str], None] = field(default=lambda s: None)
-
-    def resolve(self) -> tuple[torch.device, torch.dtype, str]:
-        dev = torch.device(
-            "cuda"
-            if self.device == "auto" and torch.cuda.is_available()
-            else ("cpu" if self.device == "auto" else self.device)
-        )
-        name = self.dtype if self.dtype != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
-        if name not in DTYPES:
-            raise UserError(f"dtype={name!r} is not allowed; use one of {', '.join(DTYPES)} or auto")
-        return dev, DTYPES[name], name
-
-
 def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
@@ -196,8 +227,11 @@ def cache_bytes(cfg: ModelConfig, batch: int, dtype: torch.dtype, device) -> int
     return n
 
 
-def bench_scheme(cfg: ModelConfig, opts: BenchOptions, flops_peak: float) -> dict:
-    device, dtype, dname = opts.resolve()
+def bench_variant(
+    name: str, cfg: ModelConfig, opts: BenchConfig, flops_peak: float, device, log: Callable[[str], None]
+) -> dict:
+    dname = dtype_name(opts.dtype, device_type=device.type)
+    dtype = torch_dtype(dname)
     per_token = kv_cache_bytes_per_token(cfg, dname)
     out: dict = {
         "scheme": cfg.spec.name,
@@ -209,8 +243,8 @@ def bench_scheme(cfg: ModelConfig, opts: BenchOptions, flops_peak: float) -> dic
         "kv_cache_bytes_analytic": per_token * opts.batch * cfg.context,
         "kv_cache_bytes_per_token": per_token,
     }
-    weights = analytic_params(cfg).total * DTYPES[dname].itemsize
-    budget = opts.memory_budget if opts.memory_budget is not None else device_memory(device)
+    weights = analytic_params(cfg).total * DTYPE_BYTES[dname]
+    budget = opts.budget_bytes or device_memory(device)
     out |= {
         "memory_budget_bytes": budget,
         "weight_bytes": weights,
@@ -255,8 +289,8 @@ def bench_scheme(cfg: ModelConfig, opts: BenchOptions, flops_peak: float) -> dic
         ours_by_b[str(b)] = b * new / min(ours)
         if theirs:
             hf_by_b[str(b)] = b * new / min(theirs)
-        opts.log(
-            f"  {label(cfg)} decode b={b}: {ours_by_b[str(b)]:.1f} tok/s"
+        log(
+            f"  {name} decode b={b}: {ours_by_b[str(b)]:.1f} tok/s"
             + (f" (transformers {hf_by_b[str(b)]:.1f})" if theirs else "")
         )
     first = str(opts.decode_batches[0])
@@ -273,13 +307,16 @@ def bench_scheme(cfg: ModelConfig, opts: BenchOptions, flops_peak: float) -> dic
     return out
 
 
-def run_bench(schemes: list[tuple[str, ModelConfig]], opts: BenchOptions) -> dict:
-    device, dtype, dname = opts.resolve()
-    peak = matmul_flops_per_s(device, dtype)
-    opts.log(f"matmul rate on {device} ({dname}): {peak / 1e9:.1f} GFLOP/s")
-    results = {}
-    for name, cfg in schemes:
-        results[name] = bench_scheme(cfg, opts, peak)
+def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
+    """Measure every variant of `cfg`; a JSON-able dict (device, dtype, matmul rate, per variant)."""
+    cfg.validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = pick_device(cfg.device)
+    dname = dtype_name(cfg.dtype, device_type=device.type)
+    peak = matmul_flops_per_s(device, torch_dtype(dname))
+    log(f"matmul rate on {device} ({dname}): {peak / 1e9:.1f} GFLOP/s")
+    results = {name: bench_variant(name, m, cfg, peak, device, log) for name, m in variant_configs(cfg)}
     base = next(iter(results.values()))["kv_cache_bytes_analytic"]
     for r in results.values():
         r["kv_cache_fraction_of_first"] = r["kv_cache_bytes_analytic"] / base
@@ -289,41 +326,6 @@ def run_bench(schemes: list[tuple[str, ModelConfig]], opts: BenchOptions) -> dic
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "matmul_flops_per_s": peak,
-        "options": {k: v for k, v in vars(opts).items() if k != "log"},
+        "options": cfg.to_dict(),
         "schemes": results,
     }
-
-
-# ---- cache bytes vs quality ------------------------------------------------------------------------
-def plot_cache_vs_quality(compare_dir: str | Path, out_file: str | Path) -> Path:
-    """Scatter of KV-cache bytes/token against validation loss from a compare run's results.csv."""
-    path = Path(compare_dir) / "results.csv"
-    if not path.is_file():
-        raise UserError(f"{compare_dir}: no results.csv (expected the output folder of qkvlab compare)")
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    need = ("variant", "kv_cache_bytes_per_token", "val_loss_mean")
-    missing = [c for c in need if not rows or c not in rows[0]]
-    if missing:
-        raise UserError(f"{path}: column {missing[0]!r} missing (needs {', '.join(need)})")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        x, y = float(r["kv_cache_bytes_per_token"]), float(r["val_loss_mean"])
-        ax.scatter(x, y)
-        change = r.get("ppl_change_pct")
-        note = f" ({float(change):+.1f}%)" if change not in (None, "") else ""
-        ax.annotate(r["variant"] + note, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel("KV cache bytes per token")
-    ax.set_ylabel("validation loss")
-    ax.set_title("cache bytes vs quality")
-    fig.tight_layout()
-    out_file = Path(out_file)
-    fig.savefig(out_file, dpi=120)
-    plt.close(fig)
-    return out_file

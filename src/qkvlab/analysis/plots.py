@@ -193,3 +193,47 @@ def write_plots(res: Results, out_dir: str | Path) -> list[Path]:
         plot_metric_bars(res, out_dir / "metric_by_task.png"),
     ]
     return [p for p in made if p is not None]
+
+
+def cache_vs_quality_points(compare_dir: str | Path) -> list[tuple[str, float, float]]:
+    """(label, KV-cache bytes per token, validation loss) per row of a compare run's results.csv;
+    the label carries the perplexity change vs Q-K-V where the CSV has one."""
+    import csv
+
+    from qkvlab.errors import UserError
+
+    path = Path(compare_dir) / "results.csv"
+    if not path.is_file():
+        raise UserError(f"{compare_dir}: no results.csv (expected the output folder of qkvlab compare)")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    need = ("variant", "kv_cache_bytes_per_token", "val_loss_mean", "ppl_change_pct_mean")
+    missing = [c for c in need if not rows or c not in rows[0]]
+    if missing:
+        raise UserError(f"{path}: column {missing[0]!r} missing (needs {', '.join(need)})")
+    out = []
+    for r in rows:
+        if r["kv_cache_bytes_per_token"] in (None, ""):
+            continue  # encoders keep no cache
+        change = r["ppl_change_pct_mean"]
+        note = f" ({float(change):+.1f}%)" if change not in (None, "") else ""
+        out.append((r["variant"] + note, float(r["kv_cache_bytes_per_token"]), float(r["val_loss_mean"])))
+    return out
+
+
+def plot_cache_vs_quality(compare_dir: str | Path, out_file: str | Path) -> Path:
+    """Scatter of KV-cache bytes/token against validation loss from a compare run's results.csv."""
+    points = cache_vs_quality_points(compare_dir)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, x, y in points:
+        ax.scatter(x, y)
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("KV cache bytes per token")
+    ax.set_ylabel("validation loss")
+    ax.set_title("cache bytes vs quality")
+    fig.tight_layout()
+    out_file = Path(out_file)
+    fig.savefig(out_file, dpi=DPI)
+    plt.close(fig)
+    return out_file

@@ -50,7 +50,7 @@ class CompareConfig:
     model: dict[str, Any] = setting(help="model overrides (model options)", default_factory=dict, cli=False)
     jobs: int | None = setting(None, help="runs trained at once on CPU, one thread each (default: CPU count, max 8)")
     threads: int | None = setting(None, help="torch threads per job on CPU (default: CPU count / jobs)")
-    device: str = setting("auto", help="auto, cpu, cuda, cuda:N or mps")
+    device: str = setting("auto", help="auto, cpu, cuda, cuda:N or mps", metavar="DEVICE")
     plots: bool = setting(True, help="write the plots")
 
     def validate(self) -> CompareConfig:

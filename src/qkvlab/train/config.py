@@ -65,7 +65,10 @@ class TrainConfig:
         choices=("auto", *TRAIN_DTYPES, "float32", "bfloat16"),
     )
     device: str = setting(
-        "auto", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:N, mps", resumable=True
+        "auto",
+        help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:N, mps",
+        resumable=True,
+        metavar="DEVICE",
     )
     sharding: str = setting(
         "ddp",
