@@ -351,3 +351,61 @@ def test_full_grid_drops_points_a_task_cannot_take():
     assert {r.point.split("-")[0] for r in plan} == {"p4", "p7"}
     assert {r.point.split("-")[0] for r in keep} == {"p4"} and len(keep) == len(plan) // 2
     assert notes and all("patch=7" in n for n in notes) and metrics["digits"]["metric"] == "accuracy"
+
+
+def test_real_compare_feeds_the_cache_plot_and_sets_the_identity_recipe(tmp_path, corpus, capsys, monkeypatch):
+    """A real (seconds-long) compare: the cache-vs-quality plot labels each variant with its
+    perplexity change (it read a column compare never wrote); Id-K-V trains with weight decay 2**-5;
+    a run folder written by an older qkvlab (config keys missing) still counts as finished."""
+    from qkvlab.analysis.plots import cache_vs_quality_points, plot_cache_vs_quality
+    from qkvlab.io import read_config
+
+    out = tmp_path / "cmp"
+    assert main(compare_args(out, corpus, "--variants", "Q-K-V,Id-K-V", "--seeds", "1")) == 0
+    labels = {label.split(" ")[0]: label for label, _, _ in cache_vs_quality_points(out)}
+    change = float(
+        next(r for r in csv.DictReader(open(out / "results.csv")) if r["variant"] == "Id-K-V")["ppl_change_pct_mean"]
+    )
+    assert labels["Id-K-V"] == f"Id-K-V ({change:+.1f}%)" and labels["Q-K-V"] == "Q-K-V (+0.0%)"
+    png = plot_cache_vs_quality(out, tmp_path / "c.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+    decay = {
+        v: read_config(out / "lm" / v / "seed0")[1]["train"]["config"]["weight_decay"] for v in ("Q-K-V", "Id-K-V")
+    }
+    assert decay == {"Q-K-V": 0.1, "Id-K-V": 0.03125}
+
+    for v in ("Q-K-V", "Id-K-V"):  # what an older qkvlab wrote: fewer keys
+        path = out / "lm" / v / "seed0" / "config.json"
+        body = json.loads(path.read_text())
+        del body["train"]["config"]["log_every"], body["train"]["config"]["model"]["init_std"]
+        path.write_text(json.dumps(body))
+    capsys.readouterr()
+    assert main(compare_args(out, corpus, "--variants", "Q-K-V,Id-K-V", "--seeds", "1")) == 0
+    assert "2 finished already, 0 to train" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--variants", ""], "''"),
+        (["--variants", " "], "' '"),
+        (["--out", ""], "--out"),
+        (["--lr", "nan"], "finite"),
+        (["--d-model", "x"], "'x'"),
+    ],
+)
+def test_compare_refuses_empty_and_non_finite_values(tmp_path, capsys, argv, needle):
+    assert main(["compare", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def test_compare_print_config_and_config_file(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("task: reverse\nvariants: Q-K-V,Q-K=V/MQA\nseeds: 1\nmax_steps: 7\n")
+    assert main(["compare", "--config", str(tmp_path / "c.yaml"), "--seeds", "2", "--print-config", "json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert (body["task"], body["variants"], body["seeds"], body["max_steps"]) == ("reverse", "Q-K-V,Q-K=V/MQA", 2, 7)
+    (tmp_path / "bad.yaml").write_text("varients: Q-K-V\n")
+    assert main(["compare", "--config", str(tmp_path / "bad.yaml"), "--dry-run"]) == 2
+    assert "'varients'" in capsys.readouterr().err

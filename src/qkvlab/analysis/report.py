@@ -88,11 +88,12 @@ def to_csv(res: Results) -> str:
     return buf.getvalue()
 
 
-def _human(n: float) -> str:
+def human(n: float, unit: str = "", spec: str = ".2f") -> str:
+    """1234567 -> '1.23M' (k, M, G); the one number formatter of tables and `qkvlab info`."""
     for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
-            return f"{n / scale:.3g}{suffix}"
-    return f"{n:g}"
+            return f"{n / scale:{spec}}{suffix}{unit}"
+    return f"{n:g}{unit}"
 
 
 def _pm(ms: tuple[float, float] | None, fmt: str = "{:.4f}", n: int = 1) -> str:
@@ -137,8 +138,8 @@ def lm_table(res: Results, task: str) -> str:
         body.append(
             [
                 f"`{r.variant}`",
-                _human(r.params.total),
-                _human(r.params.non_embedding),
+                human(r.params.total, spec=".3g"),
+                human(r.params.non_embedding, spec=".3g"),
                 f"{r.kv_bytes:,}",
                 _pct(r.kv_fraction),
                 _pm(r.val_loss_mean_std, n=r.n),
@@ -175,7 +176,7 @@ def family_table(res: Results, tasks: Sequence[str]) -> str:
             if paper and all(p is not None for p in paper) and len(paper) == len(tasks)
             else "–"
         )
-        body.append([f"`{v}`", _human(first.params.total)] + cells + [mean, paper_mean])
+        body.append([f"`{v}`", human(first.params.total, spec=".3g")] + cells + [mean, paper_mean])
     return _md_table(header, body)
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from qkvlab.convert.reparam import DEFAULT_MAX_COND, DTYPES, TOLERANCE, CheckFailed, check, convert, logit_diff
+from qkvlab.convert.reparam import DEFAULT_MAX_COND, TOLERANCE, CheckFailed, check, convert, logit_diff
+from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.io import load_model
 
@@ -34,7 +35,9 @@ def add_arguments(p) -> None:
     p.add_argument("--from-hf", action="store_true", help="IN is a Hugging Face GPT-2/Llama folder or a .gguf file")
     p.add_argument("--to-hf", choices=["gpt2", "llama"], help="write a transformers checkpoint of this class")
     p.add_argument(
-        "--dtype", choices=list(DTYPES), help="dtype of the result (default: the input's, float32 or float64)"
+        "--dtype",
+        choices=["fp64", "fp32", "float64", "float32"],
+        help="dtype of the result (default: the input's, fp32 or fp64)",
     )
     p.add_argument(
         "--max-cond",
@@ -91,7 +94,7 @@ def _run(args, src: Path) -> int:
     else:
         model, cfg, _ = load_model(src)
         stored = model.tok_emb.weight.dtype
-    dtype = DTYPES[args.dtype] if args.dtype else stored
+    dtype = torch_dtype(args.dtype) if args.dtype else stored
     model = model.to(dtype)
     notes: list[str] = []
     if args.to:

@@ -11,8 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
+from qkvlab.devices import DEVICE_HELP
 from qkvlab.errors import UserError
 from qkvlab.generate import FINISHED, Sampling, stream
 
@@ -84,18 +83,6 @@ def resolve_tokenizer(choice: str | None, model_dir: Path, body: dict):
     return None
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA device on this machine; use cpu or auto")
-    return device
-
-
 def add_arguments(p) -> None:
     p.add_argument("model_dir", metavar="MODEL_DIR", help="model folder (config.json + model.safetensors)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -103,13 +90,15 @@ def add_arguments(p) -> None:
     src.add_argument(
         "--prompt-ids", action="append", metavar="IDS", help="prompt as token ids, e.g. '1,2,3' (repeatable)"
     )
-    p.add_argument("--max-new-tokens", type=int, default=100, metavar="N")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate per prompt (default 100)"
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: random)")
     p.add_argument("--tokenizer", metavar="gpt2|bytes|DIR", help="tokenizer when the model folder records none")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--device", default="auto", metavar="DEVICE", help=f"{DEVICE_HELP} (default auto)")
     p.add_argument(
         "--dtype",
         choices=["auto", "fp32", "bf16", "fp16"],
@@ -120,7 +109,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from qkvlab.bench import DTYPES
+    from qkvlab.devices import pick_device, torch_dtype
     from qkvlab.io import load_model, read_config
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p).validate()
@@ -144,7 +133,7 @@ def run(args) -> int:
     else:
         prompts = [_parse_ids(ids) for ids in args.prompt_ids]
     device = pick_device(args.device)
-    dtype = DTYPES[args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")]
+    dtype = torch_dtype(args.dtype, device.type)
     model, cfg, _ = load_model(model_dir, device=device, dtype=dtype)
     eot = getattr(tok, "eot_id", None)
     tokens = stream(

@@ -1,38 +1,71 @@
-"""Parameters, KV-cache bytes and training FLOPs of a model config (analytic; no weights built)."""
+"""Parameters, KV-cache bytes and training FLOPs of a model config (analytic; no weights built).
+
+The config is a preset with overrides, or the one saved in a model or run folder:
+  qkvlab info --preset gpt2-124m --attn Id-K-V
+  qkvlab info --preset gpt2-124m --variant Q-K-V/width=Id-K-V   # Paper A's original_smaller_overall
+  qkvlab info runs/tiny                                         # a model folder or a training run
+"""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from qkvlab.accounting import DTYPE_BYTES, report
+from qkvlab.accounting import report
+from qkvlab.analysis.report import human
 from qkvlab.cli import add_model_options, model_config_from_args
+from qkvlab.devices import DTYPE_BYTES
 from qkvlab.errors import UserError
+from qkvlab.settings import nonempty, positive_int
 from qkvlab.spec import KNOWN_SCHEMES
 
 
 def add_arguments(p) -> None:
-    add_model_options(p)
+    p.add_argument(
+        "folder",
+        nargs="?",
+        type=nonempty,
+        metavar="RUN_OR_MODEL_DIR",
+        help="a model folder or a training run folder (its config; options below override it)",
+    )
+    p.add_argument(
+        "--variant",
+        type=nonempty,
+        metavar="VARIANT",
+        help="apply a compare variant, e.g. Q-K=V/MQA, Id-K-V/mlp, Q-K-V/width=Id-K-V",
+    )
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="cache dtype (default bf16)")
     p.add_argument(
         "--cache-tokens",
-        type=int,
+        type=positive_int,
         metavar="T",
         help="tokens held in the KV cache figure (default: the model's --context)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_options(p)
 
 
-def _human(n: float, unit: str = "") -> str:
-    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{suffix}{unit}"
-    return f"{n:g}{unit}"
+def folder_config(path: str):
+    """The model config saved in a model folder, or in a run folder (its final model, else its
+    last checkpoint)."""
+    from qkvlab.io import read_config
+
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"{path}: no such folder (expected a model or run folder written by qkvlab)")
+    for candidate in (p, p / "checkpoint"):
+        if (candidate / "config.json").is_file():
+            return read_config(candidate)[0]
+    raise UserError(f"{path}: no config.json (expected a model or run folder written by qkvlab)")
 
 
 def run(args) -> int:
-    cfg = model_config_from_args(args)
-    if args.cache_tokens is not None and args.cache_tokens <= 0:
-        raise UserError(f"--cache-tokens={args.cache_tokens} must be a positive integer")
+    base = folder_config(args.folder) if args.folder else None
+    cfg = model_config_from_args(args, base)
+    if args.variant:
+        from qkvlab.variants import parse_variant
+
+        cfg = parse_variant(args.variant).apply(cfg)
     info = report(cfg, dtype=args.dtype, context=args.cache_tokens)
     if args.json:
         print(json.dumps(info))
@@ -43,15 +76,15 @@ def run(args) -> int:
         ("layers x heads x d_head", f"{cfg.n_layer} x {cfg.n_head} x {cfg.head_dim} (kv_heads {cfg.n_kv_heads})"),
         ("d_model / MLP hidden", f"{cfg.d_model} / {cfg.hidden}"),
         ("attention scale", f"{cfg.scale:.6g}"),
-        ("params total", f"{info['params_total']:,} ({_human(info['params_total'])})"),
-        ("params non-embedding", f"{info['params_non_embedding']:,} ({_human(info['params_non_embedding'])})"),
-        ("params attention", f"{info['params_attention']:,} ({_human(info['params_attention'])})"),
+        ("params total", f"{info['params_total']:,} ({human(info['params_total'])})"),
+        ("params non-embedding", f"{info['params_non_embedding']:,} ({human(info['params_non_embedding'])})"),
+        ("params attention", f"{info['params_attention']:,} ({human(info['params_attention'])})"),
         (f"KV cache / token ({args.dtype})", f"{info['kv_cache_bytes_per_token']:,} B"),
         (
             f"KV cache @ {info['context']} tokens",
-            f"{info['kv_cache_bytes']:,} B ({_human(info['kv_cache_bytes'], 'B')})",
+            f"{info['kv_cache_bytes']:,} B ({human(info['kv_cache_bytes'], 'B')})",
         ),
-        ("train FLOPs / token", f"{info['flops_per_token']:,} ({_human(info['flops_per_token'])})"),
+        ("train FLOPs / token", f"{info['flops_per_token']:,} ({human(info['flops_per_token'])})"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -11,7 +11,7 @@ from qkvlab.model import GPT
 
 def add_arguments(p) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="model folder to write")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     add_model_options(p)
 
 
