@@ -73,11 +73,6 @@ class ProjectionSpec:
         sa, sb = self.role_source(a), self.role_source(b)
         return sa == sb and sa != IDENTITY
 
-    @property
-    def symmetric_scores(self) -> bool:
-        """Q and K identical up to the score term: the attention map S is symmetric."""
-        return self.shared("q", "k")
-
     def projection_is_query_shaped(self, index: int) -> bool:
         """A projection that feeds the query has n_head heads; key/value-only ones kv_heads."""
         return "q" in self.projections[index]
