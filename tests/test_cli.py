@@ -107,3 +107,17 @@ def test_bad_values_are_one_line_exit_2(capsys, argv, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err, err
+
+
+def test_model_config_files_for_info_and_init(tmp_path, capsys):
+    assert main(["info", "--preset", "tiny", "--attn", "Q-K=V", "--print-config"]) == 0
+    (tmp_path / "m.yaml").write_text(capsys.readouterr().out)
+    assert main(["info", "--preset", "tiny", "--attn", "Q-K=V", "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    assert main(["info", "--config", str(tmp_path / "m.yaml"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == expected
+    (tmp_path / "p.toml").write_text('preset = "tiny"\nattn = "Q-K=V"\n')
+    assert main(["init", "--config", str(tmp_path / "p.toml"), "--out", str(tmp_path / "m")]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "m"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == expected

@@ -76,8 +76,19 @@ def model_overrides(args: argparse.Namespace) -> dict:
     return options_from_args(args, ModelConfig)
 
 
+def model_config_file(path: str) -> ModelConfig:
+    """A model config file: ModelConfig keys (optionally a `preset`), or a mapping with a `model`
+    section (a training config or a saved config.json)."""
+    from qkvlab.train.config import model_from_mapping, read_config_file
+
+    body = read_config_file(path)
+    return model_from_mapping(body.get("model", body) if isinstance(body.get("model"), dict) else body)
+
+
 def model_config_from_args(args: argparse.Namespace, base: ModelConfig | None = None) -> ModelConfig:
-    """Preset (or `base`) with the command-line overrides applied, validated."""
+    """Preset (or `base`, or --config FILE) with the command-line overrides applied, validated."""
+    if base is None and getattr(args, "config", None):
+        base = model_config_file(args.config)
     overrides = model_overrides(args)
     if base is not None and args.preset is None:
         return ModelConfig.from_dict({**base.to_dict(), **overrides})

@@ -8,6 +8,9 @@ notation (``SCHEME[/OPTION...]``, see :mod:`qkvlab.variants`): the paper's
 A claim is checked against a table ``{task: {variant: Stat}}`` of a run's own results and
 answers ``reproduced``, ``not reproduced`` or ``not tested`` (a variant or task it needs was not
 run), with the numbers that decided it.
+
+Over 400 lines because it is data: every paper figure sits next to the claims that use it, so a
+reader checks one against papers.md in one file.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from qkvlab.accounting import report
 from qkvlab.analysis.report import human
-from qkvlab.cli import add_model_options, model_config_from_args
+from qkvlab.cli import add_config_options, add_model_options, model_config_from_args, print_config
 from qkvlab.devices import DTYPE_BYTES
 from qkvlab.errors import UserError
 from qkvlab.settings import nonempty, positive_int
@@ -21,6 +21,7 @@ from qkvlab.spec import KNOWN_SCHEMES
 
 
 def add_arguments(p) -> None:
+    add_config_options(p, "model config (ModelConfig keys, or a config.json)")
     p.add_argument(
         "folder",
         nargs="?",
@@ -66,6 +67,8 @@ def run(args) -> int:
         from qkvlab.variants import parse_variant
 
         cfg = parse_variant(args.variant).apply(cfg)
+    if print_config(args, cfg.to_dict()):
+        return 0
     info = report(cfg, dtype=args.dtype, context=args.cache_tokens)
     if args.json:
         print(json.dumps(info))

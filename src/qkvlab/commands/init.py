@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from qkvlab.cli import add_model_options, model_config_from_args
+from qkvlab.cli import add_config_options, add_model_options, model_config_from_args, print_config
 from qkvlab.io import save_model
 from qkvlab.model import GPT
 
 
 def add_arguments(p) -> None:
+    add_config_options(p, "model config (ModelConfig keys, or a config.json)")
     p.add_argument("--out", required=True, metavar="DIR", help="model folder to write")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     add_model_options(p)
@@ -17,6 +18,8 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     cfg = model_config_from_args(args)
+    if print_config(args, cfg.to_dict()):
+        return 0
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     save_model(args.out, model, cfg, meta={"seed": args.seed})
