@@ -214,7 +214,7 @@ def test_ddp_and_fsdp_on_two_cpu_processes_match_one_and_resume_at_world_size_on
         "--nproc-per-node",
         "2",
         "-m",
-        "qkvlab.cli",
+        "qkvlab",  # as the docs write it: torchrun ... -m qkvlab train
         "train",
         *common,
     ]
