@@ -67,12 +67,6 @@ class Variant:
         except UserError as e:
             raise UserError(f"variant {self.name}: {e}") from None
 
-    @classmethod
-    def from_config(cls, cfg: ModelConfig) -> Variant:
-        kv = cfg.kv_heads if cfg.kv_heads not in (None, cfg.n_head) else None
-        match = parse_scheme(cfg.match_params).name if cfg.match_params else None
-        return cls(cfg.spec.name, kv, match)
-
 
 def matched_width(cfg: ModelConfig, scheme: str) -> int:
     """Smallest multiple of n_head for d_model (d_head = d_model / n_head, MLP following d_model

@@ -24,11 +24,14 @@ def run_finished(run_dir: str | Path) -> bool:
     d = Path(run_dir)
     if not ((d / WEIGHTS).is_file() and (d / METRICS).is_file() and (d / CONFIG).is_file()):
         return False
+    from qkvlab.io import read_config
+
     try:
-        body = json.loads((d / CONFIG).read_text())
-        return bool(body.get("finished") or (body.get("train") or {}).get("finished"))
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        _, body = read_config(d)
+    except UserError:
         return False
+    train = body.get("train") if isinstance(body.get("train"), dict) else {}
+    return bool(body.get("finished") or train.get("finished"))
 
 
 def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
