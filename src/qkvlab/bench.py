@@ -84,6 +84,8 @@ class BenchConfig:
         for name in ("batch", "prompt_len", "new_tokens", "rounds", "train_batch", "train_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise UserError(f"threads={self.threads!r} must be a positive integer")
         if not self.decode_batches or min(self.decode_batches) < 1:
             raise UserError(f"decode_batches={self.decode_batches!r}: positive integers")
         check_device(self.device)

@@ -22,7 +22,9 @@ class CompareConfig:
     """What `qkvlab compare` reads; usable as is from Python (`plan(CompareConfig(task="reverse"))`)."""
 
     task: str = setting(
-        "lm", help="a task (lm, reverse, mnist5k, ...) or a family (synthetic, vision, anomaly, segmentation)"
+        "lm",
+        help="a task (lm, reverse, mnist5k, ...) or a family (synthetic, vision, anomaly, segmentation)",
+        metavar="NAME",
     )
     variants: str | None = setting(
         None,
@@ -60,6 +62,12 @@ class CompareConfig:
                     f"--{key.replace('_', '-')} sets one variant; compare takes --variants, "
                     "e.g. --variants Q-K-V,Q-K=V/MQA,Id-K-V/mlp"
                 )
+        for name in ("seeds", "max_steps", "batch_size", "eval_every", "jobs", "threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise UserError(f"{name}={value!r} must be a positive integer")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
+            raise UserError(f"lr={self.lr!r} must be a positive number")
         if self.preset is not None and self.preset not in PRESETS:
             raise UserError(f"unknown preset {self.preset!r}; allowed: {', '.join(PRESETS)}")
         from qkvlab.devices import check_device
