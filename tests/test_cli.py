@@ -67,7 +67,7 @@ def test_info_reads_a_model_or_run_folder(tmp_path, capsys):
     assert main(["info", str(run), "--json"]) == 0
     assert capsys.readouterr().out == expected
     assert main(["info", str(tmp_path / "nothing")]) == 2
-    assert "no such folder" in capsys.readouterr().err
+    assert "no such model folder" in capsys.readouterr().err
 
 
 def test_train_print_config_resolves_the_identity_weight_decay(capsys):

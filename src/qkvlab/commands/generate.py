@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from qkvlab.cli import find_model_dir
 from qkvlab.devices import DEVICE_HELP
 from qkvlab.errors import UserError
 from qkvlab.generate import FINISHED, Sampling, stream
@@ -37,21 +38,6 @@ def _parse_ids(text: str) -> list[int]:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
         raise UserError(f"--prompt-ids {text!r} must be integers separated by commas or spaces") from None
-
-
-def find_model_dir(path: str) -> Path:
-    """The folder itself, or its `checkpoint/` while a training run has not written its final model."""
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"{path}: no such model folder")
-    if p.is_dir() and not (p / "config.json").exists() and (p / "checkpoint" / "config.json").exists():
-        return p / "checkpoint"
-    if not p.is_dir():
-        raise UserError(
-            f"{path}: a file, not a model folder (expected a folder with config.json and "
-            "model.safetensors, written by qkvlab init/train/convert)"
-        )
-    return p
 
 
 def resolve_tokenizer(choice: str | None, model_dir: Path, body: dict):

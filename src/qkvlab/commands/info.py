@@ -9,13 +9,11 @@ The config is a preset with overrides, or the one saved in a model or run folder
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from qkvlab.accounting import report
 from qkvlab.analysis.report import human
-from qkvlab.cli import add_config_options, add_model_options, model_config_from_args, print_config
+from qkvlab.cli import add_config_options, add_model_options, find_model_dir, model_config_from_args, print_config
 from qkvlab.devices import DTYPE_BYTES
-from qkvlab.errors import UserError
 from qkvlab.settings import nonempty, positive_int
 from qkvlab.spec import KNOWN_SCHEMES
 
@@ -51,13 +49,7 @@ def folder_config(path: str):
     last checkpoint)."""
     from qkvlab.io import read_config
 
-    p = Path(path)
-    if not p.is_dir():
-        raise UserError(f"{path}: no such folder (expected a model or run folder written by qkvlab)")
-    for candidate in (p, p / "checkpoint"):
-        if (candidate / "config.json").is_file():
-            return read_config(candidate)[0]
-    raise UserError(f"{path}: no config.json (expected a model or run folder written by qkvlab)")
+    return read_config(find_model_dir(path))[0]
 
 
 def run(args) -> int:
