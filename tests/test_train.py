@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -273,6 +274,14 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint_intact(corpus, tmp_
     w, _, state = ck.load_checkpoint(out / "checkpoint")
     assert state["step"] == 6 and all(torch.isfinite(t).all() for t in w.values())
     assert not (out / "model.safetensors").exists() and [r["step"] for r in read_metrics(out)] == [0, 5]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
+def test_tensorboard_only_when_asked_and_installed(corpus, tmp_path):
+    assert TrainConfig().log_tensorboard is False
+    with pytest.raises(UserError, match=r"qkvlab\[tb\]"):
+        train(tiny(corpus, log_tensorboard=True), tmp_path / "tb", progress=False)
+    assert not (tmp_path / "tb").exists()
 
 
 def test_cli_exits_3_when_the_loss_diverges(corpus, tmp_path, capsys):

@@ -8,12 +8,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from safetensors import SafetensorError
@@ -41,62 +42,164 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write via a temp file in the same folder, fsync, then rename: readers see old or new."""
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (a no-op where directories cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO]:
+    """The one way qkvlab writes a file: yield a temp file beside `path`; on success it is flushed,
+    fsynced, given the ordinary permissions (0666 minus the umask) and renamed over `path`, and the
+    folder is fsynced. Readers see the old file or the new one, never a part; on an error the temp
+    file is removed and `path` is untouched."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; publish like an ordinary file
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
 
 
+def atomic_write(path: str | Path, data: str | bytes) -> None:
+    """Write text (UTF-8) or bytes to `path` through `atomic_file`."""
+    with atomic_file(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield a fresh temp folder beside `path`; on success it replaces `path` whole.
 
-    If the process dies, `path` is either the old complete folder or the new one (at worst the
-    old one survives as `path.old-*`, which `load_model` never reads)."""
+    Every file in it is fsynced before the rename, and the parent folder after it. If the process
+    dies, `path` is either the old complete folder or the new one (at worst the old one survives
+    as `.NAME.old-*`, which `load_model` never reads)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
         yield tmp
-        for f in tmp.rglob("*"):  # make the contents durable before the rename publishes them
-            if f.is_file():
+        mask = _umask()
+        for f in tmp.rglob("*"):  # durable before the rename publishes them; ordinary modes
+            if f.is_file():  # (mkdtemp makes 0700, safetensors writes 0600)
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
+                os.chmod(f, 0o666 & ~mask)
+            elif f.is_dir():
+                os.chmod(f, 0o777 & ~mask)
+        _fsync_dir(tmp)
+        os.chmod(tmp, 0o777 & ~mask)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
             os.replace(tmp, path)
+            _fsync_dir(path.parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+            _fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+# ---- strict JSON ----------------------------------------------------------------------------------
+def json_text(obj: Any, *, indent: int | None = None) -> str:
+    """The one way qkvlab serialises JSON: strict (no NaN/Infinity tokens, which JSON readers
+    reject), non-finite floats written as null, newline-terminated. Metrics rows also say which
+    values were not finite (`finite_row`)."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False) + "\n"
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def finite_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row with each non-finite number as null and its key listed under "nonfinite"."""
+    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+    return {**_finite(row), "nonfinite": bad} if bad else row
+
+
+# ---- metrics.jsonl ------------------------------------------------------------------------------
+METRICS = "metrics.jsonl"
+
+
+def read_metrics(folder: str | Path, *, required: bool = False) -> list[dict[str, Any]]:
+    """The rows of FOLDER/metrics.jsonl (one JSON object per line). A missing file is no rows,
+    unless `required`; a line that is not JSON, or no rows when `required`, is a one-line UserError."""
+    path = Path(folder) / METRICS
+    if not path.is_file():
+        if required:
+            raise UserError(f"{path}: no such file (not a training run folder?)")
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise UserError(f"{path}:{n}: not a JSON line") from None
+    if required and not rows:
+        raise UserError(f"{path}: no metrics rows")
+    return rows
+
+
+# ---- tied weights -------------------------------------------------------------------------------
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Each further name of a shared parameter -> its first name, e.g. {'lm_head.weight':
+    'tok_emb.weight'} for tied embeddings. The one way qkvlab handles tied weights: files hold each
+    shared tensor once, under its first name (`drop_aliases`); loading fills or re-ties the rest."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def drop_aliases(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """A state dict as a file holds it: no aliases (safetensors refuses shared storage), every
+    tensor contiguous on the CPU."""
+    return {k: v.detach().contiguous().cpu() for k, v in state.items() if k not in aliases}
+
+
+def with_aliases(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """A state dict as `load_state_dict` wants it: every alias present (the same tensor)."""
+    return {**state, **{alias: state[first] for alias, first in aliases.items() if first in state}}
+
+
+def _retie(model: torch.nn.Module, aliases: dict[str, str]) -> None:
+    """After `load_state_dict(assign=True)`, point every alias at its first name's parameter."""
+    for alias, first in aliases.items():
+        owner, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+
+
 def state_dict_for_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Contiguous tensors, one name per shared storage (tied embeddings are saved once)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in model.state_dict(keep_vars=False).items():
-        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
-        if key in seen and t.numel():
-            continue
-        seen.add(key)
-        out[name] = t.detach().contiguous().cpu()
-    return out
+    """The model's state as a file holds it (see `tied_aliases`)."""
+    return drop_aliases(model.state_dict(), tied_aliases(model))
 
 
 def config_body(cfg: ModelConfig, kind: str = "gpt", meta: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -108,7 +211,7 @@ def write_model_files(
     folder: Path, model: torch.nn.Module, cfg: ModelConfig, meta: dict[str, Any] | None = None
 ) -> None:
     save_file(state_dict_for_save(model), str(folder / WEIGHTS), metadata={"format": "pt"})
-    (folder / CONFIG).write_text(json.dumps(config_body(cfg, "gpt", meta), indent=2) + "\n")
+    (folder / CONFIG).write_text(json_text(config_body(cfg, "gpt", meta), indent=2))
 
 
 def save_model(path: str | Path, model: torch.nn.Module, cfg: ModelConfig, meta: dict[str, Any] | None = None) -> Path:
@@ -146,30 +249,65 @@ def load_weights(file: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """Read a model folder -> (GPT, ModelConfig, config body). Shapes must match exactly."""
+    """Read a model folder -> (GPT, ModelConfig, config body). Shapes must match exactly.
+
+    The model is built on the meta device and the file's tensors become its parameters
+    (`load_state_dict(assign=True)`, as gpt-fast does): no random initialisation is computed and
+    thrown away. Weights keep their stored dtype (float64 stays float64 for exact conversions)."""
+    from qkvlab.limits import check_model
     from qkvlab.model import GPT
 
     cfg, body = read_config(path)
     if body.get("kind", "gpt") != "gpt":
         raise UserError(f"{path}: a {body.get('kind')!r} model; this command needs a decoder ('gpt')")
-    state = load_weights(Path(path) / WEIGHTS)
-    stored = {t.dtype for t in state.values() if t.is_floating_point()}
-    model = GPT(cfg)
-    if len(stored) == 1:
-        model.to(stored.pop())  # keep float64 weights float64 (exact conversions are checked in it)
-    load_state(model, state, str(path))
+    check_model(cfg, f"the model in {path}")  # a hostile config.json cannot make us allocate terabytes
+    model = build_model_from_state(GPT, cfg, load_weights(Path(path) / WEIGHTS), str(path))
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval(), cfg, body
 
 
-def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    expected = model.state_dict()
-    tied = {
-        n
-        for n in expected
-        if n not in state and n == "lm_head.weight" and getattr(model, "cfg", None) and model.cfg.tie_embeddings
-    }
-    missing = sorted(set(expected) - set(state) - tied)
+def build_model_from_state(
+    cls: Callable[[ModelConfig], torch.nn.Module], cfg: ModelConfig, state: dict[str, torch.Tensor], where: str
+) -> torch.nn.Module:
+    """`cls(cfg)` holding `state`'s tensors, built on the meta device (see `load_model`).
+
+    A file of one float dtype gives a model of that dtype (its computed tables too); mixed float
+    dtypes are read as float32. Computed tables (non-persistent buffers: rotary, sinusoids) are
+    rebuilt by each module's `build_tables`."""
+    bad = sorted(k for k, t in state.items() if not t.is_floating_point())
+    if bad:
+        raise UserError(
+            f"{where}: tensor {bad[0]} has dtype {state[bad[0]].dtype}; model weights must be floating point"
+        )
+    bad = next((k for k in sorted(state) if not torch.isfinite(state[k]).all()), None)
+    if bad is not None:
+        raise UserError(f"{where}: tensor {bad} holds NaN or infinite values; this model cannot be used")
+    stored = {t.dtype for t in state.values()}
+    target = stored.pop() if len(stored) == 1 else torch.float32
+    with torch.device("meta"):
+        model = cls(cfg)
+    aliases = tied_aliases(model)
+    check_state(model, state, aliases, where)
+    # copies in fresh (64-byte aligned) memory: safetensors' tensors sit at arbitrary offsets of
+    # one buffer, and float kernels may sum in another order on unaligned data (not bit-identical)
+    owned = {k: t.to(target, copy=True) for k, t in state.items()}
+    model.load_state_dict(with_aliases(owned, aliases), assign=True)
+    _retie(model, aliases)
+    for module in model.modules():
+        if hasattr(module, "build_tables"):
+            module.build_tables()
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:  # a module with a computed buffer but no build_tables
+        raise RuntimeError(f"{where}: {left[0]} was not loaded or rebuilt")
+    if len({t.dtype for t in state.values()}) == 1:
+        model.to(target)  # the tables follow the weights' dtype, as after GPT(cfg).to(dtype)
+    return model
+
+
+def check_state(model: torch.nn.Module, state: dict[str, torch.Tensor], aliases: dict[str, str], where: str) -> None:
+    """One line naming the first tensor that is missing, unexpected or of the wrong shape."""
+    expected = {k: v for k, v in model.state_dict().items() if k not in aliases}
+    missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
@@ -179,4 +317,3 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], where: st
     for name, t in state.items():
         if tuple(t.shape) != tuple(expected[name].shape):
             raise UserError(f"{where}: {name} has shape {tuple(t.shape)}, config expects {tuple(expected[name].shape)}")
-    model.load_state_dict(state, strict=False)

@@ -26,11 +26,18 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float = 10000.0):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        freqs = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq  # (P, hd/2)
+        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.register_buffer("cos", None, persistent=False)
+        self.register_buffer("sin", None, persistent=False)
+        self.build_tables()
+
+    def build_tables(self) -> None:
+        """Compute the tables (also after loading weights into a model built on the meta device)."""
+        hd = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        freqs = torch.arange(self.max_positions, dtype=torch.float64)[:, None] * inv_freq  # (P, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos, self.sin = emb.cos(), emb.sin()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) -> cos, sin of shape (B, 1, T, head_dim), broadcast over heads."""
@@ -58,8 +65,14 @@ class ScoreTerm2D(nn.Module):
         self.channels = channels
         self.weight = nn.Parameter(torch.empty(channels))
         self.bias = nn.Parameter(torch.zeros(()))
-        self.register_buffer("pe", sinusoid(torch.arange(max_positions), channels // 2), persistent=False)
+        self.max_positions = max_positions
+        self.register_buffer("pe", None, persistent=False)
+        self.build_tables()
         self.reset_parameters()
+
+    def build_tables(self) -> None:
+        """Compute the sinusoid table (also after loading weights into a model built on meta)."""
+        self.pe = sinusoid(torch.arange(self.max_positions), self.channels // 2)
 
     def reset_parameters(self) -> None:
         bound = math.sqrt(6.0 / (self.channels + 1))  # Xavier-uniform of a Linear(m, 1)

@@ -295,7 +295,7 @@ def to_markdown(res: Results, plots: Sequence[str] = ()) -> str:
 
 def write_results(out_dir: str | Path, res: Results | None = None, *, plots: bool = True) -> Results:
     """Collect (unless given) and write results.md, results.csv and the plots into out_dir."""
-    from qkvlab.io import atomic_write_text
+    from qkvlab.io import atomic_write
 
     out_dir = Path(out_dir)
     res = res or collect(out_dir)
@@ -304,6 +304,6 @@ def write_results(out_dir: str | Path, res: Results | None = None, *, plots: boo
         from qkvlab.analysis.plots import write_plots
 
         written = write_plots(res, out_dir)
-    atomic_write_text(out_dir / "results.csv", to_csv(res))
-    atomic_write_text(out_dir / "results.md", to_markdown(res, [str(p) for p in written]))
+    atomic_write(out_dir / "results.csv", to_csv(res))
+    atomic_write(out_dir / "results.md", to_markdown(res, [str(p) for p in written]))
     return res

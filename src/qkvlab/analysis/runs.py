@@ -34,20 +34,6 @@ def run_finished(run_dir: str | Path) -> bool:
     return bool(body.get("finished") or train.get("finished"))
 
 
-def read_history(run_dir: str | Path) -> list[dict[str, Any]]:
-    rows = []
-    path = Path(run_dir) / METRICS
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{n}: not a JSON line") from None
-    if not rows:
-        raise UserError(f"{path}: no metrics rows")
-    return rows
-
-
 @dataclass
 class Run:
     task: str
@@ -72,10 +58,10 @@ class Run:
 
 
 def load_run(task: str, variant: str, seed: int, run_dir: str | Path) -> Run:
-    from qkvlab.io import read_config
+    from qkvlab.io import read_config, read_metrics
 
     cfg, _ = read_config(run_dir)
-    return Run(task, variant, seed, Path(run_dir), cfg, read_history(run_dir))
+    return Run(task, variant, seed, Path(run_dir), cfg, read_metrics(run_dir, required=True))
 
 
 # ---- manifest ---------------------------------------------------------------------------------
@@ -90,7 +76,7 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
 
 
 def write_manifest(out_dir: str | Path, manifest: dict[str, Any]) -> None:
-    from qkvlab.io import atomic_write_text
+    from qkvlab.io import atomic_write, json_text
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(out_dir) / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    atomic_write(Path(out_dir) / MANIFEST, json_text(manifest, indent=2))

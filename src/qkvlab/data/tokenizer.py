@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from qkvlab.data.fetch_gpt2_vocab import GPT2_VOCAB_FILENAME, GPT2_VOCAB_SHA256
 from qkvlab.data.text import cache_dir
 from qkvlab.errors import UserError
+from qkvlab.io import atomic_write
 
 if TYPE_CHECKING:
     import tokenizers
@@ -77,11 +78,8 @@ class TokenizerSpec:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    """Atomic JSON write (temp file in the same folder, then os.replace)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 # ---------------------------------------------------------------- byte-level BPE
@@ -133,9 +131,7 @@ class BPETokenizer:
     def save(self, directory: str | os.PathLike[str]) -> Path:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{BPE_FILE}.{os.getpid()}.tmp"
-        self._tok.save(str(tmp))
-        os.replace(tmp, d / BPE_FILE)
+        atomic_write(d / BPE_FILE, self._tok.to_str(pretty=True))
         _write_json(
             d / META_FILE,
             {"kind": "bpe", "spec": self.spec, "vocab_size": self.vocab_size, "eot_id": self.eot_id, "file": BPE_FILE},
@@ -229,9 +225,12 @@ class GPT2Tokenizer:
     eot_id = 50256
 
     def __init__(self, vocab_path: Path | None = None) -> None:
-        import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
-        from tiktoken_ext.openai_public import r50k_pat_str
+        try:
+            import tiktoken
+            from tiktoken.load import load_tiktoken_bpe
+            from tiktoken_ext.openai_public import r50k_pat_str
+        except ImportError:
+            raise UserError("tokenizer 'gpt2' needs tiktoken: pip install 'qkvlab[gpt2]'") from None
 
         self.vocab_path = vocab_path or find_gpt2_vocab()
         try:

@@ -21,6 +21,7 @@ class Task(ABC):
     name: str = ""
     metric: str = "val_loss"  # the headline key of evaluate()'s dict
     higher_is_better: bool = False
+    model_kind: str = "encoder"  # what build_model returns: "gpt" (a decoder: generate, convert) or "encoder"
 
     def adapt_config(self, cfg: ModelConfig) -> ModelConfig:
         """Fit a model config to the data (vocabulary size, context, causal or not)."""

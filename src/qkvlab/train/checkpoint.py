@@ -12,6 +12,8 @@ recovers it from the moment between the two renames, when it is parked as `.chec
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shutil
@@ -20,22 +22,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
-from qkvlab.io import CONFIG, WEIGHTS, atomic_dir, atomic_write_text, config_body
+from qkvlab.io import (
+    CONFIG,
+    WEIGHTS,
+    atomic_dir,
+    atomic_file,
+    atomic_write,
+    check_state,
+    config_body,
+    file_sha256,
+    json_text,
+    load_weights,
+)
 
 CHECKPOINT = "checkpoint"
 OPTIMIZER = "optimizer.safetensors"
 STATE = "state.json"
 SLOW_HOOK = "QKVLAB_TEST_SLOW_CHECKPOINT"  # tests: seconds to sleep mid-write, widening the kill window
-
-
-def untie(state: dict[str, torch.Tensor], tied: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Drop the second name of each tied pair (safetensors refuses shared storage) and make every
-    tensor contiguous on the CPU."""
-    return {k: v.detach().contiguous().cpu() for k, v in state.items() if k not in tied}
 
 
 def flatten_optimizer(osd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -66,62 +74,153 @@ def save_checkpoint(
     kind: str,
     state: dict[str, Any],
 ) -> Path:
-    """Write OUT/checkpoint atomically (call on one rank, with gathered full state dicts)."""
+    """Write OUT/checkpoint atomically (call on one rank, with gathered full state dicts). The new
+    folder is verified (headers readable, checksums recorded in state.json) before it replaces the
+    previous checkpoint, which stays until then."""
     path = Path(out_dir) / CHECKPOINT
     with atomic_dir(path) as tmp:
         save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(config_body(model_cfg, kind, {"step": state["step"]}), indent=2) + "\n")
+        (tmp / CONFIG).write_text(json_text(config_body(model_cfg, kind, {"step": state["step"]}), indent=2))
         tensors, groups = flatten_optimizer(optimizer)
         save_file(tensors, str(tmp / OPTIMIZER))
         if os.environ.get(SLOW_HOOK):
             time.sleep(float(os.environ[SLOW_HOOK]))
-        (tmp / STATE).write_text(json.dumps({**state, "optimizer_param_groups": groups}) + "\n")
+        files = {name: _file_record(tmp / name) for name in (WEIGHTS, OPTIMIZER)}
+        (tmp / STATE).write_text(json_text({**state, "optimizer_param_groups": groups, "files": files}))
     return path
 
 
-def _complete(folder: Path) -> dict[str, Any] | None:
+def _file_record(file: Path) -> dict[str, Any]:
+    _safetensors_header(file)
+    return {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
+
+
+def _safetensors_header(file: Path) -> None:
     try:
-        return json.loads((folder / STATE).read_text())
+        with safe_open(str(file), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+
+
+def _read_state(folder: Path) -> dict[str, Any] | None:
+    try:
+        state = json.loads((folder / STATE).read_text())
     except (OSError, ValueError):
         return None
+    return state if isinstance(state, dict) and isinstance(state.get("step"), int) else None
+
+
+def verify_checkpoint(folder: Path) -> dict[str, Any]:
+    """state.json of a checkpoint whose files are all there and intact (sizes and sha256 as
+    recorded, readable safetensors headers); else a one-line UserError naming the bad file."""
+    folder = Path(folder)
+    how = f"the checkpoint cannot be resumed; restore it or train into another --out (nothing was changed in {folder.parent})"
+    state = _read_state(folder)
+    if state is None:
+        raise UserError(f"{folder / STATE}: missing, truncated or not a checkpoint state; {how}")
+    for name in (WEIGHTS, OPTIMIZER, CONFIG):
+        if not (folder / name).is_file():
+            raise UserError(f"{folder / name}: missing; {how}")
+    for name, want in (state.get("files") or {}).items():
+        file = folder / name
+        if file.stat().st_size != want["bytes"] or file_sha256(file) != want["sha256"]:
+            raise UserError(f"{file}: size or sha256 differs from what was written (damaged); {how}")
+    for name in (WEIGHTS, OPTIMIZER):
+        try:
+            _safetensors_header(folder / name)
+        except UserError as e:
+            raise UserError(f"{e}; {how}") from None
+    return state
 
 
 def find_checkpoint(out_dir: Path, *, repair: bool = True) -> Path | None:
-    """The last complete checkpoint of OUT (or None). With `repair`, a checkpoint parked between
-    atomic_dir's two renames is moved back and half-written temp folders are removed."""
+    """OUT's checkpoint folder (or None when there is none). With `repair`, a checkpoint parked
+    between atomic_dir's two renames is moved back and half-written temp folders are removed.
+    `load_checkpoint` verifies it: one that does not verify is refused, never skipped."""
     out_dir = Path(out_dir)
     path = out_dir / CHECKPOINT
-    if _complete(path) is None and repair:
-        parked = [(s["step"], p) for p in out_dir.glob(f".{CHECKPOINT}.old-*") if (s := _complete(p))]
+    if repair and not path.exists():
+        parked = [(s["step"], p) for p in out_dir.glob(f".{CHECKPOINT}.old-*") if (s := _read_state(p))]
         if parked:
-            shutil.rmtree(path, ignore_errors=True)
             os.replace(max(parked)[1], path)
     if repair:
         for leftover in (*out_dir.glob(f".{CHECKPOINT}.tmp-*"), *out_dir.glob(f".{CHECKPOINT}.old-*")):
             shutil.rmtree(leftover, ignore_errors=True)
-    return path if _complete(path) is not None else None
+    return path if path.exists() else None
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """-> (model weights, optimizer state dict, state.json)."""
+    """-> (model weights, optimizer state dict, state.json), verified (`verify_checkpoint`)."""
     path = Path(path)
-    state = _complete(path)
-    if state is None:
-        raise UserError(f"{path}: not a complete qkvlab checkpoint (no readable {STATE})")
-    weights = load_file(str(path / WEIGHTS))
-    optimizer = unflatten_optimizer(load_file(str(path / OPTIMIZER)), state.pop("optimizer_param_groups"))
+    state = verify_checkpoint(path)
+    weights = load_weights(path / WEIGHTS)
+    optimizer = unflatten_optimizer(load_weights(path / OPTIMIZER), state.pop("optimizer_param_groups"))
+    state.pop("files", None)
     return weights, optimizer, state
 
 
-def write_final_model(out_dir: Path, ckpt: Path, body_extra: dict[str, Any]) -> None:
-    """OUT/model.safetensors + OUT/config.json from a checkpoint, so OUT is a model folder.
-    Weights first, config last (each replaced atomically); config.json's `train.finished` marks it."""
+def check_against_model(
+    weights: dict[str, torch.Tensor],
+    optimizer: dict[str, Any],
+    model: torch.nn.Module,
+    aliases: dict[str, str],
+    path: Path,
+) -> None:
+    """The checkpoint's tensors fit `model`: names, shapes, floating dtypes (one line otherwise)."""
+    where = str(Path(path) / WEIGHTS)
+    bad = sorted(k for k, t in weights.items() if not t.is_floating_point())
+    if bad:
+        raise UserError(f"{where}: tensor {bad[0]} has dtype {weights[bad[0]].dtype}; weights must be floating point")
+    check_state(model, weights, aliases, where)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name, entry in optimizer["state"].items():
+        for key, t in entry.items():
+            if name not in shapes or (t.dim() > 0 and tuple(t.shape) != shapes[name]):
+                got = tuple(t.shape) if name in shapes else "no such parameter"
+                raise UserError(
+                    f"{Path(path) / OPTIMIZER}: {name}/{key} does not fit the model ({got}); the checkpoint is not this run's"
+                )
+
+
+def write_final_model(out_dir: Path, state: dict[str, Any], train_config: dict[str, Any]) -> None:
+    """OUT/model.safetensors + OUT/config.json from OUT's checkpoint (whose state.json is `state`),
+    so OUT is a model folder. Weights first, config last (each replaced atomically); config.json's
+    `train.finished` marks it."""
     out_dir = Path(out_dir)
-    tmp = out_dir / f".{WEIGHTS}.{os.getpid()}.tmp"
-    shutil.copyfile(ckpt / WEIGHTS, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out_dir / WEIGHTS)
+    ckpt = out_dir / CHECKPOINT
+    with open(ckpt / WEIGHTS, "rb") as src, atomic_file(out_dir / WEIGHTS, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 22)
     body = json.loads((ckpt / CONFIG).read_text())
     body.pop("step", None)
-    atomic_write_text(out_dir / CONFIG, json.dumps({**body, **body_extra}, indent=2) + "\n")
+    train = {
+        "finished": True,
+        "step": state["step"],
+        "tokens": state["tokens"],
+        "metrics": state["metrics"][-1] if state["metrics"] else {},
+        "task": state.get("task"),
+        "config": train_config,
+    }
+    atomic_write(out_dir / CONFIG, json_text({**body, "train": train}, indent=2))
+
+
+# ---- RNG streams (dropout) ----------------------------------------------------------------------
+def derived_seed(*parts: int) -> int:
+    """A seed from integers (hashed, so streams of different (seed, step, rank) never overlap)."""
+    return int.from_bytes(hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's RNG states, base64 of the byte tensors (JSON for state.json)."""
+    enc = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    state = {"torch": enc(torch.get_rng_state())}
+    if device.type == "cuda":
+        state["cuda"] = enc(torch.cuda.get_rng_state(device))
+    return state
+
+
+def set_rng_state(device: torch.device, state: dict[str, Any]) -> None:
+    dec = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+    torch.set_rng_state(dec(state["torch"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(dec(state["cuda"]), device)

@@ -78,7 +78,7 @@ class TrainConfig:
         resumable=True,
     )
     log_tensorboard: bool = setting(
-        True, help="TensorBoard logs in OUT/tb when tensorboard is installed", resumable=True, flags=("--tensorboard",)
+        False, help="TensorBoard logs in OUT/tb (needs the 'tb' extra)", resumable=True, flags=("--tensorboard",)
     )
     log_every: int = setting(10, help="progress-bar refresh (steps)", resumable=True)
 
@@ -363,7 +363,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such config file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror})") from None
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
@@ -371,7 +376,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
             data = yaml.safe_load(text)
         elif suffix == ".toml":
-            import tomllib
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10: tomli is the same parser
+                import tomli as tomllib
 
             data = tomllib.loads(text)
         elif suffix == ".json":

@@ -5,13 +5,15 @@ learning rate a function of the step, and the checkpoint holds weights, optimize
 RNG states and every metrics row so far. Resuming from it replays the remaining steps exactly, so
 a run killed at any moment and resumed ends with the same weights and metrics.jsonl values as an
 uninterrupted one (CPU, same world size); only the timing fields tokens_per_s and elapsed_s differ.
+
+Reading order: `train` -> `_train` (the loop, top to bottom) -> the step, evaluation, checkpoint
+and logging functions it calls. What is fixed for a run is a `Run`; what changes is a `State`.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
+import importlib.util
 import json
 import math
 import time
@@ -22,18 +24,31 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from qkvlab.config import ModelConfig
 from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
-from qkvlab.io import atomic_write_text
-from qkvlab.tasks import get_task
+from qkvlab.folders import Claim, claim_folder
+from qkvlab.io import (
+    METRICS,
+    atomic_write,
+    drop_aliases,
+    finite_row,
+    json_text,
+    read_metrics,
+    tied_aliases,
+    with_aliases,
+)
+from qkvlab.limits import check_training
+from qkvlab.tasks import Task, get_task
 from qkvlab.train import checkpoint as ck
 from qkvlab.train import distributed as D
 from qkvlab.train.config import TrainConfig, changed_fields
 from qkvlab.train.optim import lr_at, make_optimizer
+from qkvlab.train.progress import Log
 
-METRICS = "metrics.jsonl"
 TRAIN_CONFIG = "train_config.json"
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")  # wall-clock, excluded from exact comparisons
+__all__ = ["train", "TrainResult", "TrainingDiverged", "read_metrics", "TIMING_FIELDS"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -53,47 +68,164 @@ class TrainResult:
     higher_is_better: bool = False
 
 
-def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(out_dir) / METRICS
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+@dataclass
+class Run:
+    """What is fixed for the whole run: config, place, task, model (raw and wrapped), optimizer."""
+
+    cfg: TrainConfig
+    out: Path
+    env: D.Env
+    task: Task
+    model_cfg: ModelConfig
+    raw: nn.Module  # the model itself: checkpoints, grad clipping
+    fwd: nn.Module  # raw, compiled if asked: evaluation (and the FSDP forward)
+    train_fwd: nn.Module  # fwd, DDP-wrapped when replicating: the training forward
+    optimizer: torch.optim.Optimizer
+    autocast: Any  # a context manager
+    sharded: bool
+    aliases: dict[str, str]  # tied parameter names (qkvlab.io.tied_aliases)
+    params: int
+    accum: int  # micro-batches per rank per step
+    tokens_per_step: int = 0
 
 
-def _write_metrics(out: Path, rows: list[dict[str, Any]]) -> None:
-    atomic_write_text(out / METRICS, "".join(json.dumps(r) + "\n" for r in rows))
+@dataclass
+class State:
+    """What changes: step, metrics rows, running sums. The checkpointed fields resume the run."""
+
+    step: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    loss_sum: float = 0.0  # training loss since the last evaluation
+    loss_n: int = 0
+    elapsed: float = 0.0  # training seconds over the whole run (checkpointed)
+    seg_tokens: int = 0  # throughput since the last evaluation (training time only)
+    seg_time: float = 0.0
+    run_tokens: int = 0  # this process's throughput, for TrainResult
+    run_time: float = 0.0
+    last_checkpoint: dict[str, Any] | None = None  # state.json of the last checkpoint written or read
 
 
-def _seed(*parts: int) -> int:
-    return int.from_bytes(hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest(), "little") >> 1
+def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Train `cfg` into `out_dir` (see module doc). With resume=True: continue from OUT's last
+    complete checkpoint, start fresh if there is none, return at once if it is already finished.
+    OUT is locked while this runs (qkvlab.folders); a refusal leaves it as it was. Under torchrun
+    the process group is set up (and torn down) here."""
+    cfg = TrainConfig.from_dict(cfg.to_dict())  # validated private copy
+    if cfg.log_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("log_tensorboard needs TensorBoard: pip install 'qkvlab[tb]'")
+    out = Path(out_dir)
+    env = D.setup(cfg.device)
+    claim = None
+    try:
+        _check_memory(cfg, cfg.model, env, with_vocab=False)  # before anything is written or built
+        claim = _claim(out, env, resume)
+        return _train(cfg, out, env, resume, progress, claim)
+    except UserError:
+        if claim is not None:
+            claim.undo()  # a refused run leaves OUT as it found it
+        raise
+    finally:
+        if claim is not None:
+            claim.release()
+        D.teardown(env)
 
 
-def _rng_state(env: D.Env) -> dict[str, Any]:
-    """This rank's RNG states (dropout), base64 of the byte tensors."""
-    enc = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
-    state = {"torch": enc(torch.get_rng_state())}
-    if env.device.type == "cuda":
-        state["cuda"] = enc(torch.cuda.get_rng_state(env.device))
-    return state
+REFUSAL_ADVICE = {
+    "run": "pass --resume to continue it, or choose another --out",
+    "model": "that is a model folder, not a training run: choose another --out",
+    "file": "give --out a folder path",
+}
 
 
-def _set_rng_state(env: D.Env, state: dict[str, Any]) -> None:
-    dec = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
-    torch.set_rng_state(dec(state["torch"]))
-    if env.device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(dec(state["cuda"]), env.device)
+def _claim(out: Path, env: D.Env, resume: bool) -> Claim | None:
+    """Rank 0 creates and locks OUT, refusing what is not a run it may write; every rank learns
+    the verdict (so a refusal is one line on every rank, not a hang at the next barrier)."""
+    claim, error = None, None
+    if env.main:
+        try:
+            claim = claim_folder(out, accept=("run",) if resume else (), advice=REFUSAL_ADVICE)
+        except UserError as e:
+            error = e
+    verdict = D.all_gather_object(env, None if error is None else str(error))[0]
+    if error is not None:
+        raise error
+    if verdict is not None:
+        raise UserError(verdict)
+    return claim
 
 
-def _tied_names(model: nn.Module) -> dict[str, str]:
-    """Second name of a shared parameter -> first name (tied embeddings are stored once)."""
-    first: dict[int, str] = {}
-    tied: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            tied[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return tied
+def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool, claim: Claim | None) -> TrainResult:
+    saved = _read_checkpoint(cfg, out, env, resume)  # verified, or refused before anything is written
+    if env.main:  # before any step, so a resume after a kill at any moment trains this run's config
+        _write_train_config(out, cfg)
+    if saved is not None and saved.state["step"] == cfg.max_steps:
+        return _republish(cfg, out, env, saved.state)
+    run = _setup(cfg, out, env)
+    state = _restore(run, saved) if saved is not None else _start(run)
+    del saved
+    if env.main:
+        _write_metrics(out, state.rows)  # truncates rows written after the checkpoint
+    log = Log.open(
+        step=state.step,
+        max_steps=cfg.max_steps,
+        log_every=cfg.log_every,
+        desc=f"train {run.model_cfg.attn}",
+        bar=env.main and progress,
+        tb_dir=out / "tb" if env.main and cfg.log_tensorboard else None,
+    )
+
+    run.raw.train()
+    run.tokens_per_step = _tokens(run.task.batch(state.step, cfg.batch_size, cfg.seed)[0])
+    if state.step == 0 and not state.rows:
+        log_evaluation(run, state, log, evaluate(run), lr_for(cfg, 0))
+    while state.step < cfg.max_steps:
+        lr = lr_for(cfg, state.step)
+        loss = train_step(run, state, lr)
+        if not math.isfinite(loss):
+            raise _diverged(run, state, f"loss is {loss} at step {state.step + 1} (lr {lr:.3g})")
+        log.step(state.step, loss, state.seg_tokens / max(state.seg_time, 1e-9))
+        if state.step % cfg.eval_every == 0 or state.step == cfg.max_steps:
+            log_evaluation(run, state, log, evaluate(run), lr)
+        if state.step % cfg.ckpt_every == 0 or state.step == cfg.max_steps:
+            state.last_checkpoint = save_checkpoint(run, state)
+            if claim is not None:
+                claim.keep = True  # from here on OUT holds work worth keeping, whatever happens
+    log.close()
+
+    if env.main:
+        run.task.save_artifacts(out)  # before the final model: a finished run always has them
+        ck.write_final_model(out, state.last_checkpoint, cfg.to_dict())
+    D.barrier(env)
+    tokens_per_s = state.run_tokens / state.run_time if state.run_time > 0 else 0.0
+    return _result(out, state.last_checkpoint, tokens_per_s)
+
+
+# ---- set-up ---------------------------------------------------------------------------------------
+@dataclass
+class Saved:
+    """A checkpoint as read: full weights, optimizer state dict, state.json."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    state: dict[str, Any]
+
+
+def _read_checkpoint(cfg: TrainConfig, out: Path, env: D.Env, resume: bool) -> Saved | None:
+    """OUT's checkpoint, or None to start fresh. Rank 0 first repairs an interrupted checkpoint
+    write, then every rank reads."""
+    if env.main:
+        ck.find_checkpoint(out, repair=True)
+    D.barrier(env)
+    found = ck.find_checkpoint(out, repair=False)
+    if found is None:
+        return None
+    if not resume:
+        raise UserError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
+    weights, optim_state, state = ck.load_checkpoint(found)
+    _check_resumable(state["train_config"], cfg, out)
+    if state["step"] > cfg.max_steps:
+        raise UserError(f"{found} is at step {state['step']}, beyond max_steps={cfg.max_steps}")
+    return Saved(weights, optim_state, state)
 
 
 def _check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> None:
@@ -105,249 +237,243 @@ def _check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> No
         )
 
 
-def _result(out: Path, cfg: TrainConfig, state: dict[str, Any], tokens_per_s: float) -> TrainResult:
-    rows = state["metrics"]
-    return TrainResult(
-        out_dir=out,
-        step=state["step"],
-        tokens=state["tokens"],
-        metrics=rows[-1] if rows else {},
-        history=rows,
-        params=state["params"],
-        tokens_per_s=tokens_per_s,
-        metric=state.get("metric", "val_loss"),
-        higher_is_better=state.get("higher_is_better", False),
-    )
-
-
-def _finish(out: Path, ckpt: Path, cfg: TrainConfig, state: dict[str, Any]) -> None:
-    last = state["metrics"][-1] if state["metrics"] else {}
-    ck.write_final_model(
-        out,
-        ckpt,
-        {
-            "train": {
-                "finished": True,
-                "step": state["step"],
-                "tokens": state["tokens"],
-                "metrics": last,
-                "task": state.get("task"),
-                "config": cfg.to_dict(),
-            }
-        },
-    )
-
-
-def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> TrainResult:
-    """Train `cfg` into `out_dir` (see module doc). With resume=True: continue from OUT's last
-    complete checkpoint, start fresh if there is none, return at once if it is already finished.
-    Under torchrun the process group is set up (and torn down) here."""
-    cfg = TrainConfig.from_dict(cfg.to_dict())  # validated private copy
-    env = D.setup(cfg.device)
-    try:
-        return _train(cfg, Path(out_dir), env, resume, progress)
-    finally:
-        D.teardown(env)
-
-
-def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool) -> TrainResult:
-    accum = cfg.accum_steps(env.world)
-    # ---- where are we? (rank 0 repairs an interrupted checkpoint write, then everyone looks)
-    if env.main:
-        out.mkdir(parents=True, exist_ok=True)
-        found = ck.find_checkpoint(out, repair=True)
-    D.barrier(env)
-    found = ck.find_checkpoint(out, repair=False)
-    if found is not None and not resume:
-        raise UserError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
-    weights = optim_state = state = None
-    if found is not None:
-        weights, optim_state, state = ck.load_checkpoint(found)
-        _check_resumable(state["train_config"], cfg, out)
-        if state["step"] > cfg.max_steps:
-            raise UserError(f"{found} is at step {state['step']}, beyond max_steps={cfg.max_steps}")
-        if state["step"] == cfg.max_steps:  # finished: (re)publish the final model and metrics, no training
-            if env.main:
-                _write_metrics(out, state["metrics"])
-                _finish(out, found, cfg, state)
-            D.barrier(env)
-            timed = [r["tokens_per_s"] for r in state["metrics"] if r.get("tokens_per_s")]
-            return _result(out, cfg, state, sum(timed) / len(timed) if timed else 0.0)  # as recorded
-
-    # ---- task (rank 0 first: it may tokenize and cache the corpus), model, optimizer
+def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
+    """Task (rank 0 first: it may tokenize and cache the corpus), model, optimizer, wrappers."""
     task = get_task(cfg.task, **cfg.task_options) if env.main else None
     D.barrier(env)
     task = task or get_task(cfg.task, **cfg.task_options)
     model_cfg = task.adapt_config(cfg.model)
+    _check_memory(cfg, model_cfg, env, with_vocab=True)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     raw = task.build_model(model_cfg).to(env.device)
-    kind = "gpt" if type(raw).__name__ == "GPT" else "encoder"
-    tied = _tied_names(raw)
+    aliases = tied_aliases(raw)
     params = sum(p.numel() for p in raw.parameters())
     sharded = env.distributed and cfg.sharding == "fsdp"
     if sharded:
         D.shard(raw, env)
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, cfg.betas, env.device)
-    fwd = torch.compile(raw) if cfg.compile else raw  # eval and the FSDP forward run this
+    fwd = torch.compile(raw) if cfg.compile else raw
     train_fwd = D.replicate(fwd, env) if env.distributed and cfg.sharding == "ddp" else fwd
     dtype = torch_dtype(cfg.dtype, env.device.type)
     autocast = torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    return Run(
+        cfg=cfg,
+        out=out,
+        env=env,
+        task=task,
+        model_cfg=model_cfg,
+        raw=raw,
+        fwd=fwd,
+        train_fwd=train_fwd,
+        optimizer=optimizer,
+        autocast=autocast,
+        sharded=sharded,
+        aliases=aliases,
+        params=params,
+        accum=cfg.accum_steps(env.world),
+    )
 
-    if state is not None:  # resume
-        D.load_full_state(raw, optimizer, {**weights, **{d: weights[c] for d, c in tied.items()}}, optim_state, sharded)
-        rngs = state["rng"]
-        if len(rngs) == env.world:
-            _set_rng_state(env, rngs[env.rank])
-        else:  # another world size: dropout streams cannot continue; re-derive them
-            torch.manual_seed(_seed(cfg.seed, state["step"], env.rank))
-        step, rows = state["step"], state["metrics"]
-        loss_sum, loss_n, elapsed = state["loss_sum"], state["loss_n"], state["elapsed_s"]
-    else:
-        torch.manual_seed(_seed(cfg.seed, 0, env.rank))  # per-rank dropout streams
-        step, rows, loss_sum, loss_n, elapsed = 0, [], 0.0, 0, 0.0
-    del weights, optim_state
-    if env.main:
-        _write_metrics(out, rows)  # truncates rows written after the checkpoint
-        atomic_write_text(out / TRAIN_CONFIG, json.dumps(cfg.to_dict(), indent=2) + "\n")
 
-    tb = None
-    if cfg.log_tensorboard and env.main:
-        with contextlib.suppress(ImportError):
-            from torch.utils.tensorboard import SummaryWriter
+def _check_memory(cfg: TrainConfig, model_cfg: ModelConfig, env: D.Env, *, with_vocab: bool) -> None:
+    """Refuse, before allocating, what cannot fit (qkvlab.limits). Without the task's vocabulary
+    (before the tokenizer exists) the bound leaves the embeddings and logits out."""
+    block = cfg.task_options.get("block_size")
+    seq = block if isinstance(block, int) and block > 0 else model_cfg.context
+    micro = cfg.batch_size // env.world // cfg.accum_steps(env.world)
+    shards = env.world if env.distributed and cfg.sharding == "fsdp" else 1
+    sized = model_cfg if with_vocab else model_cfg.replace(vocab_size=1)
+    check_training(sized, micro_batch=max(1, micro), seq_len=seq, shards=shards, device=env.device)
 
-            tb = SummaryWriter(str(out / "tb"), purge_step=step or None)
-    bar = None
-    if progress and env.main:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.max_steps, initial=step, unit="step", dynamic_ncols=True, desc=f"train {model_cfg.attn}")
+def _start(run: Run) -> State:
+    torch.manual_seed(ck.derived_seed(run.cfg.seed, 0, run.env.rank))  # per-rank dropout streams
+    return State()
 
+
+def _restore(run: Run, saved: Saved) -> State:
+    """Weights, optimizer state and RNG streams from a checkpoint; the State it recorded."""
+    st = saved.state
+    ck.check_against_model(saved.weights, saved.optimizer, run.raw, run.aliases, run.out / ck.CHECKPOINT)
+    D.load_full_state(run.raw, run.optimizer, with_aliases(saved.weights, run.aliases), saved.optimizer, run.sharded)
+    rngs = st["rng"]
+    if len(rngs) == run.env.world:
+        ck.set_rng_state(run.env.device, rngs[run.env.rank])
+    else:  # another world size: dropout streams cannot continue; re-derive them
+        torch.manual_seed(ck.derived_seed(run.cfg.seed, st["step"], run.env.rank))
+    return State(
+        step=st["step"],
+        rows=st["metrics"],
+        loss_sum=st["loss_sum"],
+        loss_n=st["loss_n"],
+        elapsed=st["elapsed_s"],
+        last_checkpoint=st,
+    )
+
+
+# ---- the step and evaluation ---------------------------------------------------------------------
+def lr_for(cfg: TrainConfig, step: int) -> float:
+    return lr_at(step, lr=cfg.lr, min_lr=cfg.final_lr, warmup=cfg.warmup_steps, total=cfg.max_steps)
+
+
+def train_step(run: Run, state: State, lr: float) -> float:
+    """One optimizer step on this rank's slice of the step's global batch; returns the loss (mean
+    over ranks). A non-finite loss returns before the update, leaving the weights as they were."""
+    cfg, env = run.cfg, run.env
+    t0 = time.perf_counter()
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    x, y = run.task.batch(state.step, cfg.batch_size, cfg.seed)
     rows_per_rank = cfg.batch_size // env.world
-    micro = rows_per_rank // accum
-    last_state = state
-    seg_tokens, seg_time = 0, 0.0  # throughput since the last eval (training time only)
-    run_time, run_tokens = 0.0, 0  # this process's throughput, for TrainResult
+    micro = rows_per_rank // run.accum
+    lo = env.rank * rows_per_rank
+    x, y = x[lo : lo + rows_per_rank], y[lo : lo + rows_per_rank]  # this rank's slice of the global batch
+    step_loss = torch.zeros((), device=env.device)
+    for i in range(run.accum):
+        xb = x[i * micro : (i + 1) * micro].to(env.device, non_blocking=True)
+        yb = y[i * micro : (i + 1) * micro].to(env.device, non_blocking=True)
+        with D.grad_sync(run.train_fwd, i == run.accum - 1), run.autocast:
+            loss = run.task.loss(run.train_fwd, xb, yb) / run.accum
+        loss.backward()
+        step_loss += loss.detach().float()
+    loss_val = D.mean(env, step_loss).item()
+    if not math.isfinite(loss_val):
+        return loss_val
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.raw.parameters(), cfg.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    dt = time.perf_counter() - t0
+    state.step += 1
+    state.loss_sum += loss_val
+    state.loss_n += 1
+    state.elapsed += dt
+    state.seg_time += dt
+    state.seg_tokens += run.tokens_per_step
+    state.run_time += dt
+    state.run_tokens += run.tokens_per_step
+    return loss_val
 
-    def evaluate() -> dict[str, float]:
-        fwd.eval()
-        with torch.no_grad(), autocast:
-            scores = task.evaluate(fwd, batch_size=cfg.val_batch_size, max_batches=cfg.eval_batches)
-        fwd.train()
-        return {k: float(v) for k, v in scores.items()}
 
-    def log_row(scores: dict[str, float], lr: float) -> None:
-        nonlocal loss_sum, loss_n, seg_tokens, seg_time
-        tokens = step * tokens_per_step if step else 0
-        row = {
-            "step": step,
-            "tokens": tokens,
-            "train_loss": loss_sum / loss_n if loss_n else None,
-            **{k: v for k, v in scores.items()},
-            "lr": lr,
-            "tokens_per_s": seg_tokens / seg_time if seg_time > 0 else None,
-            "elapsed_s": elapsed,
-        }
-        rows.append(row)
-        loss_sum, loss_n, seg_tokens, seg_time = 0.0, 0, 0, 0.0
-        if env.main:
-            with open(out / METRICS, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            if tb is not None:
-                for k, v in row.items():
-                    if k != "step" and isinstance(v, (int, float)):
-                        tb.add_scalar(k, v, step)
-            if bar is not None:
-                bar.write(f"step {step}: " + " ".join(f"{k} {v:.4g}" for k, v in scores.items()))
+def evaluate(run: Run) -> dict[str, float]:
+    """The task's validation scores, in eval mode without gradients."""
+    run.fwd.eval()
+    with torch.no_grad(), run.autocast:
+        scores = run.task.evaluate(run.fwd, batch_size=run.cfg.val_batch_size, max_batches=run.cfg.eval_batches)
+    run.fwd.train()
+    return {k: float(v) for k, v in scores.items()}
 
-    def save() -> dict[str, Any]:
-        full_w, full_o = D.full_state(raw, optimizer, sharded)
-        rng = D.all_gather_object(env, _rng_state(env))
-        st = {
-            "step": step,
-            "tokens": step * tokens_per_step,
-            "metrics": rows,
-            "loss_sum": loss_sum,
-            "loss_n": loss_n,
-            "elapsed_s": elapsed,
-            "rng": rng,
-            "data_position": {"next_step": step},
-            "params": params,
-            "world_size": env.world,
-            "metric": task.metric,
-            "higher_is_better": task.higher_is_better,
-            "task": task.describe(),
-            "train_config": cfg.to_dict(),
-        }
-        if env.main:
-            ck.save_checkpoint(out, ck.untie(full_w, tied), full_o, model_cfg, kind, st)
-        D.barrier(env)
-        return json.loads(json.dumps(st))  # a snapshot: rows keeps growing
 
-    raw.train()
-    tokens_per_step = _tokens(task.batch(step, cfg.batch_size, cfg.seed)[0])
-    if step == 0 and not rows:
-        log_row(evaluate(), lr_at(0, lr=cfg.lr, min_lr=cfg.final_lr, warmup=cfg.warmup_steps, total=cfg.max_steps))
+def _diverged(run: Run, state: State, what: str) -> TrainingDiverged:
+    """The one-line error naming the last good checkpoint: one whose training losses, weights and
+    (when evaluated at its step) validation scores were all finite."""
+    last = state.last_checkpoint
+    where = (
+        f"last good checkpoint: {run.out / ck.CHECKPOINT} (step {last['step']})"
+        if last
+        else "no checkpoint was written"
+    )
+    return TrainingDiverged(f"{what}; stopped, {where}; try a lower --lr or longer --warmup-steps")
 
-    while step < cfg.max_steps:
-        t0 = time.perf_counter()
-        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.final_lr, warmup=cfg.warmup_steps, total=cfg.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = task.batch(step, cfg.batch_size, cfg.seed)
-        lo = env.rank * rows_per_rank
-        x, y = x[lo : lo + rows_per_rank], y[lo : lo + rows_per_rank]  # this rank's slice of the global batch
-        step_loss = torch.zeros((), device=env.device)
-        for i in range(accum):
-            xb = x[i * micro : (i + 1) * micro].to(env.device, non_blocking=True)
-            yb = y[i * micro : (i + 1) * micro].to(env.device, non_blocking=True)
-            with D.grad_sync(train_fwd, i == accum - 1), autocast:
-                loss = task.loss(train_fwd, xb, yb) / accum
-            loss.backward()
-            step_loss += loss.detach().float()
-        loss_val = D.mean(env, step_loss).item()
-        if not math.isfinite(loss_val):
-            where = (
-                f"last good checkpoint: {out / ck.CHECKPOINT} (step {last_state['step']})"
-                if last_state
-                else "no checkpoint was written"
-            )
-            raise TrainingDiverged(
-                f"loss is {loss_val} at step {step + 1} (lr {lr:.3g}); stopped, {where}; "
-                f"try a lower --lr or longer --warmup-steps"
-            )
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        loss_sum += loss_val
-        loss_n += 1
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        seg_time += dt
-        seg_tokens += tokens_per_step
-        run_time += dt
-        run_tokens += tokens_per_step
-        if bar is not None:
-            bar.update(1)
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
-                bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{seg_tokens / max(seg_time, 1e-9):,.0f}", refresh=False)
-        if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            log_row(evaluate(), lr)
-        if step % cfg.ckpt_every == 0 or step == cfg.max_steps:
-            last_state = save()
 
-    if bar is not None:
-        bar.close()
-    if tb is not None:
-        tb.close()
+def log_evaluation(run: Run, state: State, log: Log, scores: dict[str, float], lr: float) -> None:
+    """Append a metrics row (every rank keeps the rows; rank 0 writes them) and reset the sums."""
+    row = {
+        "step": state.step,
+        "tokens": state.step * run.tokens_per_step if state.step else 0,
+        "train_loss": state.loss_sum / state.loss_n if state.loss_n else None,
+        **scores,
+        "lr": lr,
+        "tokens_per_s": state.seg_tokens / state.seg_time if state.seg_time > 0 else None,
+        "elapsed_s": state.elapsed,
+    }
+    row = finite_row(row)
+    state.rows.append(row)
+    state.loss_sum, state.loss_n, state.seg_tokens, state.seg_time = 0.0, 0, 0, 0.0
+    if run.env.main:
+        with open(run.out / METRICS, "a") as f:
+            f.write(json_text(row))
+        log.row(row, scores)
+    if row.get("nonfinite"):
+        bad = row["nonfinite"][0]
+        raise _diverged(run, state, f"{bad} is {scores.get(bad, bad)} at step {state.step}")
+
+
+def _write_metrics(out: Path, rows: list[dict[str, Any]]) -> None:
+    atomic_write(out / METRICS, "".join(json_text(r) for r in rows))
+
+
+def _write_train_config(out: Path, cfg: TrainConfig) -> None:
+    """OUT/train_config.json, before any step: what `train --out OUT --resume` alone continues.
+    A run's existing config must agree on every key that is not resumable."""
+    path = out / TRAIN_CONFIG
+    if path.exists():
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raise UserError(f"{path}: unreadable or not JSON; restore it or train into another --out") from None
+        _check_resumable(saved, cfg, out)
+    atomic_write(path, json_text(cfg.to_dict(), indent=2))
+
+
+# ---- checkpoints and the final model ----------------------------------------------------------
+def save_checkpoint(run: Run, state: State) -> dict[str, Any]:
+    """Write OUT/checkpoint (a collective under FSDP); returns a snapshot of its state.json."""
+    env = run.env
+    weights, optim_state = D.full_state(run.raw, run.optimizer, run.sharded)
+    bad = next((k for k, t in weights.items() if not torch.isfinite(t).all()), None) if env.main else None
+    bad = D.all_gather_object(env, bad)[0]
+    if bad is not None:  # never write a checkpoint that is not good
+        raise _diverged(run, state, f"weight {bad} is not finite after step {state.step}")
+    st = {
+        "step": state.step,
+        "tokens": state.step * run.tokens_per_step,
+        "metrics": state.rows,
+        "loss_sum": state.loss_sum,
+        "loss_n": state.loss_n,
+        "elapsed_s": state.elapsed,
+        "rng": D.all_gather_object(env, ck.rng_state(env.device)),
+        "data_position": {"next_step": state.step},
+        "params": run.params,
+        "world_size": env.world,
+        "metric": run.task.metric,
+        "higher_is_better": run.task.higher_is_better,
+        "task": run.task.describe(),
+        "train_config": run.cfg.to_dict(),
+    }
     if env.main:
-        task.save_artifacts(out)  # before the final model: a finished run always has them
-        _finish(out, out / ck.CHECKPOINT, cfg, last_state)
+        ck.save_checkpoint(
+            run.out, drop_aliases(weights, run.aliases), optim_state, run.model_cfg, run.task.model_kind, st
+        )
     D.barrier(env)
-    return _result(out, cfg, last_state, run_tokens / run_time if run_time > 0 else 0.0)
+    return json.loads(json.dumps(st))  # a snapshot: rows keeps growing
 
 
+def _republish(cfg: TrainConfig, out: Path, env: D.Env, st: dict[str, Any]) -> TrainResult:
+    """A finished run: (re)publish the final model and metrics, no training."""
+    if env.main:
+        _write_metrics(out, st["metrics"])
+        ck.write_final_model(out, st, cfg.to_dict())
+    D.barrier(env)
+    timed = [r["tokens_per_s"] for r in st["metrics"] if r.get("tokens_per_s")]
+    return _result(out, st, sum(timed) / len(timed) if timed else 0.0)  # as recorded
+
+
+def _result(out: Path, st: dict[str, Any], tokens_per_s: float) -> TrainResult:
+    rows = st["metrics"]
+    return TrainResult(
+        out_dir=out,
+        step=st["step"],
+        tokens=st["tokens"],
+        metrics=rows[-1] if rows else {},
+        history=rows,
+        params=st["params"],
+        tokens_per_s=tokens_per_s,
+        metric=st.get("metric", "val_loss"),
+        higher_is_better=st.get("higher_is_better", False),
+    )
+
+
+# ---- helpers ----------------------------------------------------------------------------------
 def _tokens(x: torch.Tensor) -> int:
     """Tokens in a global batch: B*T for token ids, else one per example (images, sets)."""
     if x.dim() >= 2 and not x.is_floating_point():

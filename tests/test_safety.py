@@ -1,0 +1,427 @@
+"""A user's work is never lost (issue 12): refusals leave disk unchanged, resume is exact or refuses,
+one run per folder, last good means good, strict JSON, bounds before allocation, one-line errors.
+Data-loss cases run as real subprocesses of the CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qkvlab.config import preset
+from qkvlab.errors import UserError
+from qkvlab.folders import check_model_target, claim_folder, inspect
+from qkvlab.io import load_model, save_model
+from qkvlab.model import GPT
+from qkvlab.train import checkpoint as ck
+from qkvlab.train.config import train_preset
+from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, read_metrics, train
+
+TINY = ["--preset", "tiny", "--tokenizer", "char", "--block-size", "32", "--batch-size", "8", "--eval-batches", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A 100 kB text file and a cache folder shared by the module's runs (tokenized once)."""
+    from qkvlab.data.text import load_shakespeare
+
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "plays.txt").write_text("".join(d.text for d in load_shakespeare(["roman"]))[:100_000])
+    old = os.environ.get("QKVLAB_CACHE")
+    os.environ["QKVLAB_CACHE"] = str(root / "cache")
+    yield root / "plays.txt"
+    if old is None:
+        os.environ.pop("QKVLAB_CACHE", None)
+    else:
+        os.environ["QKVLAB_CACHE"] = old
+
+
+def cli(*args, env=None, wait=True, **kw):
+    """`python -m qkvlab.cli ARGS` as a real process (OMP_NUM_THREADS=1)."""
+    cmd = [sys.executable, "-m", "qkvlab.cli", *map(str, args)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if not wait:
+        return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, **kw)
+
+
+def one_line_exit_2(proc, *needles):
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every path under root (hidden ones too) -> sha256 of its bytes (or 'dir')."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        out[str(p.relative_to(root))] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def tiny_cfg(corpus, **over):
+    base = dict(
+        task_options={"data": str(corpus), "tokenizer": "char", "block_size": 32},
+        batch_size=8,
+        eval_batches=2,
+        max_steps=6,
+        eval_every=3,
+    )
+    return train_preset("tiny", **{**base, **over})
+
+
+@pytest.fixture(scope="module")
+def finished_run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "run"
+    train(tiny_cfg(corpus), out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def short_run(corpus, tmp_path_factory):
+    """A run stopped at step 3 of 6 (max_steps=3, resumed with --max-steps 6)."""
+    out = tmp_path_factory.mktemp("runs") / "short"
+    train(tiny_cfg(corpus, max_steps=3), out, progress=False)
+    return out
+
+
+# ---------------------------------------------------------------- 1-3: a run folder is the user's
+
+
+def test_inspect_names_what_is_there(tmp_path, finished_run):
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "empty").mkdir()
+    save_model(tmp_path / "m", GPT(preset("tiny")), preset("tiny"))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    kinds = {n: inspect(tmp_path / n).kind for n in ("f", "empty", "m", "other", "missing", "f/sub")}
+    assert kinds == {
+        "f": "file",
+        "empty": "empty",
+        "m": "model",
+        "other": "other",
+        "missing": "missing",
+        "f/sub": "unusable",
+    }
+    assert inspect(finished_run).kind == "run" and "step 6" in inspect(finished_run).what
+
+
+@pytest.mark.parametrize("target", ["f", "run", "other", "f/sub"])
+def test_model_writers_refuse_what_is_not_a_model_folder(tmp_path, finished_run, target):
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    path = finished_run if target == "run" else tmp_path / target
+    before = snapshot(path.parent)
+    with pytest.raises(UserError) as e:
+        check_model_target(path, overwrite=True)
+    assert "\n" not in str(e.value) and snapshot(path.parent) == before
+
+
+def test_model_writers_replace_a_model_only_with_overwrite(tmp_path):
+    save_model(tmp_path / "m", GPT(preset("tiny")), preset("tiny"))
+    with pytest.raises(UserError, match="--overwrite"):
+        check_model_target(tmp_path / "m", overwrite=False)
+    check_model_target(tmp_path / "m", overwrite=True)
+    for bad in ("", ".", "a/.."):
+        with pytest.raises(UserError, match="names no new folder"):
+            check_model_target(bad, overwrite=True)
+    check_model_target(tmp_path / "new" / "deeper", overwrite=False)
+    assert not (tmp_path / "new").exists()
+
+
+def test_train_refuses_a_model_folder_a_file_and_another_run(corpus, tmp_path, finished_run):
+    """Items 2-3 as real processes: nothing on disk changes."""
+    save_model(tmp_path / "m", GPT(preset("tiny")), preset("tiny"))
+    (tmp_path / "f").write_text("precious")
+    before = snapshot(tmp_path), snapshot(finished_run)
+    for out, extra, needle in [
+        (tmp_path / "m", [], "holds a model"),
+        (tmp_path / "m", ["--resume"], "holds a model"),
+        (tmp_path / "f", [], "holds a file"),
+        (tmp_path / "f" / "sub", [], "which is a file"),
+        (finished_run, [], "--resume"),
+    ]:
+        one_line_exit_2(cli("train", *TINY, "--data", corpus, "--max-steps", 6, "--out", out, *extra), needle)
+    assert (snapshot(tmp_path), snapshot(finished_run)) == before
+
+
+def test_a_refused_run_leaves_no_empty_folder(corpus, tmp_path):
+    with pytest.raises(UserError):
+        train(tiny_cfg(tmp_path / "no-such-corpus.txt"), tmp_path / "new", progress=False)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError):
+        train(tiny_cfg(tmp_path / "no-such-corpus.txt"), tmp_path / "empty", progress=False)
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_empty_out_is_refused():
+    with pytest.raises(UserError, match="names no folder"):
+        claim_folder("", accept=(), advice={})
+
+
+# ---------------------------------------------------------------- 4-5: resume is exact or refuses
+
+
+def _damage(run: Path, what: str) -> None:
+    c = run / "checkpoint"
+    if what == "state-truncated":
+        (c / "state.json").write_bytes((c / "state.json").read_bytes()[:100])
+    elif what == "weights-truncated":
+        (c / "model.safetensors").write_bytes((c / "model.safetensors").read_bytes()[:1000])
+    elif what == "weights-missing":
+        (c / "model.safetensors").unlink()
+    elif what == "weights-bitflip":
+        data = bytearray((c / "model.safetensors").read_bytes())
+        data[-10] ^= 1
+        (c / "model.safetensors").write_bytes(bytes(data))
+    elif what == "optimizer-not-safetensors":
+        (c / "optimizer.safetensors").write_bytes(b"\x80\x04K\x01.")  # a pickle
+    elif what == "header-garbage":
+        (c / "model.safetensors").write_bytes(b"\xff" * 8 + (c / "model.safetensors").read_bytes()[8:])
+
+
+@pytest.mark.parametrize(
+    "what, file",
+    [
+        ("state-truncated", "state.json"),
+        ("weights-truncated", "model.safetensors"),
+        ("weights-missing", "model.safetensors"),
+        ("weights-bitflip", "model.safetensors"),
+        ("optimizer-not-safetensors", "optimizer.safetensors"),
+        ("header-garbage", "model.safetensors"),
+    ],
+)
+def test_a_damaged_checkpoint_is_refused_naming_the_file(corpus, tmp_path, what, file, short_run):
+    out = tmp_path / "run"
+    shutil.copytree(short_run, out)
+    _damage(out, what)
+    before = snapshot(out)
+    err = one_line_exit_2(cli("train", "--out", out, "--resume", "--max-steps", 6, "--quiet"), file)
+    assert str(out / "checkpoint") in err
+    assert snapshot(out) == before  # not restarted over it
+
+
+def test_checkpoint_of_another_shape_is_refused(corpus, tmp_path):
+    model = GPT(preset("tiny"))
+    other = GPT(preset("tiny", d_model=32, n_head=2))
+    opt = torch.optim.AdamW(other.parameters())
+    other(torch.randint(0, 64, (1, 4)))[0].sum().backward()
+    opt.step()
+    from qkvlab.train.distributed import full_state
+
+    w, o = full_state(other, opt)
+    w.pop("lm_head.weight")
+    with pytest.raises(UserError, match="shape"):
+        ck.check_against_model(w, o, model, {"lm_head.weight": "tok_emb.weight"}, tmp_path)
+    w = {k: v for k, v in full_state(model, torch.optim.AdamW(model.parameters()))[0].items() if k != "lm_head.weight"}
+    w["trunk.norm.weight"] = w["trunk.norm.weight"].long()
+    with pytest.raises(UserError, match="int64"):
+        ck.check_against_model(w, {"state": {}}, model, {"lm_head.weight": "tok_emb.weight"}, tmp_path)
+
+
+def test_killed_in_the_first_second_resumes_its_own_config(corpus, tmp_path):
+    """Item 5: the run's config is on disk before any step, so `--out RUN --resume` alone trains it."""
+    out = tmp_path / "run"
+    args = [*TINY, "--data", corpus, "--max-steps", 5, "--eval-every", 5, "--d-model", 48, "--seed", 3, "--quiet"]
+    p = cli("train", *args, "--out", out, wait=False)
+    deadline = time.time() + 60
+    while not (out / "train_config.json").exists():
+        assert p.poll() is None and time.time() < deadline, p.stderr.read() if p.poll() is not None else "timeout"
+        time.sleep(0.005)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not (out / "checkpoint").exists()
+    done = cli("train", "--out", out, "--resume", "--quiet")
+    assert done.returncode == 0, done.stderr
+    body = json.loads((out / "config.json").read_text())
+    assert body["model"]["d_model"] == 48 and body["train"]["config"]["seed"] == 3 and body["train"]["step"] == 5
+
+
+# ---------------------------------------------------------------- 7: last good means good, strict JSON
+
+
+def _strict(text: str):
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_validation_stops_before_a_bad_checkpoint(corpus, tmp_path, monkeypatch):
+    from qkvlab.tasks.lm import LMTask
+
+    real, calls = LMTask.evaluate, []
+
+    def poisoned(self, model, **kw):
+        calls.append(1)
+        scores = real(self, model, **kw)
+        return {**scores, "val_loss": float("nan")} if len(calls) == 3 else scores
+
+    monkeypatch.setattr(LMTask, "evaluate", poisoned)
+    out = tmp_path / "nan"
+    with pytest.raises(TrainingDiverged) as e:
+        train(tiny_cfg(corpus, max_steps=12, eval_every=3, checkpoint_every=3), out, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "val_loss is nan at step 6" in msg and "checkpoint" in msg and "(step 3)" in msg
+    state = _strict((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 3
+    rows = [_strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 6 and rows[-1]["val_loss"] is None and rows[-1]["nonfinite"] == ["val_loss"]
+
+
+def test_non_finite_weights_are_never_checkpointed(corpus, tmp_path, monkeypatch):
+    from qkvlab.train import loop
+
+    real = loop.train_step
+
+    def poisoned(run, state, lr):
+        loss = real(run, state, lr)
+        if state.step == 6:
+            with torch.no_grad():
+                next(run.raw.parameters())[0, 0] = float("inf")
+        return loss
+
+    monkeypatch.setattr(loop, "train_step", poisoned)
+    with pytest.raises(
+        TrainingDiverged, match=r"not finite after step 6; stopped, last good checkpoint: .* \(step 3\)"
+    ):
+        train(tiny_cfg(corpus, max_steps=12, eval_every=100, checkpoint_every=3), tmp_path / "w", progress=False)
+
+
+def test_non_finite_weights_are_refused_when_loading(tmp_path):
+    cfg = preset("tiny")
+    model = GPT(cfg)
+    with torch.no_grad():
+        model.trunk.norm.weight[3] = float("nan")
+    save_model(tmp_path / "m", model, cfg)
+    with pytest.raises(UserError, match="trunk.norm.weight holds NaN"):
+        load_model(tmp_path / "m")
+
+
+# ---------------------------------------------------------------- 8: one run per folder
+
+
+def test_two_trainings_on_one_folder_one_is_refused(corpus, tmp_path):
+    """Item 8: while one process trains into OUT (it holds the lock), another one started on OUT is
+    refused (with or without --resume, any seed) and the first finishes alone."""
+    out = tmp_path / "run"
+    args = ["train", *TINY, "--data", corpus, "--max-steps", 8, "--eval-every", 4, "--quiet", "--out", out]
+    first = cli(*args, env={ck.SLOW_HOOK: "3"}, wait=False)  # 3 s per checkpoint: still running below
+    deadline = time.time() + 120
+    while not (out / ".qkvlab.lock").exists() or not (out / "train_config.json").exists():
+        assert first.poll() is None and time.time() < deadline, first.stderr.read()
+        time.sleep(0.01)
+    one_line_exit_2(cli(*args, "--seed", 1), "holds a training run", "--resume")
+    one_line_exit_2(cli(*args, "--resume"), "in use by another qkvlab process")
+    assert first.wait(timeout=300) == 0, first.stderr.read()
+    assert [r["step"] for r in read_metrics(out)] == [0, 4, 8]  # one run's rows, once each
+    assert json.loads((out / "train_config.json").read_text())["seed"] == 0
+
+
+def test_two_trainings_started_at_once_one_is_refused(corpus, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", *TINY, "--data", corpus, "--max-steps", 8, "--eval-every", 4, "--quiet", "--out", out]
+    procs = [
+        cli(*args, env={ck.SLOW_HOOK: "2"}, wait=False),
+        cli(*args, "--seed", 1, env={ck.SLOW_HOOK: "2"}, wait=False),
+    ]
+    results = sorted((p.wait(timeout=300), p.stderr.read()) for p in procs)
+    assert [r[0] for r in results] == [0, 2], results
+    assert len(results[1][1].strip().splitlines()) == 1
+    assert [r["step"] for r in read_metrics(out)] == [0, 4, 8]
+
+
+def test_two_racing_trainings_killed_then_resumed_is_bit_identical(corpus, tmp_path):
+    """Both racers are SIGKILLed (one mid-run); the lock dies with them; one resume finishes the run
+    exactly as an uninterrupted one."""
+    common = [*TINY, "--data", corpus, "--max-steps", 12, "--eval-every", 4, "--checkpoint-every", 2, "--quiet"]
+    ref = cli("train", *common, "--out", tmp_path / "ref", wait=False)
+    out = tmp_path / "run"
+    racers = [cli("train", *common, "--out", out, env={ck.SLOW_HOOK: "0.3"}, wait=False) for _ in range(2)]
+    deadline = time.time() + 120
+    while (
+        not (out / "checkpoint" / "state.json").exists()
+        or json.loads((out / "checkpoint" / "state.json").read_text())["step"] < 4
+    ):
+        assert time.time() < deadline and any(p.poll() is None for p in racers)
+        time.sleep(0.01)
+    for p in racers:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert sorted(p.returncode for p in racers) in ([-9, 2], [-9, -9])
+    done = cli("train", "--out", out, "--resume", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert ref.wait(timeout=300) == 0, ref.stderr.read()
+    a, b = load_file(str(tmp_path / "ref" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "ref")) == strip(read_metrics(out))
+
+
+# ---------------------------------------------------------------- 9: one line instead of a traceback
+
+
+def test_bounds_are_checked_before_allocation(corpus, tmp_path):
+    one_line_exit_2(cli("train", *TINY, "--data", corpus, "--context", 99999999999, "--out", tmp_path / "a"), "GB")
+    one_line_exit_2(
+        cli("train", *TINY[:6], "--batch-size", 100000000, "--data", corpus, "--out", tmp_path / "b"), "--batch-size"
+    )
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_hostile_config_json_is_refused_before_allocation(tmp_path):
+    cfg = preset("tiny", pos="rope")
+    save_model(tmp_path / "m", GPT(cfg), cfg)
+    body = json.loads((tmp_path / "m" / "config.json").read_text())
+    body["model"]["context"] = 10**12
+    (tmp_path / "m" / "config.json").write_text(json.dumps(body))
+    with pytest.raises(UserError, match="GB"):
+        load_model(tmp_path / "m")
+
+
+def test_non_utf8_config_file_is_one_line(corpus, tmp_path):
+    (tmp_path / "c.yaml").write_bytes(b"lr: 0.1\n# \xff\xfe\n")
+    one_line_exit_2(cli("train", tmp_path / "c.yaml", "--out", tmp_path / "o"), "not UTF-8")
+    assert not (tmp_path / "o").exists()
+
+
+def test_unwritable_out_is_one_line(corpus, tmp_path):
+    one_line_exit_2(cli("train", *TINY, "--data", corpus, "--out", "/proc/qkvlab-run"), "/proc/qkvlab-run")
+
+
+def test_hf_data_without_network_fails_fast(tmp_path):
+    pytest.importorskip("datasets")
+    from qkvlab.data.text import _hub_reachable
+
+    if _hub_reachable():
+        pytest.skip("the Hub is reachable from here")
+    t0 = time.time()
+    p = cli(
+        "train",
+        "--preset",
+        "tiny",
+        "--data",
+        "hf:nonexistent/x",
+        "--out",
+        tmp_path / "o",
+        env={"HF_HOME": str(tmp_path)},
+    )
+    one_line_exit_2(p, "no network")
+    assert "Retrying" not in p.stdout + p.stderr and time.time() - t0 < 120  # importing datasets is the slow part
+    assert not (tmp_path / "o").exists()
