@@ -425,3 +425,103 @@ def test_hf_data_without_network_fails_fast(tmp_path):
     one_line_exit_2(p, "no network")
     assert "Retrying" not in p.stdout + p.stderr and time.time() - t0 < 120  # importing datasets is the slow part
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- 1-2 (and 9, 10) for init, convert, compare, bench
+
+
+def test_init_and_convert_never_replace_what_is_not_their_model(tmp_path, finished_run):
+    """Items 1-2 as real processes: a file, a training run, a folder of other files stay untouched
+    (no hidden `.NAME.old-*` either); a model is replaced only with --overwrite."""
+    (tmp_path / "F").write_text("x\n")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    save_model(tmp_path / "m", GPT(preset("tiny")), preset("tiny"))
+    before, run_before = snapshot(tmp_path), snapshot(finished_run)
+    for out, needle in [
+        (tmp_path / "F", "holds a file"),
+        (finished_run, "holds a training run"),
+        (tmp_path / "other", "holds a folder of other files"),
+        (tmp_path / "m", "--overwrite"),
+        (tmp_path / "F" / "sub", "which is a file"),
+    ]:
+        one_line_exit_2(cli("init", "--preset", "tiny", "--out", out), needle)
+        one_line_exit_2(cli("convert", tmp_path / "m", out, "--to", "Id-K-V"), needle)
+    assert (snapshot(tmp_path), snapshot(finished_run)) == (before, run_before)
+    done = cli("init", "--preset", "tiny", "--seed", 1, "--out", tmp_path / "m", "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert snapshot(tmp_path / "m") != {k[2:]: v for k, v in before.items() if k.startswith("m/")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["F", "m", "other"]
+
+
+def test_compare_refuses_a_file_and_a_training_run(tmp_path, finished_run):
+    (tmp_path / "F").write_text("x\n")
+    before, run_before = snapshot(tmp_path), snapshot(finished_run)
+    for out, needle in [(tmp_path / "F", "holds a file"), (finished_run, "training run")]:
+        args = ["compare", "--variants", "Q-K-V", "--seeds", 1, "--max-steps", 2, "--no-plots", "--out", out]
+        one_line_exit_2(cli(*args, "--preset", "tiny", "--tokenizer", "char"), needle)
+    assert (snapshot(tmp_path), snapshot(finished_run)) == (before, run_before)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["init", "--preset", "tiny", "--out", "."], "names no new folder"),
+        (["init", "--preset", "tiny", "--out", ""], "names no"),
+        (["init", "--preset", "tiny", "--out", "/proc/qkvlab-model"], "/proc/qkvlab-model"),
+        (["init", "--preset", "tiny", "--seed", "-1", "--out", "{tmp}/s"], "--seed -1"),
+        (["init", "--preset", "tiny", "--context", "99999999999", "--out", "{tmp}/c"], "GB"),
+        (["bench", "--preset", "tiny", "--json", "/proc/qkvlab/b.json"], "--json"),
+        (["bench", "--preset", "tiny", "--json", "{tmp}"], "is a folder"),
+        (["bench", "--preset", "tiny", "--memory-budget", "1e400GB"], "--memory-budget"),
+        (["bench", "--preset", "tiny", "--memory-budget", "nanGB"], "--memory-budget"),
+    ],
+)
+def test_bad_paths_and_sizes_are_one_line(tmp_path, capsys, argv, needle):
+    from qkvlab.cli import main
+
+    rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and needle in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_generate_similarity_export_refuse_hostile_or_broken_models(tmp_path, capsys):
+    from qkvlab.cli import main
+
+    cfg = preset("tiny", pos="rope")
+    model = GPT(cfg)
+    save_model(tmp_path / "huge", model, cfg)
+    body = json.loads((tmp_path / "huge" / "config.json").read_text())
+    body["model"]["context"] = 10**12
+    (tmp_path / "huge" / "config.json").write_text(json.dumps(body))
+    with torch.no_grad():
+        model.tok_emb.weight[0, 0] = float("nan")
+    save_model(tmp_path / "nan", model, cfg)
+    save_model(tmp_path / "cut", GPT(cfg), cfg)
+    data = (tmp_path / "cut" / "model.safetensors").read_bytes()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    for folder, needle in [("huge", "GB"), ("nan", "NaN"), ("cut", "safetensors")]:
+        for argv in (
+            ["generate", str(tmp_path / folder), "--prompt-ids", "1,2", "--max-new-tokens", "2"],
+            ["similarity", str(tmp_path / folder)],
+            ["convert", str(tmp_path / folder), str(tmp_path / "x"), "--to", "Id-K-V"],
+        ):
+            rc = main(argv)
+            err = capsys.readouterr().err.strip()
+            assert rc == 2 and len(err.splitlines()) == 1 and needle in err, (argv, err)
+    assert not (tmp_path / "x").exists()
+
+
+def test_bench_json_is_checked_before_measuring_and_replaces_only_bench_output(tmp_path):
+    from qkvlab.folders import check_file_target
+
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    (tmp_path / "old.json").write_text('{"schemes": {}}')
+    same = lambda p: "schemes" in json.loads(p.read_text())  # noqa: E731
+    with pytest.raises(UserError, match="not an earlier output"):
+        check_file_target(tmp_path / "notes.json", "--json", same_kind=same)
+    check_file_target(tmp_path / "old.json", "--json", same_kind=same)
+    check_file_target(tmp_path / "new.json", "--json", same_kind=same)
+    with pytest.raises(UserError, match="not an existing folder"):
+        check_file_target(tmp_path / "no" / "new.json", "--json")

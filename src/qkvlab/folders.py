@@ -15,7 +15,7 @@ import errno
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +94,25 @@ def check_model_target(path: str | Path, *, overwrite: bool, flag: str = "--out"
             f"{flag} {path} already holds {found.what}; pass --overwrite to replace it or choose another {flag}"
         )
     raise UserError(f"{flag} {path} holds {found.what}; choose another {flag} (nothing was written)")
+
+
+def check_file_target(path: str | Path, flag: str, *, same_kind: Callable[[Path], bool] | None = None) -> None:
+    """Before a long job that ends by writing the file `path` (e.g. bench --json): the folder
+    exists and is writable, and `path` is missing or (per `same_kind`) an earlier output."""
+    if str(path) == "":
+        raise UserError(f"{flag} '' names no file")
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; give a file path")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path}: {parent} is not an existing folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: {parent} is not writable")
+    if path.exists() and not (same_kind and same_kind(path)):
+        raise UserError(
+            f"{flag} {path} already exists and is not an earlier output of this command; choose another path"
+        )
 
 
 def _check_creatable(path: Path, flag: str) -> None:

@@ -59,7 +59,10 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO]:
     folder is fsynced. Readers see the old file or the new one, never a part; on an error the temp
     file is removed and `path` is untouched."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise UserError(f"{path}: cannot write there ({e.strerror})") from None
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
@@ -81,15 +84,20 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a fresh temp folder beside `path`; on success it replaces `path` whole.
+def atomic_dir(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
+    """Yield a fresh temp folder beside `path`; on success it replaces `path` whole. With
+    replace=False it is only renamed into a missing or empty `path`: a folder that appeared
+    meanwhile (another process) is never replaced, the write is refused instead.
 
     Every file in it is fsynced before the rename, and the parent folder after it. If the process
     dies, `path` is either the old complete folder or the new one (at worst the old one survives
     as `.NAME.old-*`, which `load_model` never reads)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    except OSError as e:
+        raise UserError(f"{path}: cannot write there ({e.strerror})") from None
     try:
         yield tmp
         mask = _umask()
@@ -102,7 +110,13 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
                 os.chmod(f, 0o777 & ~mask)
         _fsync_dir(tmp)
         os.chmod(tmp, 0o777 & ~mask)
-        if path.exists():
+        if not replace:
+            try:
+                os.rename(tmp, path)  # replaces an empty folder, never a non-empty one or a file
+            except OSError:
+                raise UserError(f"{path} appeared while it was being written; nothing was replaced") from None
+            _fsync_dir(path.parent)
+        elif path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
             os.replace(tmp, path)
@@ -214,8 +228,20 @@ def write_model_files(
     (folder / CONFIG).write_text(json_text(config_body(cfg, "gpt", meta), indent=2))
 
 
-def save_model(path: str | Path, model: torch.nn.Module, cfg: ModelConfig, meta: dict[str, Any] | None = None) -> Path:
-    with atomic_dir(path) as tmp:
+def save_model(
+    path: str | Path,
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    meta: dict[str, Any] | None = None,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write a model folder atomically: into a missing or empty `path`, or over a model folder
+    with overwrite=True; anything else is refused before writing (qkvlab.folders)."""
+    from qkvlab.folders import check_model_target
+
+    check_model_target(path, overwrite=overwrite, flag="path")
+    with atomic_dir(path, replace=overwrite) as tmp:
         write_model_files(tmp, model, cfg, meta)
     return Path(path)
 

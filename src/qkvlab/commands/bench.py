@@ -4,12 +4,14 @@ The library behind it: qkvlab.bench (BenchConfig, run)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 from qkvlab.bench import BenchConfig
 from qkvlab.cli import DEFAULT_PRESET, add_config_options, add_model_options, model_overrides, print_config
 from qkvlab.errors import UserError
+from qkvlab.folders import check_file_target
 from qkvlab.settings import add_options, options_from_args
 
 
@@ -42,6 +44,13 @@ def _fmt(x, spec=".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _is_bench_json(path: Path) -> bool:
+    try:
+        return "schemes" in json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def run(args) -> int:
     from qkvlab.bench import run as run_bench
 
@@ -50,6 +59,8 @@ def run(args) -> int:
         return 0
     if cfg.compare_dir and not (Path(cfg.compare_dir) / "results.csv").is_file():  # before minutes of measuring
         raise UserError(f"{cfg.compare_dir}: no results.csv (expected the output folder of qkvlab compare)")
+    if cfg.json:  # before minutes of measuring
+        check_file_target(cfg.json, "--json", same_kind=_is_bench_json)
     result = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     rows = result["schemes"]
     keys = [str(b) for b in dict.fromkeys(cfg.decode_batches)]

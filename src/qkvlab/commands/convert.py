@@ -20,6 +20,7 @@ import torch
 from qkvlab.convert.reparam import DEFAULT_MAX_COND, TOLERANCE, CheckFailed, check, convert, logit_diff
 from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
+from qkvlab.folders import check_model_target
 from qkvlab.io import load_model
 
 
@@ -27,7 +28,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "input", metavar="IN", help="qkvlab model folder (or, with --from-hf, a transformers folder or .gguf)"
     )
-    p.add_argument("output", metavar="OUT", help="folder to write (replaced atomically)")
+    p.add_argument("output", metavar="OUT", help="folder to write (a new or empty one, or a model with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds a model")
     p.add_argument(
         "--to", metavar="SCHEME", help="target scheme, e.g. Id-K-V (remove W_Q), Q-Id-V (remove W_K), Q-K-V (insert)"
     )
@@ -63,6 +65,7 @@ def run(args) -> int:
     src = Path(args.input)
     if src.resolve() == Path(args.output).resolve() and args.to_hf:
         raise UserError("OUT must differ from IN when exporting")
+    check_model_target(args.output, overwrite=args.overwrite, flag="OUT")  # before any work
     if args.from_hf or args.to_hf:
         from qkvlab.convert.hf import quiet
 
@@ -105,7 +108,7 @@ def _run(args, src: Path) -> int:
         abs_d, rel_d = check(model, res.model, dtype, f"{cfg.spec.name} -> {res.cfg.spec.name}")
         worst = max(worst, _step(f"convert {cfg.spec.name} -> {res.cfg.spec.name} ({str(dtype)[6:]})", abs_d, rel_d))
         model, cfg = res.model, res.cfg
-    with atomic_dir(args.output) as tmp:
+    with atomic_dir(args.output, replace=args.overwrite) as tmp:
         if args.to_hf:
             from transformers import AutoModelForCausalLM
 

@@ -16,6 +16,7 @@ from typing import Any
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
 from qkvlab.compare.recipes import CPU_RECIPES
 from qkvlab.errors import UserError
+from qkvlab.folders import claim_folder, inspect
 
 
 @dataclass
@@ -138,6 +139,13 @@ def _check_tasks(plan: list[PlannedRun], family_request: bool, say) -> tuple[lis
     return keep, metrics
 
 
+COMPARE_ADVICE = {
+    "run": "that is a training run, not a compare folder: choose another --out",
+    "model": "that is a model folder, not a compare folder: choose another --out",
+    "file": "give --out a folder path",
+}
+
+
 def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = print) -> Outcome:
     """Train every run of `plan` that is not finished (resuming interrupted ones), then write the
     results. `command` is recorded in compare.json; `say` gets the progress lines (rank 0 only)."""
@@ -150,9 +158,18 @@ def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = pr
         from qkvlab.train import distributed as D
 
         env = D.setup(plan.config.device)
+    claim = None
     try:
+        if int(os.environ.get("RANK", "0")) == 0:  # one compare per folder at a time; never into a run or a file
+            claim = claim_folder(plan.out, accept=("compare",), advice=COMPARE_ADVICE)
         return _run_plan(plan, env, say, t_start, command)
+    except UserError:
+        if claim is not None and inspect(plan.out).kind == "empty":
+            claim.undo()  # refused before anything was written: leave no empty folder behind
+        raise
     finally:
+        if claim is not None:
+            claim.release()
         if env is not None:
             from qkvlab.train import distributed as D
 
