@@ -27,7 +27,7 @@ import torch.nn as nn
 from qkvlab.config import ModelConfig
 from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
-from qkvlab.folders import Claim, claim_folder
+from qkvlab.folders import Claim
 from qkvlab.io import (
     METRICS,
     atomic_write,
@@ -42,13 +42,13 @@ from qkvlab.limits import check_training
 from qkvlab.tasks import Task, get_task
 from qkvlab.train import checkpoint as ck
 from qkvlab.train import distributed as D
-from qkvlab.train.config import TrainConfig, changed_fields
+from qkvlab.train.config import TrainConfig
 from qkvlab.train.optim import lr_at, make_optimizer
 from qkvlab.train.progress import Log
+from qkvlab.train.run_folder import TRAIN_CONFIG, Saved, claim_run_folder, read_checkpoint, write_train_config
 
-TRAIN_CONFIG = "train_config.json"
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")  # wall-clock, excluded from exact comparisons
-__all__ = ["train", "TrainResult", "TrainingDiverged", "read_metrics", "TIMING_FIELDS"]
+__all__ = ["train", "TrainResult", "TrainingDiverged", "read_metrics", "TIMING_FIELDS", "TRAIN_CONFIG"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progre
     claim = None
     try:
         _check_memory(cfg, cfg.model, env, with_vocab=False)  # before anything is written or built
-        claim = _claim(out, env, resume)
+        claim = claim_run_folder(out, env, resume)
         return _train(cfg, out, env, resume, progress, claim)
     except UserError:
         if claim is not None:
@@ -130,34 +130,10 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progre
         D.teardown(env)
 
 
-REFUSAL_ADVICE = {
-    "run": "pass --resume to continue it, or choose another --out",
-    "model": "that is a model folder, not a training run: choose another --out",
-    "file": "give --out a folder path",
-}
-
-
-def _claim(out: Path, env: D.Env, resume: bool) -> Claim | None:
-    """Rank 0 creates and locks OUT, refusing what is not a run it may write; every rank learns
-    the verdict (so a refusal is one line on every rank, not a hang at the next barrier)."""
-    claim, error = None, None
-    if env.main:
-        try:
-            claim = claim_folder(out, accept=("run",) if resume else (), advice=REFUSAL_ADVICE)
-        except UserError as e:
-            error = e
-    verdict = D.all_gather_object(env, None if error is None else str(error))[0]
-    if error is not None:
-        raise error
-    if verdict is not None:
-        raise UserError(verdict)
-    return claim
-
-
 def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool, claim: Claim | None) -> TrainResult:
-    saved = _read_checkpoint(cfg, out, env, resume)  # verified, or refused before anything is written
+    saved = read_checkpoint(cfg, out, env, resume)  # verified, or refused before anything is written
     if env.main:  # before any step, so a resume after a kill at any moment trains this run's config
-        _write_train_config(out, cfg)
+        write_train_config(out, cfg)
     if saved is not None and saved.state["step"] == cfg.max_steps:
         return _republish(cfg, out, env, saved.state)
     run = _setup(cfg, out, env)
@@ -201,42 +177,6 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
 
 
 # ---- set-up ---------------------------------------------------------------------------------------
-@dataclass
-class Saved:
-    """A checkpoint as read: full weights, optimizer state dict, state.json."""
-
-    weights: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    state: dict[str, Any]
-
-
-def _read_checkpoint(cfg: TrainConfig, out: Path, env: D.Env, resume: bool) -> Saved | None:
-    """OUT's checkpoint, or None to start fresh. Rank 0 first repairs an interrupted checkpoint
-    write, then every rank reads."""
-    if env.main:
-        ck.find_checkpoint(out, repair=True)
-    D.barrier(env)
-    found = ck.find_checkpoint(out, repair=False)
-    if found is None:
-        return None
-    if not resume:
-        raise UserError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
-    weights, optim_state, state = ck.load_checkpoint(found)
-    _check_resumable(state["train_config"], cfg, out)
-    if state["step"] > cfg.max_steps:
-        raise UserError(f"{found} is at step {state['step']}, beyond max_steps={cfg.max_steps}")
-    return Saved(weights, optim_state, state)
-
-
-def _check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> None:
-    now = cfg.to_dict()
-    for key in changed_fields(saved, cfg):  # RESUMABLE_FIELDS (train/config.py) may change
-        raise UserError(
-            f"{where} was trained with {key}={json.dumps(saved.get(key))}, not "
-            f"{json.dumps(now.get(key))}; resume with the same {key} or use another --out"
-        )
-
-
 def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
     """Task (rank 0 first: it may tokenize and cache the corpus), model, optimizer, wrappers."""
     task = get_task(cfg.task, **cfg.task_options) if env.main else None
@@ -400,19 +340,6 @@ def log_evaluation(run: Run, state: State, log: Log, scores: dict[str, float], l
 
 def _write_metrics(out: Path, rows: list[dict[str, Any]]) -> None:
     atomic_write(out / METRICS, "".join(json_text(r) for r in rows))
-
-
-def _write_train_config(out: Path, cfg: TrainConfig) -> None:
-    """OUT/train_config.json, before any step: what `train --out OUT --resume` alone continues.
-    A run's existing config must agree on every key that is not resumable."""
-    path = out / TRAIN_CONFIG
-    if path.exists():
-        try:
-            saved = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            raise UserError(f"{path}: unreadable or not JSON; restore it or train into another --out") from None
-        _check_resumable(saved, cfg, out)
-    atomic_write(path, json_text(cfg.to_dict(), indent=2))
 
 
 # ---- checkpoints and the final model ----------------------------------------------------------

@@ -1,0 +1,93 @@
+"""A training run's folder: claimed and locked for one process, its config written before the
+first step, its checkpoint read back verified and checked against the config (docs/safety.md)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkvlab.errors import UserError
+from qkvlab.folders import Claim, claim_folder
+from qkvlab.io import atomic_write, json_text
+from qkvlab.train import checkpoint as ck
+from qkvlab.train import distributed as D
+from qkvlab.train.config import TrainConfig, changed_fields
+
+TRAIN_CONFIG = "train_config.json"
+
+
+REFUSAL_ADVICE = {
+    "run": "pass --resume to continue it, or choose another --out",
+    "model": "that is a model folder, not a training run: choose another --out",
+    "file": "give --out a folder path",
+}
+
+
+def claim_run_folder(out: Path, env: D.Env, resume: bool) -> Claim | None:
+    """Rank 0 creates and locks OUT, refusing what is not a run it may write; every rank learns
+    the verdict (so a refusal is one line on every rank, not a hang at the next barrier)."""
+    claim, error = None, None
+    if env.main:
+        try:
+            claim = claim_folder(out, accept=("run",) if resume else (), advice=REFUSAL_ADVICE)
+        except UserError as e:
+            error = e
+    verdict = D.all_gather_object(env, None if error is None else str(error))[0]
+    if error is not None:
+        raise error
+    if verdict is not None:
+        raise UserError(verdict)
+    return claim
+
+
+@dataclass
+class Saved:
+    """A checkpoint as read: full weights, optimizer state dict, state.json."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    state: dict[str, Any]
+
+
+def read_checkpoint(cfg: TrainConfig, out: Path, env: D.Env, resume: bool) -> Saved | None:
+    """OUT's checkpoint, or None to start fresh. Rank 0 first repairs an interrupted checkpoint
+    write, then every rank reads."""
+    if env.main:
+        ck.find_checkpoint(out, repair=True)
+    D.barrier(env)
+    found = ck.find_checkpoint(out, repair=False)
+    if found is None:
+        return None
+    if not resume:
+        raise UserError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
+    weights, optim_state, state = ck.load_checkpoint(found)
+    check_resumable(state["train_config"], cfg, out)
+    if state["step"] > cfg.max_steps:
+        raise UserError(f"{found} is at step {state['step']}, beyond max_steps={cfg.max_steps}")
+    return Saved(weights, optim_state, state)
+
+
+def check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> None:
+    now = cfg.to_dict()
+    for key in changed_fields(saved, cfg):  # RESUMABLE_FIELDS (train/config.py) may change
+        raise UserError(
+            f"{where} was trained with {key}={json.dumps(saved.get(key))}, not "
+            f"{json.dumps(now.get(key))}; resume with the same {key} or use another --out"
+        )
+
+
+def write_train_config(out: Path, cfg: TrainConfig) -> None:
+    """OUT/train_config.json, before any step: what `train --out OUT --resume` alone continues.
+    A run's existing config must agree on every key that is not resumable."""
+    path = out / TRAIN_CONFIG
+    if path.exists():
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raise UserError(f"{path}: unreadable or not JSON; restore it or train into another --out") from None
+        check_resumable(saved, cfg, out)
+    atomic_write(path, json_text(cfg.to_dict(), indent=2))
