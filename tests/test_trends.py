@@ -38,6 +38,10 @@ def test_trajectory_is_paired_perplexity_change():
     traj = gap_trajectory("Q-K=V", var, base, perplexity=True)
     assert traj.tokens == TOKENS and traj.n == 3 and traj.unit == "%"
     assert all(g == pytest.approx(100 * math.expm1(0.05), abs=1e-9) for g in traj.mean)
+    # seeds differ: the seed mean is taken over loss differences, then shown as a perplexity change
+    uneven = gap_trajectory("X", {0: [(5, 2.3)], 1: [(5, 1.9)]}, {0: [(5, 2.0)], 1: [(5, 2.0)]}, perplexity=True)
+    assert uneven.mean == pytest.approx([100 * math.expm1(0.1)], abs=1e-12)
+    assert uneven.per_key[0] == [(5, pytest.approx(100 * math.expm1(0.3), abs=1e-12))]
     # tasks: metric points
     acc = gap_trajectory("Q=K-V", {0: [(0, 0.5), (10, 0.8)]}, {0: [(0, 0.4), (10, 0.9)]}, perplexity=False)
     assert acc.mean == pytest.approx([10.0, -10.0]) and acc.unit == "pts"

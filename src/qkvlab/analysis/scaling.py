@@ -6,9 +6,11 @@ size's N is the non-embedding parameter count of Q-K-V at that size's shape (qkv
 every variant at a size is compared at the same N, whatever its own count), D the training
 tokens of its runs, compute C = 6 N D.
 
-The gap of a variant at a size is the perplexity change vs Q-K-V of the same seed, in percent,
-with a paired 95% t-interval over seeds (one seed: none). The trend is the least-squares line
-gap = a + b log10(N) through every per-seed gap (all sizes together), because:
+The gap of a variant at a size is the perplexity change vs Q-K-V, 100 (exp(mean d) - 1) % with
+d the loss difference to Q-K-V of the same seed, and a paired 95% t-interval over seeds (one
+seed: none), as in :mod:`qkvlab.analysis.verdicts`. The trend is the least-squares line
+d = a + b log10(N) through every per-seed d (all sizes together; d is the log perplexity ratio,
+so gaps map back exactly through exp), because:
 
 - gaps can be negative or cross zero (Id-K-V/mlp), which a power law on the gap cannot fit;
 - with 4-5 sizes a two-parameter line is what the data can pin down; any smooth trend is
@@ -75,10 +77,10 @@ class ScalingRun:
 class VariantScaling:
     variant: str
     gaps: dict[str, Interval]  # size -> paired gap (% perplexity) over seeds
-    points: list[tuple[str, float]]  # (size, per-seed gap) used by the fits
-    fit_params: Fit | None  # gap vs log10 N
-    fit_compute: Fit | None  # gap vs log10 C
-    extrapolated: dict[str, Interval] = field(default_factory=dict)  # paper -> prediction interval
+    points: list[tuple[str, float]]  # (size, per-seed loss difference in nats) the fits use
+    fit_params: Fit | None  # loss difference vs log10 N
+    fit_compute: Fit | None  # loss difference vs log10 C
+    extrapolated: dict[str, Interval] = field(default_factory=dict)  # paper -> prediction interval, %
     paper: pf.PaperValue | None = None
 
     @property
@@ -106,8 +108,9 @@ class Scaling:
         return 6.0 * self.size_params[size] * self.size_tokens[size]
 
 
-def _gap_pct(loss: float, base: float) -> float:
-    return 100.0 * math.expm1(loss - base)
+def _pct(d: float) -> float:
+    """A loss difference (nats) as a perplexity change in percent."""
+    return 100.0 * math.expm1(d)
 
 
 def analyse(runs: Sequence[ScalingRun], paper_params: dict[str, int] | None = None, level=LEVEL) -> Scaling:
@@ -136,8 +139,8 @@ def analyse(runs: Sequence[ScalingRun], paper_params: dict[str, int] | None = No
                 if r.variant == v and r.size == s and (s, r.seed) in base_loss
             ]
             if per_seed:
-                gaps[s] = mean_interval(per_seed, level).map(lambda x: 100.0 * math.expm1(x))
-                points += [(s, 100.0 * math.expm1(d)) for d in per_seed]
+                gaps[s] = mean_interval(per_seed, level).map(_pct)
+                points += [(s, d) for d in per_seed]
         distinct = {s for s, _ in points}
         fit_n = fit_c = None
         if len(distinct) >= 2:
@@ -145,7 +148,7 @@ def analyse(runs: Sequence[ScalingRun], paper_params: dict[str, int] | None = No
             fit_c = ols([log_c[s] for s, _ in points], [g for _, g in points], level)
         vs = VariantScaling(v, gaps, points, fit_n, fit_c, paper=pf.lm_ppl_change(v))
         if fit_n is not None:
-            vs.extrapolated = {k: fit_n.predict(math.log10(n)) for k, n in paper_params.items()}
+            vs.extrapolated = {k: fit_n.predict(math.log10(n)).map(_pct) for k, n in paper_params.items()}
         out.append(vs)
     return Scaling(list(runs), sizes, size_params, size_tokens, out, paper_params)
 
@@ -233,7 +236,7 @@ def to_csv(sc: Scaling) -> str:
                 "steps": r.steps,
                 "val_loss": round(r.val_loss, 6),
                 "val_ppl": round(math.exp(r.val_loss), 4),
-                "gap_pct_vs_qkv": round(_gap_pct(r.val_loss, b), 4) if b is not None else "",
+                "gap_pct_vs_qkv": round(_pct(r.val_loss - b), 4) if b is not None else "",
                 "dir": r.dir,
             }
         )
@@ -275,7 +278,7 @@ def to_markdown(sc: Scaling, plots: Sequence[str] = (), unfinished: Sequence[str
         ["variant"]
         + [f"{s} gap (95% CI)" for s in sc.sizes]
         + [
-            "slope per 10x N (95% CI)",
+            "slope: Δ loss per 10x N, nats (95% CI)",
             f"at 124M (N {_human(a_n)}) (95% PI)" if a_n else "at 124M",
             f"at 300M (N {_human(b_n)}) (95% PI)" if b_n else "at 300M",
             "paper",
@@ -290,7 +293,7 @@ def to_markdown(sc: Scaling, plots: Sequence[str] = (), unfinished: Sequence[str
     ]
     for v in sc.variants:
         cells = [f"`{v.variant}`"] + [_iv(v.gaps.get(s)) for s in sc.sizes]
-        cells.append(_iv(v.fit_params.slope_interval()) if v.fit_params else "–")
+        cells.append(_iv(v.fit_params.slope_interval(), 4) if v.fit_params else "–")
         cells += [_iv(v.extrapolated.get("A")), _iv(v.extrapolated.get("B"))]
         cells.append(str(v.paper) if v.paper else "–")
         cells.append(f"**{v.word}**" if v.word else "–")
@@ -298,9 +301,9 @@ def to_markdown(sc: Scaling, plots: Sequence[str] = (), unfinished: Sequence[str
     out += [
         "",
         "Gap: exp(val loss − val loss of Q-K-V at the same size and seed) − 1, mean with a paired 95% "
-        "t-interval over seeds (n=1: one seed, no interval). Fit: least squares gap = a + b·log10 N over every "
-        "per-seed gap; the 124M/300M columns are its value at the papers' non-embedding N with a 95% "
-        "prediction interval for one run. The extrapolation keeps this sweep's tokens per parameter (the papers "
+        "t-interval over seeds (n=1: one seed, no interval). Fit: least squares Δ = a + b·log10 N over every "
+        "per-seed loss difference Δ (the log perplexity ratio); the 124M/300M columns are exp(Δ) − 1 at the "
+        "papers' non-embedding N with a 95% prediction interval for one run. The extrapolation keeps this sweep's tokens per parameter (the papers "
         f"trained far longer per parameter). Verdict: the prediction interval at the paper's size against the paper's "
         f"figure ± {EXTRAPOLATION_MARGIN_PCT:g} points: reproduced inside, contradicted outside, inconclusive otherwise.",
         "",
@@ -355,7 +358,7 @@ def plot_scaling(sc: Scaling, path: str | Path, *, against: str = "params") -> P
         if against == "params":
             hi_x = max([hi_x] + [math.log10(n) for n in sc.paper_params.values()])
         grid = [lo_x + (hi_x - lo_x) * k / 60 for k in range(61)]
-        preds = [fit.predict(x) for x in grid]
+        preds = [fit.predict(x).map(_pct) for x in grid]
         ax.plot([10**x for x in grid], [p.estimate for p in preds], color=c, lw=1.2, ls="--")
         if preds[0].defined:
             ax.fill_between(

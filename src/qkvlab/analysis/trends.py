@@ -3,7 +3,8 @@
 Input is plain data: per pairing key (seed, or (grid point, seed)) a run's evaluation history as
 (tokens, value) pairs. The gap at an evaluation is the paired difference with the Q-K-V run of the
 same key at the same token count: for language modelling (``val_loss``) the perplexity change in
-percent, 100 (exp(loss - loss of Q-K-V) - 1); for tasks the metric difference in points.
+percent, 100 (exp(loss - loss of Q-K-V) - 1), its seed mean 100 (exp(mean loss difference) - 1)
+as in :mod:`qkvlab.analysis.verdicts`; for tasks the metric difference in points.
 
 The trend fits a line by ordinary least squares to the seed-mean gap over the last half of
 training (evaluations at >= 50% of the final token count), with a 95% t-interval on the slope
@@ -40,28 +41,30 @@ class Trajectory:
         return len(self.per_key)
 
 
-def _gap(v: float, b: float, perplexity: bool) -> float:
-    return 100.0 * math.expm1(v - b) if perplexity else 100.0 * (v - b)
+def _display(d: float, perplexity: bool) -> float:
+    """A raw difference (nats of loss, or metric units) in the gap's display unit."""
+    return 100.0 * math.expm1(d) if perplexity else 100.0 * d
 
 
 def gap_trajectory(
     variant: str, runs: Mapping[Hashable, History], base: Mapping[Hashable, History], *, perplexity: bool
 ) -> Trajectory | None:
     """The variant's paired gap to the baseline at every evaluation both runs of a key have; None
-    when no key has a baseline run with a common evaluation."""
-    per_key: dict[Hashable, list[tuple[float, float]]] = {}
+    when no key has a baseline run with a common evaluation. The seed mean is taken over the raw
+    differences (loss: the mean log perplexity ratio), then shown in the gap's unit, as verdicts do."""
+    raw: dict[Hashable, dict[float, float]] = {}
     for key, hist in runs.items():
         if key not in base:
             continue
         ref = {t: y for t, y in base[key] if y is not None}
-        pts = [(t, _gap(y, ref[t], perplexity)) for t, y in hist if y is not None and t in ref]
-        if pts:
-            per_key[key] = sorted(pts)
-    if not per_key:
+        diffs = {t: y - ref[t] for t, y in hist if y is not None and t in ref}
+        if diffs:
+            raw[key] = diffs
+    if not raw:
         return None
-    common = sorted(set.intersection(*({t for t, _ in pts} for pts in per_key.values())))
-    maps = [dict(pts) for pts in per_key.values()]
-    mean = [sum(m[t] for m in maps) / len(maps) for t in common]
+    common = sorted(set.intersection(*(set(d) for d in raw.values())))
+    mean = [_display(sum(d[t] for d in raw.values()) / len(raw), perplexity) for t in common]
+    per_key = {k: [(t, _display(d[t], perplexity)) for t in sorted(d)] for k, d in raw.items()}
     return Trajectory(variant, "%" if perplexity else "pts", common, per_key, mean)
 
 
