@@ -148,6 +148,13 @@ def plot_gap_trajectories(panels: Mapping[str, Sequence[tuple[Trajectory, Trend]
             total = max(total, max(traj.tokens, default=0.0))
         if total:
             ax.axvspan(0.5 * total / 1e6, total / 1e6, color="gray", alpha=0.08, lw=0)
+            # y range from the last half (seed means and each seed): an early spike (one seed's
+            # loss jump at warm-up) would flatten the part of the curve the trend reads
+            later = [y for tj, _ in panels[task] for t, y in zip(tj.tokens, tj.mean) if t >= 0.5 * total]
+            later += [y for tj, _ in panels[task] for pts in tj.per_key.values() for t, y in pts if t >= 0.5 * total]
+            lo, hi = min(later + [0.0]), max(later + [0.0])
+            pad = max(0.5, 0.15 * (hi - lo))
+            ax.set_ylim(lo - pad, hi + pad)
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xlabel("training tokens (M)")
         ax.set_ylabel("perplexity vs Q-K-V (%)" if unit == "%" else "metric vs Q-K-V (points)")
