@@ -99,3 +99,21 @@ def test_markdown_and_plot(tmp_path):
     assert "shrinking" in md and "per 10% of training" in md
     path = plot_gap_trajectories({"lm": [(traj, tr)]}, tmp_path / "gap_trend.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trajectories_from_runs():
+    from types import SimpleNamespace as NS
+
+    from qkvlab.analysis.trends import trajectories_from_runs
+
+    def run(variant, seed, offset):
+        rows = [{"step": i, "tokens": 100 * i, "val_loss": 3.0 - 0.1 * i + offset} for i in range(8)]
+        return NS(task="lm", variant=variant, seed=seed, history=rows)
+
+    runs = [run("Q-K-V", 0, 0.0), run("Q-K-V", 1, 0.2), run("Q-K=V", 0, 0.05), run("Q-K=V", 1, 0.25)]
+    runs.append(run("Q=K=V", 5, 0.0))  # no baseline with seed 5: no trajectory
+    (row,) = trajectories_from_runs(runs, {"lm": "val_loss"})
+    task, traj, tr = row
+    assert (task, traj.variant, traj.n) == ("lm", "Q-K=V", 2)
+    assert traj.mean == pytest.approx([100 * math.expm1(0.05)] * 8, abs=1e-9)
+    assert tr.word == FLAT

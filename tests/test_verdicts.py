@@ -168,3 +168,21 @@ def test_untested_claims_and_markdown_words():
     assert "not reproduced" not in md
     assert "**reproduced**" in md and "**contradicted**" in md
     assert "Not tested" in md and "[" in md  # intervals shown
+
+
+def test_values_from_runs_pairs_by_grid_point_and_seed():
+    from types import SimpleNamespace as NS
+
+    from qkvlab.analysis.verdicts import values_from_runs
+
+    hist = lambda acc: [{"step": 0, "tokens": 0, "accuracy": 0.1}, {"step": 9, "tokens": 90, "accuracy": acc}]
+    runs = [
+        NS(task="reverse", variant="Q-K-V", seed=0, point="d32", history=hist(0.5)),
+        NS(task="reverse", variant="Q-K-V", seed=0, point="d64", history=hist(0.7)),
+        NS(task="reverse", variant="Q=K=V", seed=0, point="d32", history=hist(0.4)),
+        NS(task="lm", variant="Q-K-V", seed=1, history=[{"tokens": 5, "val_loss": 2.0}, {"tokens": 9, "lr": 0.1}]),
+    ]
+    vals = values_from_runs(runs, {"reverse": "accuracy", "lm": "val_loss"})
+    assert vals["reverse"]["Q-K-V"] == {("d32", 0): 0.5, ("d64", 0): 0.7}
+    assert vals["reverse"]["Q=K=V"] == {("d32", 0): 0.4}
+    assert vals["lm"]["Q-K-V"] == {("", 1): 2.0}  # the last row that has the metric

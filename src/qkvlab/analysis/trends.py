@@ -95,6 +95,33 @@ def trend(traj: Trajectory, level: float = LEVEL) -> Trend:
     return Trend(word, per_10, per_m, len(pts), mean, traj.unit)
 
 
+def trajectories_from_runs(
+    runs: Sequence, metric: Mapping[str, str], baseline: str = "Q-K-V"
+) -> list[tuple[str, Trajectory, Trend]]:
+    """Runs (task, variant, seed, history, optionally point) -> (task, trajectory, trend) for every
+    variant of every task that has the baseline, paired by (grid point, seed)."""
+    from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, pairing_key
+
+    hist: dict[str, dict[str, dict[Hashable, list[tuple[float, float]]]]] = {}
+    for r in runs:
+        if r.task not in metric:
+            continue
+        m = metric[r.task]
+        pts = [(float(row["tokens"]), float(row[m])) for row in r.history if row.get(m) is not None and "tokens" in row]
+        hist.setdefault(r.task, {}).setdefault(r.variant, {})[pairing_key(r)] = pts
+    out = []
+    for task, by_variant in hist.items():
+        if baseline not in by_variant:
+            continue
+        for variant, runs_of in by_variant.items():
+            if variant == baseline:
+                continue
+            traj = gap_trajectory(variant, runs_of, by_variant[baseline], perplexity=metric[task] == PERPLEXITY_METRIC)
+            if traj is not None:
+                out.append((task, traj, trend(traj)))
+    return out
+
+
 def format_trend(tr: Trend) -> str:
     """e.g. 'growing, +0.41 %/10% [+0.12, +0.70]'; '–' without a trend."""
     if tr.word is None:

@@ -224,6 +224,26 @@ def check_claims(
     return [check(c, values, higher_is_better, metric, level) for c in claims if any(t in values for t in c.tasks)]
 
 
+def pairing_key(run) -> tuple[str, int]:
+    """What pairs runs across variants: the grid point (if any) and the seed."""
+    return (getattr(run, "point", "") or "", int(run.seed))
+
+
+def final_value(run, metric: str) -> float | None:
+    """The run's last evaluated value of metric (None when it never evaluated it)."""
+    return next((float(r[metric]) for r in reversed(run.history) if r.get(metric) is not None), None)
+
+
+def values_from_runs(runs: Sequence, metric: Mapping[str, str]) -> dict[str, dict[str, dict[Hashable, float]]]:
+    """Runs (anything with task, variant, seed, history and optionally point) -> the plain table
+    check_claims reads: task -> variant -> pairing key -> final metric."""
+    out: dict[str, dict[str, dict[Hashable, float]]] = {}
+    for r in runs:
+        if r.task in metric and (v := final_value(r, metric[r.task])) is not None:
+            out.setdefault(r.task, {}).setdefault(r.variant, {})[pairing_key(r)] = v
+    return out
+
+
 # ---- rendering ---------------------------------------------------------------------------------
 def _num(x: float, unit: str) -> str:
     if unit == "":
