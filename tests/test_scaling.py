@@ -13,7 +13,6 @@ import pytest
 from qkvlab.accounting import analytic_params
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import t_critical
-from qkvlab.analysis.results import parse_variant
 from qkvlab.analysis.scaling import (
     EXTRAPOLATION_MARGIN_PCT,
     ScalingRun,
@@ -23,6 +22,7 @@ from qkvlab.analysis.scaling import (
 )
 from qkvlab.analysis.verdicts import CONTRADICTED, INCONCLUSIVE, REPRODUCED
 from qkvlab.config import ModelConfig
+from qkvlab.variants import parse_variant
 
 SIZES = {"s1": 10_000, "s2": 40_000, "s3": 160_000, "s4": 640_000}
 PAPER_N = {"A": 85_000_000, "B": 250_000_000}
@@ -118,7 +118,7 @@ def _write_run(root, size, model: ModelConfig, seed, loss, tokens, finished=True
 
 
 def _slug(model: ModelConfig) -> str:
-    from qkvlab.analysis.results import Variant
+    from qkvlab.variants import Variant
 
     return Variant.from_config(model).slug
 

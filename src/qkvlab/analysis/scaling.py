@@ -38,8 +38,8 @@ from pathlib import Path
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import LEVEL, Fit, Interval, mean_interval, ols
 from qkvlab.analysis.verdicts import word_for
+from qkvlab.variants import BASELINE
 
-BASELINE = "Q-K-V"
 EXTRAPOLATION_MARGIN_PCT = 2.0
 # The papers' model sizes: (label, qkvlab preset); N is its non-embedding count (accounting).
 PAPER_SIZES = {"A": ("124M", "gpt2-124m"), "B": ("300M", "paperB-300m")}
@@ -118,8 +118,8 @@ def analyse(runs: Sequence[ScalingRun], paper_params: dict[str, int] | None = No
     if paper_params is None:
         paper_params = {k: paper_size_params(k) for k in PAPER_SIZES}
     size_params: dict[str, int] = {}
-    for r in runs:
-        size_params.setdefault(r.size, r.size_params)
+    for r in sorted(runs, key=lambda r: r.variant != BASELINE):  # Q-K-V's own count first
+        size_params.setdefault(r.size, r.params if r.variant == BASELINE else r.size_params)
     sizes = sorted(size_params, key=size_params.get)
     size_tokens = {}
     for s in sizes:
@@ -158,8 +158,9 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str]]:
     """Every finished run under runs_dir (OUT/<size>/<variant>/seed<k>) and the unfinished ones'
     folders. A run's variant and N come from its config.json (the model as trained)."""
     from qkvlab.accounting import analytic_params
-    from qkvlab.analysis.results import Variant, read_history, run_finished
+    from qkvlab.analysis.runs import read_history, run_finished
     from qkvlab.config import ModelConfig
+    from qkvlab.variants import Variant
 
     root = Path(runs_dir)
     done, unfinished = [], []
@@ -243,13 +244,6 @@ def to_csv(sc: Scaling) -> str:
     return buf.getvalue()
 
 
-def _human(n: float) -> str:
-    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{suffix}"
-    return f"{n:g}"
-
-
 def _iv(iv: Interval | None, digits: int = 2) -> str:
     if iv is None:
         return "–"
@@ -258,6 +252,8 @@ def _iv(iv: Interval | None, digits: int = 2) -> str:
 
 
 def to_markdown(sc: Scaling, plots: Sequence[str] = (), unfinished: Sequence[str] = (), command: str = "") -> str:
+    from qkvlab.analysis.report import human
+
     out = ["# Scaling: gap to Q-K-V against model size", ""]
     if command:
         out += [f"Command: `{command}`", ""]
@@ -270,7 +266,7 @@ def to_markdown(sc: Scaling, plots: Sequence[str] = (), unfinished: Sequence[str
     ]
     for s in sc.sizes:
         n, d = sc.size_params[s], sc.size_tokens[s]
-        out.append(f"| {s} | {_human(n)} | {_human(d)} | {d / n:.2f} | {sc.size_compute(s):.3g} | {len(seeds[s])} |")
+        out.append(f"| {s} | {human(n)} | {human(d)} | {d / n:.2f} | {sc.size_compute(s):.3g} | {len(seeds[s])} |")
     span = sc.size_params[sc.sizes[-1]] / sc.size_params[sc.sizes[0]] if sc.sizes else 0
     out += ["", f"{len(sc.sizes)} sizes spanning {span:.1f}x in non-embedding parameters.", ""]
     a_n, b_n = sc.paper_params.get("A"), sc.paper_params.get("B")
@@ -279,8 +275,8 @@ def to_markdown(sc: Scaling, plots: Sequence[str] = (), unfinished: Sequence[str
         + [f"{s} gap (95% CI)" for s in sc.sizes]
         + [
             "slope: Δ loss per 10x N, nats (95% CI)",
-            f"at 124M (N {_human(a_n)}) (95% PI)" if a_n else "at 124M",
-            f"at 300M (N {_human(b_n)}) (95% PI)" if b_n else "at 300M",
+            f"at 124M (N {human(a_n)}) (95% PI)" if a_n else "at 124M",
+            f"at 300M (N {human(b_n)}) (95% PI)" if b_n else "at 300M",
             "paper",
             "verdict",
         ]
