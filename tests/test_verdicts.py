@@ -186,3 +186,27 @@ def test_values_from_runs_pairs_by_grid_point_and_seed():
     assert vals["reverse"]["Q-K-V"] == {("d32", 0): 0.5, ("d64", 0): 0.7}
     assert vals["reverse"]["Q=K=V"] == {("d32", 0): 0.4}
     assert vals["lm"]["Q-K-V"] == {("", 1): 2.0}  # the last row that has the metric
+
+
+def test_every_claim_holds_on_the_papers_own_figures():
+    """Every claim must be reproduced by the numbers it was read from (else it misquotes the paper
+    or its margin excludes the paper itself): three identical seeds, zero-width intervals."""
+    cells = {t: dict(v) for t, v in pf.PAPER_B_TASK_METRIC.items()}
+    cells["mnist5k"] = cells.pop("mnist")
+    ppl = {"Q-K-V": 0.0, **pf.PAPER_B_LM_PPL_CHANGE}
+    ppl.update({v: pf.lm_ppl_change(v).value for v in ("Id-K-V", "Id-K-V/mlp")})
+    cells["lm"] = {v: math.log(pf.PAPER_B_LM_BASE_PPL * (1 + p / 100)) for v, p in ppl.items()}
+    values = {t: {v: {s: x for s in range(3)} for v, x in row.items()} for t, row in cells.items()}
+    hib = {t: t != "lm" for t in values}
+    metric = {t: "val_loss" if t == "lm" else "accuracy" for t in values}
+    verdicts = check_claims(values, hib, metric)
+    assert len(verdicts) == len(pf.ALL_CLAIMS)
+    assert {v.claim.id: v.word for v in verdicts if v.word != REPRODUCED} == {}
+    # the paper's figure beside each comparison is the gap measured here
+    for v in verdicts:
+        for g in v.gaps:
+            if g.paper is not None and g.b:
+                assert g.paper == pytest.approx(g.interval.estimate, abs=1e-9)
+    # the paper's mean column is the mean of its task columns
+    for scheme, mean in pf.PAPER_B_SYNTHETIC_MEAN.items():
+        assert abs(sum(pf.task_metric(t, scheme) for t in pf.SYNTHETIC_TASKS) / 5 - mean) < 1e-3

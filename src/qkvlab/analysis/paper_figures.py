@@ -5,9 +5,9 @@ Paper B: Kayyam, Madan Gopal & Lewis, arXiv 2606.04032). Variant names use qkvla
 notation (``SCHEME[/OPTION...]``, see :mod:`qkvlab.variants`): the paper's
 "Q-K=V+MQA" is ``Q-K=V/MQA`` here, because ``+`` already names the 2D positional score term.
 
-A claim is checked against a table ``{task: {variant: Stat}}`` of a run's own results and
-answers ``reproduced``, ``not reproduced`` or ``not tested`` (a variant or task it needs was not
-run), with the numbers that decided it.
+A claim is data here; :mod:`qkvlab.analysis.verdicts` checks it on a run's results with paired
+95% intervals over seeds and answers ``reproduced``, ``contradicted`` or ``inconclusive`` (or
+"not tested" when a variant or task it needs was not run).
 
 Over 400 lines because it is data: every paper figure sits next to the claims that use it, so a
 reader checks one against papers.md in one file.
@@ -16,8 +16,7 @@ reader checks one against papers.md in one file.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # ---- Paper A: GPT-2 small (124M) on OpenWebText --------------------------------------------
 # Non-embedding parameters (millions), in qkvlab variant names.
@@ -144,80 +143,18 @@ def task_metric(task: str, variant: str) -> float | None:
 
 
 # ---- claims ---------------------------------------------------------------------------------
-REPRODUCED, NOT_REPRODUCED, NOT_TESTED = "reproduced", "not reproduced", "not tested"
-
-
-@dataclass(frozen=True)
-class Stat:
-    """One (task, variant) cell of a run: the metric's mean, std and number of seeds."""
-
-    mean: float
-    std: float = 0.0
-    n: int = 1
-
-    @property
-    def sem(self) -> float:
-        return self.std / math.sqrt(self.n) if self.n > 1 else 0.0
-
-
-@dataclass(frozen=True)
-class Table:
-    """What a claim reads: per task, per variant, a Stat; and whether higher is better."""
-
-    cells: Mapping[str, Mapping[str, Stat]]
-    higher_is_better: Mapping[str, bool] = field(default_factory=dict)
-
-    def get(self, task: str, variant: str) -> Stat | None:
-        return self.cells.get(task, {}).get(variant)
-
-    def better(self, task: str) -> int:
-        """+1 when higher is better for task, -1 when lower is."""
-        return 1 if self.higher_is_better.get(task, True) else -1
-
-
-@dataclass(frozen=True)
-class Verdict:
-    claim: Claim
-    status: str  # REPRODUCED / NOT_REPRODUCED / NOT_TESTED
-    detail: str
-
-
-def _mean_over(table: Table, tasks: Sequence[str], variant: str) -> Stat | None:
-    """Average of a variant's means over tasks (None if any task lacks it); std combined as
-    the std of a mean of independent estimates."""
-    stats = [table.get(t, variant) for t in tasks]
-    if not stats or any(s is None for s in stats):
-        return None
-    k = len(stats)
-    mean = sum(s.mean for s in stats) / k
-    sem = math.sqrt(sum(s.sem**2 for s in stats)) / k
-    n = min(s.n for s in stats)
-    return Stat(mean, sem * math.sqrt(n), n)
-
-
-def _noise(a: Stat, b: Stat) -> float:
-    """Two standard errors of the difference of two means (0 with one seed each)."""
-    return 2.0 * math.sqrt(a.sem**2 + b.sem**2)
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.4g}"
-
-
 @dataclass(frozen=True)
 class Claim:
-    """A statement of a paper about how variants rank, checkable on a run's table.
+    """A statement of a paper about how variants rank (checked by :mod:`qkvlab.analysis.verdicts`).
 
     kind: "better" (variants[0] beats variants[1]), "worst" / "best" (variants[0] is worst /
-    best of every variant the run has), "close" (|variants[0] - variants[1]| <= tol, or within
-    the seeds' noise), "at_most" (variants[0] is worse than variants[1] by at most tol),
-    "spread" (every variant run within tol of each other, or the noise), "order" (variants
-    listed best to worst), "at_least" (every variant run reaches tol). With several tasks, a
-    variant's score is its mean over them.
+    best of every variant the run has), "close" (variants[0] within ± margin of variants[1]),
+    "at_most" (variants[0] worse than variants[1] by less than margin), "spread" (every pair of
+    variants run within ± margin), "order" (variants listed best to worst), "at_least" (every
+    variant run above the threshold). With several tasks, a variant's score is its mean over them.
 
-    margin: the equivalence margin of "close", "at_most" and "spread" for interval verdicts
-    (:mod:`qkvlab.analysis.verdicts`), in the gap's unit: percent of perplexity for language
-    modelling, points (hundredths) of the metric for tasks.
+    margin: in the gap's unit: percent of perplexity for language modelling, points (hundredths)
+    of the metric for tasks. threshold: of "at_least", in the metric's own unit.
     """
 
     id: str
@@ -226,86 +163,13 @@ class Claim:
     kind: str
     tasks: tuple[str, ...]
     variants: tuple[str, ...] = ()
-    tol: float = 0.0
     margin: float = 0.0
-
-    def check(self, table: Table) -> Verdict:
-        tasks = tuple(t for t in self.tasks if t in table.cells)
-        if len(tasks) != len(self.tasks):
-            missing = [t for t in self.tasks if t not in table.cells]
-            return Verdict(self, NOT_TESTED, f"task {missing[0]} not run")
-        sign = table.better(tasks[0])
-        names = self.variants
-        if self.kind in ("worst", "best", "at_least", "spread"):
-            present = sorted(set.intersection(*(set(table.cells[t]) for t in tasks)))
-            if self.kind in ("at_least", "spread"):
-                if len(present) < 2:
-                    return Verdict(self, NOT_TESTED, "needs at least two variants")
-                names = tuple(present)
-            else:
-                if names[0] not in present or len(present) < 3:
-                    return Verdict(self, NOT_TESTED, f"needs {names[0]} and at least two other variants")
-                names = (names[0],) + tuple(v for v in present if v != names[0])
-        stats = {v: _mean_over(table, tasks, v) for v in names}
-        missing = [v for v, s in stats.items() if s is None]
-        if missing or not names:
-            return Verdict(self, NOT_TESTED, f"variant {missing[0] if missing else '?'} not run")
-        m = {v: s.mean for v, s in stats.items()}
-        shown = ", ".join(f"{v} {_fmt(m[v])}" for v in names)
-
-        if self.kind == "better":
-            a, b = names
-            ok = sign * (m[a] - m[b]) > 0
-            noise = _noise(stats[a], stats[b])
-            margin = "" if abs(m[a] - m[b]) > noise else " (within seed noise)"
-            return Verdict(self, REPRODUCED if ok else NOT_REPRODUCED, shown + margin)
-        if self.kind in ("worst", "best"):
-            target = names[0]
-            key = (lambda v: sign * m[v]) if self.kind == "best" else (lambda v: -sign * m[v])
-            top = max(names, key=key)
-            ok = all(key(target) > key(v) for v in names[1:])  # strictly: a tie does not count
-            others = "" if ok else (f"; {self.kind} is {top}" if top != target else "; tied")
-            return Verdict(self, REPRODUCED if ok else NOT_REPRODUCED, shown + others)
-        if self.kind == "close":
-            a, b = names
-            diff = abs(m[a] - m[b])
-            bound = max(self.tol, _noise(stats[a], stats[b]))
-            ok = diff <= bound
-            return Verdict(
-                self, REPRODUCED if ok else NOT_REPRODUCED, f"{shown}; |diff| {_fmt(diff)} vs bound {_fmt(bound)}"
-            )
-        if self.kind == "at_most":
-            a, b = names
-            cost = -sign * (m[a] - m[b])
-            ok = cost <= max(self.tol, _noise(stats[a], stats[b]))
-            return Verdict(
-                self, REPRODUCED if ok else NOT_REPRODUCED, f"{shown}; cost {_fmt(cost)} vs {_fmt(self.tol)}"
-            )
-        if self.kind == "order":
-            ok = all(sign * (m[x] - m[y]) >= 0 for x, y in zip(names, names[1:]))
-            return Verdict(self, REPRODUCED if ok else NOT_REPRODUCED, shown)
-        if self.kind == "spread":
-            hi, lo = max(m, key=m.get), min(m, key=m.get)
-            spread = m[hi] - m[lo]
-            bound = max(self.tol, _noise(stats[hi], stats[lo]))
-            ok = spread <= bound
-            return Verdict(
-                self,
-                REPRODUCED if ok else NOT_REPRODUCED,
-                f"{lo} {_fmt(m[lo])} .. {hi} {_fmt(m[hi])}; spread {_fmt(spread)} vs bound {_fmt(bound)}",
-            )
-        if self.kind == "at_least":
-            low = [v for v in names if sign * (m[v] - self.tol) < 0]
-            ok = not low
-            detail = f"min {_fmt(min(m.values()))} ({min(m, key=m.get)})" + (
-                f"; below {self.tol}: {', '.join(low)}" if low else ""
-            )
-            return Verdict(self, REPRODUCED if ok else NOT_REPRODUCED, detail)
-        raise ValueError(f"unknown claim kind {self.kind!r}")
+    threshold: float = 0.0
 
 
-# Language modelling claims read the "lm" task's val_loss (lower is better; perplexity change is
-# monotone in it). Tolerances of "close" are in nats of loss: 0.02 ~ 2% perplexity, 0.05 ~ 5%.
+# Language modelling claims read the "lm" task's val_loss (lower is better); their gaps and margins
+# are perplexity changes in percent. Margins are the smallest round numbers that hold the paper's
+# own figure (docs/analysis.md).
 LM_CLAIMS = (
     Claim(
         "lm-qkv-order",
@@ -331,7 +195,6 @@ LM_CLAIMS = (
         "at_most",
         ("lm",),
         ("Q-K=V", "Q-K-V"),
-        tol=0.05,
         margin=5.0,
     ),
     Claim(
@@ -341,7 +204,6 @@ LM_CLAIMS = (
         "at_most",
         ("lm",),
         ("Q-K=V/MQA", "Q-K=V"),
-        tol=0.02,
         margin=2.0,
     ),
     Claim(
@@ -351,7 +213,6 @@ LM_CLAIMS = (
         "close",
         ("lm",),
         ("Id-K-V", "Q-K-V"),
-        tol=0.02,
         margin=2.0,
     ),
     Claim(
@@ -394,7 +255,6 @@ SYNTHETIC_CLAIMS = (
         "close",
         _SYN_ALL,
         ("Q-K=V", "Q-K-V"),
-        tol=0.01,
         margin=1.0,
     ),
     Claim(
@@ -403,7 +263,7 @@ SYNTHETIC_CLAIMS = (
         "every scheme solves Sub and Copy (1.0; here >= .99)",
         "at_least",
         ("sub", "copy"),
-        tol=0.99,
+        threshold=0.99,
     ),
 )
 
@@ -414,7 +274,6 @@ VISION_CLAIMS = (
         "on MNIST (5k subset here) all schemes are within a point (.976-.982)",
         "spread",
         ("mnist5k",),
-        tol=0.01,
         margin=1.0,
     ),
     Claim(
@@ -423,7 +282,6 @@ VISION_CLAIMS = (
         "on Fashion-MNIST all schemes are within 1.5 points (.875-.887)",
         "spread",
         ("fashion-mnist",),
-        tol=0.015,
         margin=1.5,
     ),
     Claim("vis-cifar10-qkeqv", "B", "Q=K=V is the best scheme on CIFAR-10 (.672)", "best", ("cifar10",), ("Q=K=V",)),
@@ -466,13 +324,3 @@ ANOMALY_CLAIMS = (
 )
 
 ALL_CLAIMS = LM_CLAIMS + SYNTHETIC_CLAIMS + VISION_CLAIMS + ANOMALY_CLAIMS
-
-
-def check_claims(table: Table, claims: Sequence[Claim] = ALL_CLAIMS, *, keep_untested: bool = False) -> list[Verdict]:
-    """Verdicts for the claims whose tasks the table has (all of them with keep_untested)."""
-    out = []
-    for claim in claims:
-        verdict = claim.check(table)
-        if keep_untested or verdict.status != NOT_TESTED or any(t in table.cells for t in claim.tasks):
-            out.append(verdict)
-    return out

@@ -185,12 +185,23 @@ def plot_metric_bars(res: Results, path: Path) -> Path | None:
     return path
 
 
+def plot_gap_trends(res: Results, path: Path) -> Path | None:
+    """Every variant's gap to Q-K-V over training tokens, one panel per task (analysis/trends.py)."""
+    from qkvlab.analysis.trends import plot_gap_trajectories
+
+    panels: dict[str, list] = {}
+    for task, traj, tr in res.trends():
+        panels.setdefault(task, []).append((traj, tr))
+    return plot_gap_trajectories(panels, path) if panels else None
+
+
 def write_plots(res: Results, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     made = [
         plot_loss_curves(res, out_dir / "val_loss.png"),
         plot_ppl_vs_cache(res, out_dir / "ppl_vs_cache.png"),
         plot_metric_bars(res, out_dir / "metric_by_task.png"),
+        plot_gap_trends(res, out_dir / "gap_trend.png"),
     ]
     return [p for p in made if p is not None]
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from qkvlab.accounting import analytic_params
 from qkvlab.analysis import paper_figures as pf
+from qkvlab.analysis.intervals import Interval
 from qkvlab.analysis.results import Results, collect
+from qkvlab.analysis.trends import trends_markdown
+from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, verdicts_markdown
 from qkvlab.variants import BASELINE, parse_variant
 
 # ---- writing ----------------------------------------------------------------------------------
@@ -33,6 +37,14 @@ CSV_COLUMNS = (
     "val_loss_std",
     "ppl_change_pct_mean",
     "ppl_change_pct_std",
+    "gap_vs_qkv",
+    "gap_vs_qkv_lo",
+    "gap_vs_qkv_hi",
+    "gap_unit",
+    "gap_trend",
+    "gap_trend_slope_per_10pct",
+    "gap_trend_slope_lo",
+    "gap_trend_slope_hi",
     "tokens_per_s",
     "steps",
     "seeds",
@@ -43,9 +55,16 @@ CSV_COLUMNS = (
 )
 
 
+def _num(x: float) -> float | str:
+    return "" if x is None or math.isnan(x) else round(x, 6)
+
+
 def csv_rows(res: Results) -> list[dict[str, Any]]:
     out = []
+    gaps = res.gaps()
+    trends = {(task, traj.variant): tr for task, traj, tr in res.trends()}
     for r in res.rows:
+        gap, tr = gaps.get((r.task, r.variant)), trends.get((r.task, r.variant))
         m, s = r.metric_mean_std
         lm, ls = r.val_loss_mean_std
         pc = r.ppl_change_mean_std
@@ -68,6 +87,14 @@ def csv_rows(res: Results) -> list[dict[str, Any]]:
                 "val_loss_std": ls,
                 "ppl_change_pct_mean": pc[0] if pc else "",
                 "ppl_change_pct_std": pc[1] if pc else "",
+                "gap_vs_qkv": _num(gap.estimate) if gap else "",
+                "gap_vs_qkv_lo": _num(gap.lo) if gap else "",
+                "gap_vs_qkv_hi": _num(gap.hi) if gap else "",
+                "gap_unit": ("% perplexity" if r.metric == PERPLEXITY_METRIC else f"{r.metric} points") if gap else "",
+                "gap_trend": (tr.word or "") if tr else "",
+                "gap_trend_slope_per_10pct": _num(tr.per_10pct.estimate) if tr else "",
+                "gap_trend_slope_lo": _num(tr.per_10pct.lo) if tr else "",
+                "gap_trend_slope_hi": _num(tr.per_10pct.hi) if tr else "",
                 "tokens_per_s": round(r.tokens_per_s, 1) if r.tokens_per_s else "",
                 "steps": r.steps,
                 "seeds": r.n,
@@ -126,15 +153,16 @@ def lm_table(res: Results, task: str) -> str:
         "KV cache B/token (bf16)",
         "KV vs Q-K-V",
         "val loss",
-        "ppl vs Q-K-V",
+        "ppl vs Q-K-V (95% CI)",
         "tokens/s",
         "seeds",
         "paper: ppl vs Q-K-V",
         "paper: KV vs Q-K-V",
     ]
     body = []
+    gaps = res.gaps()
     for r in rows:
-        pc, pp, pk = r.ppl_change_mean_std, r.paper_ppl_change, r.paper_kv_fraction
+        gap, pp, pk = gaps.get((task, r.variant)), r.paper_ppl_change, r.paper_kv_fraction
         body.append(
             [
                 f"`{r.variant}`",
@@ -143,7 +171,7 @@ def lm_table(res: Results, task: str) -> str:
                 f"{r.kv_bytes:,}",
                 _pct(r.kv_fraction),
                 _pm(r.val_loss_mean_std, n=r.n),
-                ("reference" if r.variant == BASELINE else _pm(pc, "{:+.2f}%", r.n)) if pc else "–",
+                "reference" if r.variant == BASELINE else gap_cell(gap, "%"),
                 f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "–",
                 f"{r.n}/{r.planned}",
                 str(pp) if pp else "–",
@@ -192,26 +220,19 @@ def paper_a_params_table() -> str:
     return _md_table(["variant", "qkvlab (analytic)", "Paper A", "match"], body, "lrrl")
 
 
-ICON = {pf.REPRODUCED: "✅", pf.NOT_REPRODUCED: "❌", pf.NOT_TESTED: "➖"}
+def gap_cell(iv: Interval | None, unit: str) -> str:
+    """'+13.01% [+8.20, +17.95]'; one seed: '+13.01% (1 seed)'."""
+    if iv is None:
+        return "–"
+    u = "%" if unit == "%" else f" {unit}"
+    digits = 2 if unit == "%" else 1
+    head = f"{iv.estimate:+.{digits}f}{u}"
+    return head + (f" [{iv.lo:+.{digits}f}, {iv.hi:+.{digits}f}]" if iv.defined else " (1 seed)")
 
 
-def verdicts_md(verdicts: Sequence[pf.Verdict]) -> str:
-    if not verdicts:
-        return "No claim of the papers covers these tasks.\n"
-    tested = [v for v in verdicts if v.status != pf.NOT_TESTED]
-    untested = [v for v in verdicts if v.status == pf.NOT_TESTED]
-    ok = sum(v.status == pf.REPRODUCED for v in tested)
-    lines = [f"Reproduced {ok} of {len(tested)} claims tested here.", ""]
-    for v in tested:
-        lines.append(f"- {ICON[v.status]} **{v.status}** — Paper {v.claim.paper}: {v.claim.text}. Here: {v.detail}.")
-    if untested:
-        lines += [
-            "",
-            f"Not tested ({len(untested)}; a variant or task they need was not run): "
-            + "; ".join(f"{v.claim.text} ({v.detail})" for v in untested)
-            + ".",
-        ]
-    return "\n".join(lines) + "\n"
+def trends_section(res: Results) -> str:
+    rows = res.trends()
+    return trends_markdown(rows, res.gaps())
 
 
 def _run_section(res: Results) -> str:
@@ -267,7 +288,8 @@ def to_markdown(res: Results, plots: Sequence[str] = ()) -> str:
             "",
             lm_table(res, t),
             "",
-            "Mean ± sample std over seeds. Perplexity change is exp(loss − loss of Q-K-V) − 1, paired by seed. "
+            "Val loss: mean ± sample std over seeds. Perplexity change: exp(mean over seeds of loss − loss of Q-K-V "
+            "of the same seed) − 1, with a paired 95% t-interval. "
             "KV cache: bytes per token over all layers in bf16 (the distinct key/value tensors). "
             "Paper columns: Paper B 300M (SlimPajama, 10B tokens) and Paper A GPT-2 124M (OpenWebText); "
             "KV vs Q-K-V of the paper is for its 16-head model (GQA-g keeps g of 16 heads).",
@@ -284,7 +306,21 @@ def to_markdown(res: Results, plots: Sequence[str] = ()) -> str:
             "reports one (mnist5k is compared with the paper's MNIST). Paper's grid and data are larger.",
             "",
         ]
-    out += ["## The papers' orderings", "", verdicts_md(res.verdicts())]
+    out += [
+        "## The papers' claims",
+        "",
+        verdicts_markdown(res.verdicts()),
+        "Each gap is paired by seed (and grid point): a 95% t-interval over the per-seed differences; "
+        "`reproduced` when it lies inside the claim's region, `contradicted` when outside, `inconclusive` "
+        "otherwise (always with one seed). Regions and margins: docs/analysis.md.",
+        "",
+        "## Gap to Q-K-V over training",
+        "",
+        trends_section(res),
+        "Trend: least-squares slope of the seed-mean gap over the last half of training with its 95% interval; "
+        "`flat` when it contains 0, else `shrinking` (toward 0) or `growing`.",
+        "",
+    ]
     if "lm" in res.tasks:
         out += ["## Paper A's parameter counts at GPT-2 small (analytic, no training)", "", paper_a_params_table(), ""]
     if plots:

@@ -11,7 +11,10 @@ from typing import Any
 
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
+from qkvlab.analysis.intervals import Interval
 from qkvlab.analysis.runs import Run, load_run, read_manifest, run_finished
+from qkvlab.analysis.trends import Trajectory, Trend, trajectories_from_runs
+from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, ClaimVerdict, check_claims, gap_interval, values_from_runs
 from qkvlab.config import ModelConfig
 from qkvlab.variants import BASELINE
 
@@ -57,7 +60,12 @@ class Row:
 
     @property
     def ppl_change_mean_std(self) -> tuple[float, float] | None:
-        return mean_std(self.ppl_change) if self.ppl_change else None
+        """Mean (exp of the mean log perplexity ratio, as the verdicts use) and sample std of the
+        per-seed perplexity changes."""
+        if not self.ppl_change:
+            return None
+        log_ratio = [math.log1p(p / 100.0) for p in self.ppl_change]
+        return 100.0 * math.expm1(sum(log_ratio) / len(log_ratio)), mean_std(self.ppl_change)[1]
 
     @property
     def params(self):
@@ -107,15 +115,38 @@ class Results:
     def row(self, task: str, variant: str) -> Row | None:
         return next((r for r in self.rows if r.task == task and r.variant == variant), None)
 
-    def table(self) -> pf.Table:
-        cells: dict[str, dict[str, pf.Stat]] = {}
-        for r in self.rows:
-            m, s = r.metric_mean_std
-            cells.setdefault(r.task, {})[r.variant] = pf.Stat(m, s, r.n)
-        return pf.Table(cells, {r.task: r.higher_is_better for r in self.rows})
+    @property
+    def metric(self) -> dict[str, str]:
+        return {r.task: r.metric for r in self.rows}
 
-    def verdicts(self) -> list[pf.Verdict]:
-        return pf.check_claims(self.table())
+    @property
+    def higher_is_better(self) -> dict[str, bool]:
+        return {r.task: r.higher_is_better for r in self.rows}
+
+    def values(self) -> dict[str, dict[str, dict[Any, float]]]:
+        """task -> variant -> (grid point, seed) -> final metric: what verdicts read."""
+        return values_from_runs(self.runs, self.metric)
+
+    def verdicts(self) -> list[ClaimVerdict]:
+        """One word per claim of the papers the tasks touch (None: not tested)."""
+        return check_claims(self.values(), self.higher_is_better, self.metric)
+
+    def gaps(self) -> dict[tuple[str, str], Interval]:
+        """(task, variant) -> its gap to Q-K-V with a paired 95% interval (perplexity change in %
+        for lm, metric points for tasks)."""
+        vals, out = self.values(), {}
+        for task, by_variant in vals.items():
+            base = by_variant.get(BASELINE)
+            for variant, v in by_variant.items():
+                if base is not None and variant != BASELINE:
+                    iv = gap_interval(v, base, self.metric[task] == PERPLEXITY_METRIC)
+                    if iv is not None:
+                        out[task, variant] = iv
+        return out
+
+    def trends(self) -> list[tuple[str, Trajectory, Trend]]:
+        """(task, trajectory, trend) of every variant's gap to Q-K-V over training."""
+        return trajectories_from_runs(self.runs, self.metric, BASELINE)
 
 
 def _metric_of(run: Run) -> str:
@@ -140,7 +171,7 @@ def collect(out_dir: str | Path) -> Results:
         planned[key] = planned.get(key, 0) + 1
         run_dir = out_dir / entry["dir"]
         if run_finished(run_dir):
-            runs.append(load_run(entry["task"], entry["variant"], int(entry["seed"]), run_dir))
+            runs.append(load_run(entry["task"], entry["variant"], int(entry["seed"]), run_dir, entry.get("point", "")))
         else:
             missing.append((entry["task"], entry["variant"], int(entry["seed"])))
 

@@ -42,6 +42,7 @@ class Run:
     dir: Path
     cfg: ModelConfig
     history: list[dict[str, Any]]
+    point: str = ""  # grid point label; with the seed, what pairs runs across variants
 
     @property
     def final(self) -> dict[str, Any]:
@@ -57,11 +58,11 @@ class Run:
         return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def load_run(task: str, variant: str, seed: int, run_dir: str | Path) -> Run:
+def load_run(task: str, variant: str, seed: int, run_dir: str | Path, point: str = "") -> Run:
     from qkvlab.io import read_config, read_metrics
 
     cfg, _ = read_config(run_dir)
-    return Run(task, variant, seed, Path(run_dir), cfg, read_metrics(run_dir, required=True))
+    return Run(task, variant, seed, Path(run_dir), cfg, read_metrics(run_dir, required=True), point)
 
 
 # ---- manifest ---------------------------------------------------------------------------------

@@ -131,16 +131,22 @@ def format_trend(tr: Trend) -> str:
     return f"{tr.word}, {iv.estimate:+.2f}{u} per 10% of training [{iv.lo:+.2f}, {iv.hi:+.2f}]"
 
 
-def trends_markdown(rows: Sequence[tuple[str, Trajectory, Trend]]) -> str:
-    """A table: task, variant, final gap, last-half trend with its slope interval."""
+def trends_markdown(rows: Sequence[tuple[str, Trajectory, Trend]], finals: Mapping | None = None) -> str:
+    """A table: task, variant, gap at the end (with its interval when finals[(task, variant)] gives
+    one), last-half trend with its slope interval."""
     if not rows:
-        return "No variant has a baseline run to compare its history with.\n"
+        return "No variant has a Q-K-V run of the same seed to compare its history with.\n"
     lines = [
-        "| task | variant | gap at the end (seed mean) | last half: trend, slope per 10% of training [95% CI] | seeds |",
+        "| task | variant | gap at the end (95% CI) | last half: trend, slope per 10% of training [95% CI] | seeds |",
         "| --- | --- | ---: | --- | ---: |",
     ]
     for task, traj, tr in rows:
-        end = f"{traj.mean[-1]:+.2f}{'%' if traj.unit == '%' else ' pts'}" if traj.mean else "–"
+        u = "%" if traj.unit == "%" else " pts"
+        iv = (finals or {}).get((task, traj.variant))
+        if iv is not None and iv.defined:
+            end = f"{iv.estimate:+.2f}{u} [{iv.lo:+.2f}, {iv.hi:+.2f}]"
+        else:
+            end = f"{traj.mean[-1]:+.2f}{u}" if traj.mean else "–"
         lines.append(f"| {task} | `{traj.variant}` | {end} | {format_trend(tr)} | {traj.n} |")
     return "\n".join(lines) + "\n"
 

@@ -20,7 +20,7 @@ Regions by claim kind (see :class:`qkvlab.analysis.paper_figures.Claim`): "bette
 gap > 0 in the metric's better direction; "worst"/"best": that, against every other variant run;
 "order": each variant worse than the one before; "close": |gap| < margin; "at_most": A's cost over
 B below margin; "spread": every pair within ±margin; "at_least": each variant's own t-interval
-above the threshold (the claim's tol, in the metric's units). A claim of several comparisons is
+above the claim's threshold (in the metric's units). A claim of several comparisons is
 reproduced when all are, contradicted when any is, inconclusive otherwise. No correction for
 multiple comparisons.
 """
@@ -196,7 +196,7 @@ def check(
     elif kind == "at_least":
         if len(scores) < 2:
             return ClaimVerdict(claim, None, note="needs at least two variants")
-        region = (claim.tol, INF) if hib else (-INF, claim.tol)
+        region = (claim.threshold, INF) if hib else (-INF, claim.threshold)
         gaps = []
         for v, s in scores.items():
             iv = mean_interval(list(s.values()), level)
