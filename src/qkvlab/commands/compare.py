@@ -10,6 +10,10 @@ Variants: SCHEME[/MQA|/GQA-g][/mlp[=SCHEME]|/width=SCHEME], comma-separated, e.g
 `--variants Q-K-V,Q-K=V/MQA,Id-K-V/mlp,Q-K-V/width=Id-K-V` (`/mlp`: MLP widened to Q-K-V's
 parameter count; `/width=S`: d_model shrunk to S's; '+' stays the 2D score term, as in `(Q=K-V)+`).
 
+`--sweep` trains the LM variants at several model sizes (`--sizes`, tokens proportional to
+parameters, `--tokens-per-param`) into OUT/<size>/<variant>/seed<k> and writes each variant's gap
+to Q-K-V against size and compute, a fitted trend and its extrapolation to the papers' sizes.
+
 Runs go to OUT/<task>/<variant>/seed<k> (OUT/<task>/<grid point>/... on a grid); a finished run
 (final model + metrics) is skipped when compare runs again, an interrupted one resumes. On CPU the
 runs train in parallel, one thread each (`--jobs`). On GPUs, one run at a time over every rank:

@@ -24,7 +24,7 @@ class Outcome:
     """What `run` did: the results (None on ranks other than 0) and the runs that diverged."""
 
     out: Path
-    results: Any = None  # qkvlab.analysis.results.Results
+    results: Any = None  # qkvlab.analysis.results.Results (a sweep: qkvlab.analysis.scaling.Scaling)
     failures: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -212,7 +212,9 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
         "task_label": cfg.task,
         **plan.info,
         "train": {
-            "preset": cfg.preset or f"compare default ({CPU_RECIPES[plan.family]['preset']} + CPU recipe)",
+            "preset": "scaling sweep"
+            if cfg.sweep
+            else cfg.preset or f"compare default ({CPU_RECIPES[plan.family]['preset']} + CPU recipe)",
             **{k: v for k, v in runs[0].cfg.to_dict().items() if k not in ("model", "task_options")},
         },
         "model": runs[0].cfg.model.to_dict(),
@@ -281,7 +283,12 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
         }
         write_manifest(out, manifest)
         res.manifest = manifest
-        outcome.results = write_results(out, res, plots=cfg.plots)
+        if cfg.sweep:
+            from qkvlab.analysis.scaling import write_scaling_results
+
+            outcome.results = write_scaling_results(out, out, command=command or "", plots=cfg.plots)
+        else:
+            outcome.results = write_results(out, res, plots=cfg.plots)
         say(
             f"compare: wrote {out / 'results.md'}, {out / 'results.csv'}"
             + (" and plots" if cfg.plots else "")

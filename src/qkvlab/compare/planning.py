@@ -54,6 +54,20 @@ class CompareConfig:
     threads: int | None = setting(None, help="torch threads per job on CPU (default: CPU count / jobs)")
     device: str = setting("auto", help="auto, cpu, cuda, cuda:N or mps", metavar="DEVICE")
     plots: bool = setting(True, help="write the plots")
+    sweep: bool = setting(
+        False,
+        help="the scaling sweep: the LM variants at several sizes, tokens proportional to parameters; "
+        "writes the gap to Q-K-V against size and compute, a fit and its extrapolation to 124M/300M",
+    )
+    sizes: str | None = setting(
+        None,
+        help="sweep sizes, comma-separated d<d_model>-L<layers>-h<heads>[-b<batch>][-s<seeds>] "
+        "(default d32-L1-h2-b4-s2,d48-L2-h3-b8-s2,d64-L3-h4-b16-s2,d96-L4-h6-b32-s1)",
+        metavar="LIST",
+    )
+    tokens_per_param: float | None = setting(
+        None, help="sweep: training tokens per non-embedding parameter of Q-K-V (default 5)", metavar="X"
+    )
 
     def validate(self) -> CompareConfig:
         for key in ("attn", "kv_heads", "match_params"):
@@ -84,13 +98,15 @@ class PlannedRun:
     task: str
     variant: Variant
     seed: int
-    point: str  # grid point label ("" for the default point)
+    point: str  # grid point label ("" for the default point; the size's d..-L.. in a sweep)
     cfg: Any  # TrainConfig
     dir: Path
+    task_folder: bool = True  # False in a sweep: OUT/<size>/<variant>/seed<k>
 
     @property
     def rel(self) -> str:
-        return str(Path(self.task, self.point, self.variant.slug, f"seed{self.seed}"))
+        head = (self.task,) if self.task_folder else ()
+        return str(Path(*head, self.point, self.variant.slug, f"seed{self.seed}"))
 
 
 @dataclass
@@ -245,6 +261,12 @@ def plan(cfg: CompareConfig) -> Plan:
     from qkvlab.train.config import default_weight_decay
 
     cfg.validate()
+    if cfg.sweep:
+        from qkvlab.compare.sweep import plan_sweep
+
+        return plan_sweep(cfg)
+    if cfg.sizes is not None or cfg.tokens_per_param is not None:
+        raise UserError("--sizes and --tokens-per-param are settings of --sweep")
     tasks, family = resolve_tasks(cfg.task)
     default_variants = DEFAULT_LM_VARIANTS if family == "lm" else _paper_b_schemes()
     variants = parse_variants(cfg.variants if cfg.variants is not None else list(default_variants))
