@@ -102,8 +102,8 @@ def test_one_seed_per_size_still_fits_but_sizes_have_no_interval():
     assert v.fit_params is not None and v.extrapolated["A"].defined  # 4 points, df 2
 
 
-def _write_run(root, size, model: ModelConfig, seed, loss, tokens, finished=True):
-    d = root / size / _slug(model) / f"seed{seed}"
+def _write_run(root, size, name, model: ModelConfig, seed, loss, tokens, finished=True):
+    d = root / size / parse_variant(name).slug / f"seed{seed}"
     d.mkdir(parents=True)
     rows = [
         {"step": 0, "tokens": 0, "val_loss": loss + 2},
@@ -117,16 +117,10 @@ def _write_run(root, size, model: ModelConfig, seed, loss, tokens, finished=True
     return d
 
 
-def _slug(model: ModelConfig) -> str:
-    from qkvlab.variants import Variant
-
-    return Variant.from_config(model).slug
-
-
 def test_write_scaling_results_from_run_folders(tmp_path):
     runs_dir, out = tmp_path / "runs", tmp_path / "out"
     shapes = {"d16-L1": (16, 1, 2), "d32-L2": (32, 2, 2), "d64-L2": (64, 2, 4), "d96-L3": (96, 3, 6)}
-    variants = ["Q-K-V", "Id-K-V", "Q-K=V/MQA"]
+    variants = ["Q-K-V", "Id-K-V", "Q-K=V/MQA", "Id-K-V/mlp"]
     rng = random.Random(0)
     expected_params = {}
     for size, (d, L, h) in shapes.items():
@@ -137,11 +131,11 @@ def test_write_scaling_results_from_run_folders(tmp_path):
             for i, name in enumerate(variants):
                 model = parse_variant(name).apply(base)
                 expected_params[(size, parse_variant(name).name, seed)] = analytic_params(model).non_embedding
-                _write_run(runs_dir, size, model, seed, level + 0.02 * i + rng.gauss(0, 0.003), 5 * n)
-    _write_run(runs_dir, "d96-L3", parse_variant("Q=K=V").apply(base), 0, 3.0, 10, finished=False)
+                _write_run(runs_dir, size, name, model, seed, level + 0.02 * i + rng.gauss(0, 0.003), 5 * n)
+    _write_run(runs_dir, "d96-L3", "Q=K=V", parse_variant("Q=K=V").apply(base), 0, 3.0, 10, finished=False)
 
     runs, unfinished = read_runs(runs_dir)
-    assert len(runs) == 24 and unfinished == ["d96-L3/Q=K=V/seed0"]
+    assert len(runs) == 32 and unfinished == ["d96-L3/Q=K=V/seed0"]
     sc = write_scaling_results(runs_dir, out, command="qkvlab compare --sweep")
     assert sorted(p.name for p in out.iterdir()) == [
         "gap_vs_compute.png",
@@ -150,11 +144,11 @@ def test_write_scaling_results_from_run_folders(tmp_path):
         "results.md",
     ]
     rows = list(csv.DictReader((out / "results.csv").open()))
-    assert len(rows) == 24
+    assert len(rows) == 32
     for r in rows:
         assert int(r["params"]) == expected_params[(r["size"], r["variant"], int(r["seed"]))]
-    assert {r["variant"] for r in rows} == {"Q-K-V", "Id-K-V", "Q-K=V/MQA"}
-    assert [v.variant for v in sc.variants] == ["Id-K-V", "Q-K=V/MQA"]
+    assert {r["variant"] for r in rows} == {"Q-K-V", "Id-K-V", "Q-K=V/MQA", "Id-K-V/mlp"}
+    assert [v.variant for v in sc.variants] == ["Id-K-V", "Id-K-V/mlp", "Q-K=V/MQA"]
     assert sc.sizes == list(shapes)  # ascending N
     md = (out / "results.md").read_text()
     assert "4 sizes spanning" in md and "at 124M" in md and "at 300M" in md and "Not finished (1)" in md

@@ -154,13 +154,24 @@ def analyse(runs: Sequence[ScalingRun], paper_params: dict[str, int] | None = No
 
 
 # ---- reading run folders -----------------------------------------------------------------------
+def _variant_name(cfg, folder: str) -> str:
+    """The variant a run trained, from its model config (scheme, key/value heads, matched MLP);
+    the folder name when the config alone does not spell it (e.g. /width=SCHEME)."""
+    from qkvlab.spec import parse_scheme
+    from qkvlab.variants import Variant
+
+    kv = cfg.kv_heads if cfg.kv_heads not in (None, cfg.n_head) else None
+    match = parse_scheme(cfg.match_params).name if cfg.match_params else None
+    v = Variant(cfg.spec.name, kv, match)
+    return v.name if v.slug == folder else folder
+
+
 def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str]]:
     """Every finished run under runs_dir (OUT/<size>/<variant>/seed<k>) and the unfinished ones'
     folders. A run's variant and N come from its config.json (the model as trained)."""
     from qkvlab.accounting import analytic_params
     from qkvlab.analysis.runs import read_history, run_finished
     from qkvlab.config import ModelConfig
-    from qkvlab.variants import Variant
 
     root = Path(runs_dir)
     done, unfinished = [], []
@@ -182,7 +193,7 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str]]:
         done.append(
             ScalingRun(
                 size=rel.parts[0],
-                variant=Variant.from_config(cfg).name,
+                variant=_variant_name(cfg, rel.parts[-2]),
                 seed=int(seed if seed is not None else rel.parts[-1].removeprefix("seed")),
                 params=analytic_params(cfg).non_embedding,
                 params_total=analytic_params(cfg).total,
