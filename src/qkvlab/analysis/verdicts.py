@@ -290,7 +290,7 @@ def verdicts_markdown(verdicts: Sequence[ClaimVerdict]) -> str:
     untested = [v for v in verdicts if v.word is None]
     counts = {w: sum(v.word == w for v in tested) for w in WORDS}
     lines = [
-        f"Of {len(tested)} claims tested here: {counts[REPRODUCED]} reproduced, {counts[CONTRADICTED]} contradicted, "
+        f"Of {len(tested)} claim{'' if len(tested) == 1 else 's'} tested here: {counts[REPRODUCED]} reproduced, {counts[CONTRADICTED]} contradicted, "
         f"{counts[INCONCLUSIVE]} inconclusive (paired 95% t-intervals over seeds).",
         "",
     ]
