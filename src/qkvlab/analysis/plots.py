@@ -192,7 +192,7 @@ def plot_gap_trends(res: Results, path: Path) -> Path | None:
     panels: dict[str, list] = {}
     for task, traj, tr in res.trends():
         panels.setdefault(task, []).append((traj, tr))
-    return plot_gap_trajectories(panels, path) if panels else None
+    return plot_gap_trajectories(panels, path, res.metric) if panels else None
 
 
 def write_plots(res: Results, out_dir: str | Path) -> list[Path]:

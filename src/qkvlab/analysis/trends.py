@@ -151,7 +151,9 @@ def trends_markdown(rows: Sequence[tuple[str, Trajectory, Trend]], finals: Mappi
     return "\n".join(lines) + "\n"
 
 
-def plot_gap_trajectories(panels: Mapping[str, Sequence[tuple[Trajectory, Trend]]], path: str | Path) -> Path:
+def plot_gap_trajectories(
+    panels: Mapping[str, Sequence[tuple[Trajectory, Trend]]], path: str | Path, metric: Mapping[str, str] | None = None
+) -> Path:
     """One panel per task: each variant's seed-mean gap (line) and per-seed gaps (faint), the
     last half shaded, the trend word in the legend (below the axes)."""
     import matplotlib
@@ -190,7 +192,8 @@ def plot_gap_trajectories(panels: Mapping[str, Sequence[tuple[Trajectory, Trend]
             ax.set_ylim(lo - pad, hi + pad)
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xlabel("training tokens (M)")
-        ax.set_ylabel("perplexity vs Q-K-V (%)" if unit == "%" else "metric vs Q-K-V (points)")
+        name = (metric or {}).get(task, "metric")
+        ax.set_ylabel("perplexity vs Q-K-V (%)" if unit == "%" else f"{name} vs Q-K-V (points)")
         ax.set_title(f"{task}: gap to Q-K-V (mean over seeds; faint: each seed; shaded: last half)", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, framealpha=0.9)
