@@ -153,6 +153,7 @@ def test_write_scaling_results_from_run_folders(tmp_path):
     md = (out / "results.md").read_text()
     assert "4 sizes spanning" in md and "at 124M" in md and "at 300M" in md and "Not finished (1)" in md
     assert "qkvlab compare --sweep" in md and "![gap_vs_params](gap_vs_params.png)" in md
+    assert "training time summed over 32 finished runs: 0.0 min" in md
     for v in sc.variants:
         assert v.word in (REPRODUCED, CONTRADICTED, INCONCLUSIVE)
         assert f"**{v.word}**" in md

@@ -66,6 +66,7 @@ class ScalingRun:
     val_loss: float
     steps: int
     dir: str = ""
+    train_s: float = 0.0  # training time of the run (its last row's elapsed_s)
 
     @property
     def compute(self) -> float:
@@ -201,6 +202,7 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str]]:
                 tokens=int(train.get("tokens") or rows[-1].get("tokens") or 0),
                 val_loss=float(rows[-1]["val_loss"]),
                 steps=int(train.get("step") or rows[-1].get("step") or 0),
+                train_s=float(rows[-1].get("elapsed_s") or 0.0),
                 dir=str(rel),
             )
         )
@@ -219,6 +221,7 @@ CSV_COLUMNS = (
     "tokens_per_param",
     "compute_flops",
     "steps",
+    "train_s",
     "val_loss",
     "val_ppl",
     "gap_pct_vs_qkv",
@@ -246,6 +249,7 @@ def to_csv(sc: Scaling) -> str:
                 "tokens_per_param": round(r.tokens / r.size_params, 3),
                 "compute_flops": f"{r.compute:.4g}",
                 "steps": r.steps,
+                "train_s": round(r.train_s, 1),
                 "val_loss": round(r.val_loss, 6),
                 "val_ppl": round(math.exp(r.val_loss), 4),
                 "gap_pct_vs_qkv": round(_pct(r.val_loss - b), 4) if b is not None else "",
@@ -262,7 +266,36 @@ def _iv(iv: Interval | None, digits: int = 2) -> str:
     return f.format(iv.estimate) + (f" [{f.format(iv.lo)}, {f.format(iv.hi)}]" if iv.defined else " (n=1)")
 
 
-def to_markdown(sc: Scaling, plots: Sequence[str] = (), unfinished: Sequence[str] = (), command: str = "") -> str:
+def _run_section(sc: Scaling, manifest: dict | None) -> list[str]:
+    """What ran: the command, wall time and machine when compare wrote compare.json, and the
+    training time summed per size (from the runs themselves)."""
+    lines = ["## Run", ""]
+    m = manifest or {}
+    t = m.get("timing") or {}
+    if t.get("wall_s") is not None:
+        lines.append(
+            f"- wall time of the last invocation: {t['wall_s'] / 60:.1f} min ({t.get('trained', 0)} runs trained, "
+            f"{t.get('skipped', 0)} already finished)"
+        )
+    mach = m.get("machine") or {}
+    if mach:
+        lines.append("- machine: " + ", ".join(f"{k} {v}" for k, v in mach.items() if v is not None))
+    per_size = {s: sum(r.train_s for r in sc.runs if r.size == s) for s in sc.sizes}
+    lines.append(
+        f"- training time summed over {len(sc.runs)} finished runs: {sum(per_size.values()) / 60:.1f} min ("
+        + ", ".join(f"{s} {v / 60:.1f}" for s, v in per_size.items())
+        + ")"
+    )
+    return lines + [""]
+
+
+def to_markdown(
+    sc: Scaling,
+    plots: Sequence[str] = (),
+    unfinished: Sequence[str] = (),
+    command: str = "",
+    manifest: dict | None = None,
+) -> str:
     from qkvlab.analysis.report import human
 
     out = ["# Scaling: gap to Q-K-V against model size", ""]
@@ -324,6 +357,7 @@ def to_markdown(sc: Scaling, plots: Sequence[str] = (), unfinished: Sequence[str
             + (" ..." if len(unfinished) > 12 else ""),
             "",
         ]
+    out += _run_section(sc, manifest)
     return "\n".join(out)
 
 
@@ -410,10 +444,13 @@ def write_scaling_results(
 ) -> Scaling:
     """Read the sweep's finished runs under runs_dir; write results.md, results.csv,
     gap_vs_params.png and gap_vs_compute.png into out_dir (created; only these files written)."""
+    from qkvlab.analysis.runs import MANIFEST, read_manifest
     from qkvlab.errors import UserError
     from qkvlab.io import atomic_write_text
 
     runs, unfinished = read_runs(runs_dir)
+    manifest = read_manifest(runs_dir) if (Path(runs_dir) / MANIFEST).is_file() else None
+    command = command or (manifest or {}).get("command") or ""
     if not runs:
         raise UserError(f"{runs_dir}: no finished run (expected run folders at <size>/<variant>/seed<k>)")
     sc = analyse(runs)
@@ -426,5 +463,5 @@ def write_scaling_results(
             plot_scaling(sc, out / "gap_vs_compute.png", against="compute"),
         ]
     atomic_write_text(out / "results.csv", to_csv(sc))
-    atomic_write_text(out / "results.md", to_markdown(sc, [str(p) for p in written], unfinished, command))
+    atomic_write_text(out / "results.md", to_markdown(sc, [str(p) for p in written], unfinished, command, manifest))
     return sc
