@@ -312,7 +312,11 @@ def to_markdown(
         n, d = sc.size_params[s], sc.size_tokens[s]
         out.append(f"| {s} | {human(n)} | {human(d)} | {d / n:.2f} | {sc.size_compute(s):.3g} | {len(seeds[s])} |")
     span = sc.size_params[sc.sizes[-1]] / sc.size_params[sc.sizes[0]] if sc.sizes else 0
-    out += ["", f"{len(sc.sizes)} sizes spanning {span:.1f}x in non-embedding parameters.", ""]
+    out += [
+        "",
+        f"{len(sc.sizes)} size{'' if len(sc.sizes) == 1 else 's'} spanning {span:.1f}x in non-embedding parameters.",
+        "",
+    ]
     a_n, b_n = sc.paper_params.get("A"), sc.paper_params.get("B")
     header = (
         ["variant"]
