@@ -171,8 +171,9 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str]]:
     """Every finished run under runs_dir (OUT/<size>/<variant>/seed<k>) and the unfinished ones'
     folders. A run's variant and N come from its config.json (the model as trained)."""
     from qkvlab.accounting import analytic_params
-    from qkvlab.analysis.runs import read_history, run_finished
+    from qkvlab.analysis.runs import run_finished
     from qkvlab.config import ModelConfig
+    from qkvlab.io import read_metrics
 
     root = Path(runs_dir)
     done, unfinished = [], []
@@ -186,7 +187,7 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str]]:
         train = body.get("train", {})
         cfg = ModelConfig.from_dict(body["model"])
         base = cfg.replace(attn=BASELINE, kv_heads=None, match_params=None)
-        rows = [r for r in read_history(d) if r.get("val_loss") is not None]
+        rows = [r for r in read_metrics(d) if r.get("val_loss") is not None]
         if not rows:
             unfinished.append(str(rel))
             continue
@@ -450,7 +451,7 @@ def write_scaling_results(
     gap_vs_params.png and gap_vs_compute.png into out_dir (created; only these files written)."""
     from qkvlab.analysis.runs import MANIFEST, read_manifest
     from qkvlab.errors import UserError
-    from qkvlab.io import atomic_write_text
+    from qkvlab.io import atomic_write
 
     runs, unfinished = read_runs(runs_dir)
     manifest = read_manifest(runs_dir) if (Path(runs_dir) / MANIFEST).is_file() else None
@@ -466,6 +467,6 @@ def write_scaling_results(
             plot_scaling(sc, out / "gap_vs_params.png"),
             plot_scaling(sc, out / "gap_vs_compute.png", against="compute"),
         ]
-    atomic_write_text(out / "results.csv", to_csv(sc))
-    atomic_write_text(out / "results.md", to_markdown(sc, [str(p) for p in written], unfinished, command, manifest))
+    atomic_write(out / "results.csv", to_csv(sc))
+    atomic_write(out / "results.md", to_markdown(sc, [str(p) for p in written], unfinished, command, manifest))
     return sc
