@@ -1,16 +1,24 @@
-"""Decoding speed, measured in one run.
+"""Decoding speed, measured in one run: prefill and decode apart, against transformers and against
+the memory-bandwidth limit.
 
-1. qkvlab's cached decoding vs transformers' `generate` (with its cache) on the same weights: tokens/s
-   at each batch size and the ratio, the two timed alternately, best of --rounds.
-2. What rotating keys on read costs a shared K=V cache with rotary positions: time per decode step
-   at several cache fills for
-     read   - Q-K=V as built: the cache holds the un-rotated shared tensor, keys rotate on every read;
-     write  - the same model with keys rotated once, on write (timing only: with K=V this rotates the
-              values too, so its outputs are wrong; it prices the rotation, nothing else);
-     table  - of `read`, the part spent building cos/sin for every cached position each step.
+1. This machine's copy rate (a large tensor copy, bytes read + written per second), measured first.
+2. Per scheme and batch: prefill tokens/s, decode ms per step and tokens/s, and new tokens/s end to
+   end (prefill included), for each decode path
+     dynamic  - eager, attention reads the filled cache slots (a view that grows each token);
+     static   - eager, every step the same shapes (full-length cache reads, unfilled slots masked);
+     compiled - the static step under torch.compile, compiled once per (batch, cache length) before
+                the prompt (compile seconds reported apart);
+   and transformers' `generate` with its cache on the same weights (qkvlab.bench.hf_twin; its decode
+   step is the difference of generate(new) and generate(1)). All timed alternately, best of rounds.
+   The bandwidth limit of a step reads the weights once and each row's cache at its mean fill
+   (prompt + new/2 tokens); `of limit` is limit / measured.
+3. What rotating keys on read costs a shared K=V cache with rotary positions (ms per decode step at
+   several cache fills): `read` (as built: the cache holds the un-rotated shared tensor, keys rotate
+   on every read) against `write` (the same model with keys rotated once, on write: timing only, with
+   K=V this rotates the values too, so its outputs are wrong; it prices the rotation, nothing else).
 
-    python benchmarks/decode.py                       # preset small, batch 1 and 16
-    python benchmarks/decode.py --preset gpt2-124m --batches 1 --new-tokens 16
+    python benchmarks/decode.py --threads 2                        # the README's shape and rows
+    python benchmarks/decode.py --threads 2 --skip-rope --schemes Q-K-V --batches 1 --modes dynamic,compiled
 """
 
 from __future__ import annotations
@@ -20,107 +28,165 @@ import time
 
 import torch
 
-from qkvlab.bench import decode_seconds, hf_decode_seconds, hf_twin
-from qkvlab.config import preset
-from qkvlab.generate import decode_step, left_pad, new_cache, prefill
+from qkvlab.bench import hf_twin, parse_scheme_list
+from qkvlab.config import ModelConfig
+from qkvlab.errors import UserError
 from qkvlab.model import GPT
+from qkvlab.speed import (
+    bandwidth_limit_step_s,
+    best_of,
+    copy_rate,
+    decode_step_fn,
+    time_decode,
+    time_hf,
+)
 
 
-def decode_ratio(args) -> None:
-    torch.manual_seed(0)
-    cfg = preset(args.preset, attn=args.attn, kv_heads=args.kv_heads)
-    model = GPT(cfg).eval()
-    hf = hf_twin(model)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
+def decode_table(args, base: ModelConfig, rate: float) -> None:
     print(
-        f"{args.preset} {cfg.spec.name} kv_heads={cfg.n_kv_heads}: prompt {args.prompt_len} + {args.new_tokens} "
-        f"tokens, best of {args.rounds} alternating rounds, {torch.get_num_threads()} thread(s)"
+        f"{base.n_layer} layers, {base.n_head} heads, d {base.d_model}, vocab {base.vocab_size}, context "
+        f"{base.context}, fp32; prompt {args.prompt_len} + {args.new_tokens} new tokens; best of {args.rounds} "
+        f"alternating rounds; {torch.get_num_threads()} thread(s); copy rate {rate / 1e9:.1f} GB/s"
     )
-    for b in args.batches:
-        prompt = torch.randint(0, cfg.vocab_size, (b, args.prompt_len))
-        decode_seconds(model, prompt, 2), hf_decode_seconds(hf, prompt, 2)  # warm up
-        ours, theirs, ours_cpu, theirs_cpu = [], [], [], []
-        for _ in range(args.rounds):
-            c0 = time.thread_time()
-            ours.append(decode_seconds(model, prompt, args.new_tokens))
-            c1 = time.thread_time()
-            theirs.append(hf_decode_seconds(hf, prompt, args.new_tokens))
-            ours_cpu.append(c1 - c0)
-            theirs_cpu.append(time.thread_time() - c1)
-        a, h = b * args.new_tokens / min(ours), b * args.new_tokens / min(theirs)
-        # with one thread, CPU time of this thread is immune to being descheduled on a busy machine
-        cpu = f"   CPU-time ratio {min(theirs_cpu) / min(ours_cpu):.2f}" if torch.get_num_threads() == 1 else ""
-        print(f"  batch {b:>3}: qkvlab {a:8.1f} tok/s   transformers {h:8.1f} tok/s   ratio {a / h:.2f}{cpu}")
+    head = (
+        f"  {'scheme':<14} {'batch':>5} {'path':<12} {'prefill tok/s':>13} {'ms/step':>8} {'decode tok/s':>12} "
+        f"{'end-to-end tok/s':>16} {'limit ms':>8} {'of limit':>8} {'compile s':>9}"
+    )
+    print(head)
+    by_key: dict[tuple[str, int, str], float] = {}
+    for name, cfg in parse_scheme_list(args.schemes, base):
+        torch.manual_seed(0)
+        model = GPT(cfg).eval()
+        hf = None
+        if not args.skip_hf:
+            try:
+                hf = hf_twin(model)
+            except UserError as e:
+                print(f"  {name}: no transformers twin ({e})")
+        for b in args.batches:
+            prompt = torch.randint(0, cfg.vocab_size, (b, args.prompt_len))
+            limit = bandwidth_limit_step_s(model, b, args.prompt_len + args.new_tokens / 2, rate)
+            paths = list(args.modes) + (["transformers"] if hf is not None else [])
+            runs: dict[str, list] = {p: [] for p in paths}
+            for p in args.modes:  # warm up (and compile, timed once inside)
+                runs[p].append(time_decode(model, prompt, 4, p))
+            compile_s = {p: runs[p][0].compile_s for p in args.modes}
+            runs = {p: [] for p in paths}
+            for _ in range(args.rounds):
+                for p in paths:
+                    if p == "transformers":
+                        runs[p].append(time_hf(hf, prompt, args.new_tokens))
+                    else:
+                        runs[p].append(time_decode(model, prompt, args.new_tokens, p))
+            for p in paths:
+                t = best_of(runs[p])
+                by_key[(name, b, p)] = t.step_s
+                cs = compile_s.get(p)
+                print(
+                    f"  {name:<14} {b:>5} {p:<12} {t.prefill_tokens_per_s:>13.0f} {1e3 * t.step_s:>8.2f} "
+                    f"{t.decode_tokens_per_s:>12.1f} {t.end_to_end_tokens_per_s:>16.1f} {1e3 * limit:>8.2f} "
+                    f"{limit / t.step_s:>8.0%} {'-' if cs is None else f'{cs:.1f}':>9}"
+                )
+                by_key[(name, b, p + ":e2e")] = 1 / t.end_to_end_tokens_per_s
+    print("  ratios (decode step time, same batch; > 1 = faster):")
+    names = [n for n, _ in parse_scheme_list(args.schemes, base)]
+    for name in names:
+        for b in args.batches:
+            ours = {p: by_key[(name, b, p)] for p in args.modes}
+            best = min(ours, key=ours.get)
+            parts = []
+            if (name, b, "transformers") in by_key:
+                parts.append(f"{best} vs transformers {by_key[(name, b, 'transformers')] / ours[best]:.2f}x")
+                e2e = by_key[(name, b, "transformers:e2e")] / by_key[(name, b, best + ":e2e")]
+                parts.append(f"end-to-end {e2e:.2f}x")
+            if "compiled" in ours and "static" in ours:
+                parts.append(f"compiled vs static {ours['static'] / ours['compiled']:.2f}x")
+            if "compiled" in ours and "dynamic" in ours:
+                parts.append(f"compiled vs dynamic {ours['dynamic'] / ours['compiled']:.2f}x")
+            if name != names[0] and (names[0], b, best) in by_key:
+                parts.append(f"vs {names[0]} ({best}) {by_key[(names[0], b, best)] / ours[best]:.2f}x")
+            print(f"    {name:<14} batch {b:>3}: " + ", ".join(parts))
 
 
 @torch.inference_mode()
-def step_ms(model, fill: int, steps: int, rounds: int, batch: int) -> float:
+def step_ms(model, fill: int, steps: int, rounds: int, batch: int, mode: str) -> float:
+    from qkvlab.generate import left_pad, new_cache, prefill
+
+    step, static = decode_step_fn(mode)
     prompt = torch.randint(0, model.cfg.vocab_size, (batch, fill)).tolist()
     best = float("inf")
     for _ in range(rounds):
-        cache = new_cache(model, batch, fill + steps)
+        cache = new_cache(model, batch, fill + steps, static=static)
         padded = left_pad(prompt)
         tok = prefill(model, cache, padded).argmax(-1)
         pos = padded.lengths.clone()
         t0 = time.perf_counter()
         for _ in range(steps):
-            tok = decode_step(model, cache, tok, pos).argmax(-1)
+            tok = step(model, cache, tok, pos).argmax(-1)
             pos += 1
         best = min(best, (time.perf_counter() - t0) / steps)
     return best * 1e3
 
 
-def rope_on_read(args) -> None:
+def rope_on_read(args, base: ModelConfig) -> None:
     fills = args.fills
     torch.manual_seed(0)
-    cfg = preset(args.preset, attn="Q-K=V", pos="rope", context=max(fills) + args.steps + 1, kv_heads=args.kv_heads)
+    cfg = base.replace(attn="Q-K=V", pos="rope", context=max(fills) + args.steps + 1)
     model = GPT(cfg).eval()
     write = GPT(cfg).eval()
     write.load_state_dict(model.state_dict())
-    write.trunk.cfg = cfg.replace(attn="Q-K-V", kv_heads=None)  # the trunk then builds no key tables
+    write.trunk.rope_on_read = False  # the trunk then builds no key tables
     for i in range(cfg.n_layer):
         write.trunk.layer(i).attn.k_shared_with_v = False  # rotate on write (values too: timing only)
-    rot = model.trunk.rotary
     print(
-        f"rope on read, {args.preset} Q-K=V kv_heads={cfg.n_kv_heads}, batch {args.rope_batch}, ms per decode step "
-        f"(best of {args.rounds} x {args.steps} steps)"
+        f"rope on read, Q-K=V kv_heads={cfg.n_kv_heads}, batch {args.rope_batch}, ms per decode step "
+        f"(best of {args.rounds} x {args.steps} steps), eager {args.rope_mode} path"
     )
-    print(f"  {'cache fill':>10}  {'read':>8}  {'write':>8}  {'read cost':>9}  {'table':>8}")
+    print(f"  {'cache fill':>10}  {'read':>8}  {'write':>8}  {'read cost':>9}")
     for fill in fills:
         for _ in range(2):  # alternate the two models
-            r = step_ms(model, fill, args.steps, args.rounds, args.rope_batch)
-            w = step_ms(write, fill, args.steps, args.rounds, args.rope_batch)
-        pos = torch.arange(fill)[None].expand(args.rope_batch, fill)
-        t0 = time.perf_counter()
-        for _ in range(50):
-            rot.cos_sin(pos, torch.float32)
-        table = (time.perf_counter() - t0) / 50 * 1e3
-        print(f"  {fill:>10}  {r:8.3f}  {w:8.3f}  {100 * (r - w) / w:8.1f}%  {table:8.3f}")
+            r = step_ms(model, fill, args.steps, args.rounds, args.rope_batch, args.rope_mode)
+            w = step_ms(write, fill, args.steps, args.rounds, args.rope_batch, args.rope_mode)
+        print(f"  {fill:>10}  {r:8.3f}  {w:8.3f}  {100 * (r - w) / w:8.1f}%")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="small")
-    p.add_argument("--attn", default="Q-K-V")
-    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-head", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--schemes", default="Q-K-V,Q-K=V:mqa,Id-K=V:mqa", help="as for qkvlab bench (':mqa', ':kvN')")
+    p.add_argument("--modes", default="dynamic,static,compiled", help="decode paths: dynamic, static, compiled")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=448)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--fills", type=int, nargs="+", default=[64, 512, 2048])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rope-batch", type=int, default=1)
+    p.add_argument("--rope-mode", default="dynamic", choices=["dynamic", "static"])
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-rope", action="store_true")
     args = p.parse_args()
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.skip_hf:
-        decode_ratio(args)
+    base = ModelConfig(
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        d_model=args.d_model,
+        vocab_size=args.vocab_size,
+        context=args.context,
+    ).validate()
+    rate = copy_rate()
+    if not args.skip_decode:
+        decode_table(args, base, rate)
     if not args.skip_rope:
-        rope_on_read(args)
+        rope_on_read(args, base)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from qkvlab.errors import UserError
 from qkvlab.generate import (
     FINISHED,
     Sampling,
+    compiled_step,
     decode_step,
     filter_logits,
     generate,
@@ -100,16 +101,16 @@ def make_model(cfg: ModelConfig, dtype=torch.float64, seed: int = 0) -> GPT:
     return model.to(dtype)
 
 
-def decode_batched(model, prompts, cont):
+def decode_batched(model, prompts, cont, *, static=False, step=decode_step, spare=0):
     """Prefill the left-padded prompts, then feed cont (B, N) one token per step ->
-    logits (B, N+1, V): after the prompt, then after each fed token."""
+    logits (B, N+1, V): after the prompt, then after each fed token. spare: unused cache slots."""
     batch = left_pad(prompts)
-    cache = new_cache(model, len(prompts), batch.idx.shape[1] + cont.shape[1])
+    cache = new_cache(model, len(prompts), batch.idx.shape[1] + cont.shape[1] + spare, static=static)
     with torch.inference_mode():
         out = [prefill(model, cache, batch)]
         pos = batch.lengths.clone()
         for t in range(cont.shape[1]):
-            out.append(decode_step(model, cache, cont[:, t], pos))
+            out.append(step(model, cache, cont[:, t], pos))
             pos += 1
     return torch.stack(out, 1)
 
@@ -125,12 +126,84 @@ def test_cached_decoding_left_padded_equals_full_forward_float64(scheme, pos, kv
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     cont = torch.randint(0, VOCAB, (len(prompts), 6), generator=g)
     batched = decode_batched(model, prompts, cont)
+    static = decode_batched(model, prompts, cont, static=True, spare=3)  # full-length reads, masked slots
+    torch.testing.assert_close(static, batched, rtol=1e-10, atol=1e-10)
     with torch.no_grad():
         for r, p in enumerate(prompts):
             full = model(torch.tensor([p + cont[r].tolist()]))[0][0, len(p) - 1 :]  # every step
             torch.testing.assert_close(batched[r], full, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(static[r], full, rtol=1e-10, atol=1e-10)
             alone = decode_batched(model, [p], cont[r : r + 1])[0]  # the row decoded on its own
             torch.testing.assert_close(batched[r], alone, rtol=1e-10, atol=1e-10)
+
+
+def test_static_cache_then_a_multi_token_forward_continues_exactly():
+    """After static steps the host-side length is stale until the next dynamic forward syncs it."""
+    model = make_model(cfg_for("Q-K=V", "rope", 2))
+    seq = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    cache = new_cache(model, 2, 14, static=True)
+    with torch.inference_mode():
+        model(seq[:, :5], cache=cache)
+        for t in range(5, 8):
+            decode_step(model, cache, seq[:, t], torch.full((2,), t))
+        tail, _ = model(seq[:, 8:], cache=cache)
+        full, _ = model(seq)
+    torch.testing.assert_close(tail, full[:, 8:], rtol=1e-10, atol=1e-10)
+    assert cache.length == 12 and int(cache.slot) == 11
+
+
+def test_static_step_compiles_once_per_batch_and_cache_length():
+    """Same shapes every token: dynamo traces the step once per (batch, cache length), never per token."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    step = torch.compile(decode_step, backend=counter, dynamic=False, fullgraph=True)
+    model = make_model(cfg_for("(Q-K=V)+", "rope", None))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 2)]
+    cont = torch.randint(0, VOCAB, (2, 5), generator=g)
+    eager = decode_batched(model, prompts, cont)
+    traced = decode_batched(model, prompts, cont, static=True, step=step)
+    torch.testing.assert_close(traced, eager, rtol=1e-10, atol=1e-10)
+    assert counter.frame_count == 1
+    decode_batched(model, prompts, cont, static=True, step=step)  # a new cache of the same shape
+    assert counter.frame_count == 1
+    decode_batched(model, prompts[:1], cont[:1], static=True, step=step)  # batch 1: one more
+    assert counter.frame_count == 2
+
+
+def test_stream_compiles_ahead_and_reports_once(monkeypatch):
+    """compile=True: the step is compiled before the prompt is read, the time reported once, and the
+    tokens equal the eager dynamic path's (dynamo with its eager backend stands in for inductor)."""
+    import qkvlab.generate as gen
+
+    torch._dynamo.reset()
+    monkeypatch.setitem(gen._COMPILED, "default", torch.compile(decode_step, backend="eager", dynamic=False))
+    model = make_model(cfg_for("Q-K-V", "learned", 2), dtype=torch.float32)
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    reports = []
+    s = Sampling(temperature=1.0, top_k=20)
+    got = generate(model, prompts, 9, s, seed=5, compile=True, on_compiled=reports.append)
+    assert got == generate(model, prompts, 9, s, seed=5, static=False)
+    assert got == generate(model, prompts, 9, s, seed=5, static=True)
+    assert len(reports) == 1 and reports[0] > 0
+    with pytest.raises(UserError, match="static"):
+        stream(model, prompts, 3, compile=True, static=False)
+    with pytest.raises(UserError, match="compile mode"):
+        stream(model, prompts, 3, compile="fastest")
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager_float64():
+    """Inductor's compiled static step (one compile, small shape) equals the eager dynamic path."""
+    model = make_model(cfg_for("Q-K=V", "rope", 1))
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 3)]
+    cont = torch.randint(0, VOCAB, (2, 6), generator=g)
+    eager = decode_batched(model, prompts, cont)
+    compiled = decode_batched(model, prompts, cont, static=True, step=compiled_step())
+    torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-10)
 
 
 FP32_CASES = [
@@ -387,6 +460,20 @@ def test_cli_generate_with_saved_char_tokenizer_and_ids(model_dir, tmp_path, cap
         == 0
     )
     assert capsys.readouterr().out.count("--- sample") == 2
+
+
+def test_cli_generate_compile_reports_once(model_dir, capsys, monkeypatch):
+    import qkvlab.generate as gen
+
+    torch._dynamo.reset()
+    monkeypatch.setitem(gen._COMPILED, "default", torch.compile(decode_step, backend="eager", dynamic=False))
+    argv = ["generate", str(model_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--temperature", "0"]
+    assert main([*argv, "--compile"]) == 0
+    compiled = capsys.readouterr()
+    assert compiled.err.count("compiled the decode step") == 1
+    assert main(argv) == 0  # auto: off on a CPU
+    eager = capsys.readouterr()
+    assert "compiled" not in eager.err and eager.out == compiled.out
 
 
 def _bad(tmp_path, model_dir):

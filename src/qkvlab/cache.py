@@ -1,8 +1,18 @@
 """A preallocated KV cache that stores only the distinct tensors a scheme reads.
 
 Sized from the projection spec, not from n_head: K=V schemes hold one tensor per layer, GQA/MQA
-hold kv_heads heads. Sequences in a batch may have different lengths (left padding): each slot
-records its token's position and whether it is real, and the attention mask follows from that.
+hold kv_heads heads. Each layer has its own LayerCache built from that layer's config, so layers
+may differ in scheme and heads. Sequences in a batch may have different lengths (left padding):
+each slot records its token's position and whether it is real, and the attention mask follows.
+
+Two ways to run a one-token decode step:
+- dynamic (default): attention reads the filled slots ``[:length]``, a view that grows every token;
+  the bookkeeping is Python ints.
+- static (``static=True``): the step keeps every shape fixed, as gpt-fast does: the slot being
+  written is a device tensor advanced in place, attention reads all ``max_len`` slots with the
+  ``valid`` mask hiding the unfilled ones, and nothing in the step reads a host value. torch.compile
+  then compiles the step once per (batch size, cache length), and CUDA graphs can replay it.
+Prefill (several tokens, or padding) uses the dynamic bookkeeping in both.
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from qkvlab.config import ModelConfig
+from qkvlab.errors import UserError
 
 
 class KVCache:
@@ -21,19 +32,19 @@ class KVCache:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        static: bool = False,
     ):
-        self.sources = cfg.spec.cached_sources()
-        self.max_len = max_len
-        shape = (batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)  # (B, kvh, S, hd)
-        self.layers = [
-            {s: torch.zeros(shape, device=device, dtype=dtype) for s in self.sources} for _ in range(cfg.n_layer)
-        ]
+        self.max_len, self.static = max_len, static
+        layer_cfgs = [cfg] * cfg.n_layer  # one config per layer (all alike until layers get their own)
+        self.layers = [LayerCache(self, c, batch_size, max_len, device, dtype) for c in layer_cfgs]
         self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
-        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # filled and real
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # per row
-        self.all_valid = True  # no padding so far: decode steps need no mask (and no host sync)
-        self.start = 0  # first slot written by the current forward
-        self.length = 0  # slots filled
+        self.slot = torch.full((1,), -1, dtype=torch.long, device=device)  # static: last slot written
+        self.all_valid = True  # no padding so far: dynamic decode steps need no mask (and no host sync)
+        self.stepping = False  # the current forward is a static decode step
+        self.start = 0  # first slot written by the current (dynamic) forward
+        self.length = 0  # slots filled (in a static cache: as of the last dynamic forward)
 
     @property
     def batch_size(self) -> int:
@@ -41,21 +52,31 @@ class KVCache:
 
     def bytes_allocated(self) -> int:
         """Bytes held by key/value storage (position bookkeeping excluded)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.store.values())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a decode step reads or writes in place (for torch._dynamo.mark_static_address)."""
+        stores = [t for layer in self.layers for t in layer.store.values()]
+        return [*stores, self.positions, self.valid, self.next_pos, self.slot]
 
     def begin(self, positions: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor | None:
         """Reserve slots for T new tokens. positions, token_mask: (B, T). Returns the bool attention
-        mask (B, 1, T, S) for this step, or None when every key is visible (one real token)."""
+        mask (B, 1, T, S) for this step, or None when every key is visible (dynamic, one real token)."""
         T = positions.shape[1]
+        self.stepping = self.static and T == 1 and token_mask is None
+        if self.stepping:
+            return self._begin_step(positions)
+        if self.static:
+            self.length = int(self.slot) + 1  # host sync: only outside decode steps
         if self.length + T > self.max_len:
-            from qkvlab.errors import UserError
-
             raise UserError(f"KV cache full: {self.length} + {T} tokens exceed its {self.max_len} slots")
         self.start, self.length = self.length, self.length + T
         self.positions[:, self.start : self.length] = positions
         self.next_pos = positions[:, -1] + 1
         self.valid[:, self.start : self.length] = True if token_mask is None else token_mask
         self.all_valid &= token_mask is None
+        if self.static:
+            self.slot.fill_(self.length - 1)
         valid = self.valid[:, : self.length]
         if T == 1 and token_mask is None:
             return None if self.all_valid else valid[:, None, None, :]
@@ -65,11 +86,21 @@ class KVCache:
         allowed |= (slots[None, :] == q_slots[:, None])[None]  # a pad query attends to itself: no NaN
         return allowed[:, None]
 
+    def _begin_step(self, positions: torch.Tensor) -> torch.Tensor:
+        """Static decode step: every write is in place at the device-side slot; no host values read.
+        Writing past max_len is not checked here (that would sync): the caller sizes the cache."""
+        self.slot += 1
+        self.positions.index_copy_(1, self.slot, positions)
+        self.valid.index_fill_(1, self.slot, True)
+        self.next_pos.copy_(positions[:, -1] + 1)
+        return self.valid[:, None, None, :]  # (B, 1, 1, S): unfilled slots and pads hidden
+
     def key_positions(self) -> torch.Tensor:
-        return self.positions[:, : self.length]
+        """Positions of the keys attention reads: (B, S)."""
+        return self.positions if self.stepping else self.positions[:, : self.length]
 
     def layer(self, index: int) -> LayerCache:
-        return LayerCache(self, index)
+        return self.layers[index]
 
     def next_positions(self, T: int) -> torch.Tensor:
         """Positions continuing each row (rows of a left-padded batch differ): (B, T)."""
@@ -79,19 +110,27 @@ class KVCache:
         self.start = self.length = 0
         self.valid.zero_()
         self.next_pos.zero_()
+        self.slot.fill_(-1)
         self.all_valid = True
+        self.stepping = False
 
 
 class LayerCache:
-    """One layer's view: write the new tokens' tensors, read everything cached so far."""
+    """One layer's storage: a (B, kv_heads, max_len, head_dim) tensor per distinct source of its
+    scheme. Writes the new tokens' tensors and returns what attention reads."""
 
-    def __init__(self, cache: KVCache, index: int):
-        self.cache, self.store = cache, cache.layers[index]
+    def __init__(self, cache: KVCache, cfg: ModelConfig, batch_size: int, max_len: int, device, dtype):
+        self.cache = cache
+        shape = (batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)  # (B, kvh, S, hd)
+        self.store = {s: torch.zeros(shape, device=device, dtype=dtype) for s in cfg.spec.cached_sources()}
 
     def update(self, source: int, new: torch.Tensor) -> torch.Tensor:
-        buf = self.store[source]
-        buf[:, :, self.cache.start : self.cache.length] = new
-        return buf[:, :, : self.cache.length]
+        """new (B, kvh, T, hd) -> the cached tensor attention reads: (B, kvh, S, hd)."""
+        buf, c = self.store[source], self.cache
+        if c.stepping:
+            return buf.index_copy_(2, c.slot, new)  # all max_len slots; c.valid masks the unfilled
+        buf[:, :, c.start : c.length] = new
+        return buf[:, :, : c.length]
 
     def key_positions(self) -> torch.Tensor:
         return self.cache.key_positions()

@@ -5,13 +5,19 @@ the right, every row carries its own positions (0 for its first real token), and
 marks pads so no real query ever attends to them. Row i then computes exactly what it would alone.
 
 Sampling: temperature (0 = greedy argmax), then top-k, then top-p (nucleus), drawn with a seeded
-``torch.Generator`` so a seed fixes the output.
+``torch.Generator`` so a seed fixes the output. Sampling runs on the model's device.
+
+The decode loop never waits for the device: tokens are yielded as device tensors, positions advance
+in place, and the end-of-text test (a host sync) runs once every STOP_CHECK_EVERY steps. With a
+static cache (cache.py) every step has the same shapes, so torch.compile compiles it once per
+(batch size, cache length); `compile=` does that, ahead of the prompt, and reports the seconds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +26,8 @@ from qkvlab.cache import KVCache
 from qkvlab.errors import UserError
 
 FINISHED = -1  # what `stream` yields for a row that already produced its end-of-text token
+STOP_CHECK_EVERY = 8  # steps between end-of-text checks (each check waits for the device)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile modes; reduce-overhead: CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -114,9 +122,9 @@ def check_prompts(model, prompts: Sequence[Sequence[int]]) -> None:
         raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
-def new_cache(model, batch_size: int, max_len: int) -> KVCache:
+def new_cache(model, batch_size: int, max_len: int, *, static: bool = False) -> KVCache:
     p = next(model.parameters())
-    return KVCache(model.cfg, batch_size, max_len, device=p.device, dtype=p.dtype)
+    return KVCache(model.cfg, batch_size, max_len, device=p.device, dtype=p.dtype, static=static)
 
 
 def prefill(model, cache: KVCache, batch: Padded) -> torch.Tensor:
@@ -130,6 +138,38 @@ def decode_step(model, cache: KVCache, tokens: torch.Tensor, positions: torch.Te
     """tokens, positions (B,) -> logits (B, V) for the token after them."""
     logits, _ = model(tokens[:, None], cache=cache, positions=positions[:, None])
     return logits[:, -1]
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled_step(mode: str = "default") -> Callable:
+    """decode_step under torch.compile (one wrapper per mode). Use it with a static cache: its shapes
+    never change, so torch compiles it once per (batch size, cache length) and never mid-decode."""
+    if mode not in COMPILE_MODES:
+        raise UserError(f"compile mode {mode!r} is not allowed; use one of {', '.join(COMPILE_MODES)}")
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=True)
+    return _COMPILED[mode]
+
+
+@torch.inference_mode()
+def warm_up(step: Callable, model, cache: KVCache, calls: int = 3) -> float:
+    """Run `step` on the empty static cache (compiling it for this shape; CUDA graphs record on the
+    second or third call), then empty the cache again -> seconds spent."""
+    device = cache.positions.device
+    if device.type == "cuda":
+        for t in cache.tensors():  # CUDA graphs: in-place writes to these are part of the graph
+            torch._dynamo.mark_static_address(t)
+    zeros = torch.zeros(cache.batch_size, dtype=torch.long, device=device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        cache.reset()
+        step(model, cache, zeros, zeros.clone())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    cache.reset()
+    return time.perf_counter() - t0
 
 
 def max_steps(model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
@@ -147,15 +187,21 @@ def stream(
     eot_id: int | None = None,
     seed: int | None = None,
     generator: torch.Generator | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
+    static: bool | None = None,
     vocab_limit: int | None = None,
+    on_compiled: Callable[[float], None] | None = None,
 ) -> Iterator[torch.Tensor]:
     """An iterator over steps: each yields the next token of every row (B,), on the model's device.
 
     Stops after `max_new_tokens` (fewer if the context ends first) or when every row has produced
     `eot_id`; a row that has finished yields FINISHED (-1) from then on. Only ids below
     `vocab_limit` are produced (default: the whole vocabulary). Bad arguments raise
-    UserError here, before anything is decoded."""
+    UserError here, before anything is decoded.
+
+    compile: False, True (= "default") or a torch.compile mode ("reduce-overhead": CUDA graphs);
+    the step is compiled before the prompt is read and `on_compiled(seconds)` is told how long that
+    took. static: the static-shape decode step (cache.py); None = static exactly when compiling."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise UserError(f"max_new_tokens={max_new_tokens} must be an integer >= 1")
     sampling.validate()
@@ -163,16 +209,27 @@ def stream(
     device = next(model.parameters()).device
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    step = torch.compile(decode_step, dynamic=True) if compile else decode_step
+    if compile is True:
+        compile = "default"
+    if compile and static is False:
+        raise UserError("compile needs the static decode step (static=True or None)")
+    step = compiled_step(compile) if compile else decode_step
+    static = bool(compile) if static is None else static
     steps = max_steps(model, prompts, max_new_tokens)
-    return _decode(model, prompts, steps, sampling, eot_id, generator, step, vocab_limit)
+    return _decode(model, prompts, steps, sampling, eot_id, generator, step, vocab_limit, static, on_compiled)
 
 
 @torch.inference_mode()
-def _decode(model, prompts, steps, sampling, eot_id, generator, step, vocab_limit) -> Iterator[torch.Tensor]:
+def _decode(
+    model, prompts, steps, sampling, eot_id, generator, step, vocab_limit, static, on_compiled
+) -> Iterator[torch.Tensor]:
     device = next(model.parameters()).device
     batch = left_pad(prompts, device=device)
-    cache = new_cache(model, len(prompts), batch.idx.shape[1] + steps - 1)
+    cache = new_cache(model, len(prompts), batch.idx.shape[1] + steps - 1, static=static)
+    if step is not decode_step and steps > 1:
+        seconds = warm_up(step, model, cache)
+        if on_compiled is not None:
+            on_compiled(seconds)
     logits = prefill(model, cache, batch)
     positions = batch.lengths.clone()  # (B,) position of the token about to be fed
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device) if eot_id is not None else None
@@ -183,7 +240,7 @@ def _decode(model, prompts, steps, sampling, eot_id, generator, step, vocab_limi
         else:
             yield tok.masked_fill(finished, FINISHED)
             finished |= tok == eot_id
-            if bool(finished.all()):
+            if (i + 1) % STOP_CHECK_EVERY == 0 and bool(finished.all()):  # the loop's only host sync
                 return
         if i + 1 < steps:
             logits = step(model, cache, tok, positions)
@@ -195,10 +252,11 @@ def generate(
 ) -> list[list[int]]:
     """The new tokens of every row (end-of-text excluded). kwargs: as for `stream`."""
     eot = kwargs.get("eot_id")
+    steps = list(stream(model, prompts, max_new_tokens, sampling, **kwargs))  # device tensors: no sync per step
     rows: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for tok in stream(model, prompts, max_new_tokens, sampling, **kwargs):
-        for r, t in enumerate(tok.tolist()):
+    for tok in torch.stack(steps).tolist():
+        for r, t in enumerate(tok):
             if done[r] or t == FINISHED:
                 continue
             if eot is not None and t == eot:

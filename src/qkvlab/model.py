@@ -67,6 +67,8 @@ class Trunk(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(1 if cfg.share_layers else cfg.n_layer))
         self.norm = make_norm(cfg)
         self.rotary = Rotary(cfg.head_dim, cfg.context, cfg.rope_theta) if cfg.pos == "rope" else None
+        # K=V caches the shared tensor un-rotated: keys rotate on read, at their positions.
+        self.rope_on_read = self.rotary is not None and cfg.spec.role_source("k") == cfg.spec.role_source("v")
 
     def layer(self, i: int) -> Block:
         return self.blocks[0 if self.cfg.share_layers else i]
@@ -82,9 +84,7 @@ class Trunk(nn.Module):
         rope = rope_k = None
         if self.rotary is not None:
             rope = self.rotary.cos_sin(positions, x.dtype)
-            spec = self.cfg.spec
-            if cache is not None and spec.role_source("k") == spec.role_source("v"):
-                # K=V caches the shared tensor un-rotated: keys rotate on read, at their positions.
+            if cache is not None and self.rope_on_read:
                 rope_k = self.rotary.cos_sin(cache.key_positions(), x.dtype)
         for i in range(self.cfg.n_layer):
             x = self.layer(i)(

@@ -91,7 +91,16 @@ def add_arguments(p) -> None:
         default="auto",
         help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
     )
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default="auto",
+        choices=["auto", "off", "default", "reduce-overhead", "max-autotune"],
+        help="torch.compile the static decode step with this mode (bare --compile: default). auto: "
+        "reduce-overhead (CUDA graphs) on a GPU, off on a CPU, where compiling takes longer than it saves "
+        "in one run (docs/inference.md)",
+    )
 
 
 def run(args) -> int:
@@ -122,6 +131,15 @@ def run(args) -> int:
     dtype = torch_dtype(args.dtype, device.type)
     model, cfg, _ = load_model(model_dir, device=device, dtype=dtype)
     eot = getattr(tok, "eot_id", None)
+    compile_mode = args.compile if args.compile != "auto" else ("reduce-overhead" if device.type == "cuda" else "off")
+
+    def report(seconds: float) -> None:
+        print(
+            f"qkvlab generate: compiled the decode step ({compile_mode}, batch {len(prompts)}) in {seconds:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
     tokens = stream(
         model,
         prompts,
@@ -129,8 +147,9 @@ def run(args) -> int:
         sampling,
         eot_id=eot,
         seed=args.seed,
-        compile=args.compile,
+        compile=False if compile_mode == "off" else compile_mode,
         vocab_limit=tok.vocab_size if tok is not None else None,
+        on_compiled=report,
     )
     longest = max(len(p) for p in prompts)
     if longest + args.max_new_tokens > cfg.context + 1:

@@ -1,0 +1,155 @@
+"""Decoding speed against the hardware: prefill and decode timed apart, and the bandwidth limit.
+
+A decode step at small batch reads every weight once and the filled part of the KV cache once, and
+does little arithmetic on each byte, so its floor is (weight bytes + cache bytes read) / the rate at
+which this machine moves memory. That rate is measured at the start, as a large tensor copy (bytes
+read + bytes written per second, STREAM's convention), so a report can say which fraction of the
+limit decoding reaches. Used by `qkvlab bench` and benchmarks/decode.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from qkvlab.generate import compiled_step, decode_step, left_pad, new_cache, prefill, warm_up
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_rate(device: torch.device | str = "cpu", nbytes: int = 256 * 2**20, seconds: float = 0.5) -> float:
+    """Bytes moved per second (read + write) copying one large tensor into another, best of
+    repeated copies; the tensors are far larger than any CPU cache."""
+    device = torch.device(device)
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def weight_bytes_per_step(model: nn.Module) -> int:
+    """Parameter bytes a decode step reads: all of them once, except embedding tables, of which it
+    reads one row per token (negligible); a table tied to the output head is read whole by the head."""
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - {id(head)}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in tables)
+
+
+def cache_bytes_per_token(model: nn.Module) -> int:
+    """KV-cache bytes one token occupies (all layers), from a real one-slot cache."""
+    return new_cache(model, 1, 1).bytes_allocated()
+
+
+@dataclass
+class DecodeTiming:
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    prefill_s: float  # the prompt into an empty cache, best of rounds
+    step_s: float  # one decode step (all rows) including greedy sampling, best of rounds' means
+    compile_s: float | None = None  # compiling the step for this shape, once
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.batch * self.prompt_len / self.prefill_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.batch / self.step_s
+
+    @property
+    def end_to_end_tokens_per_s(self) -> float:
+        """New tokens per second, prefill included (what a generate call sees)."""
+        return self.batch * self.new_tokens / (self.prefill_s + (self.new_tokens - 1) * self.step_s)
+
+
+def decode_step_fn(mode: str) -> tuple[Callable, bool]:
+    """'dynamic' | 'static' | 'compiled' | a torch.compile mode -> (step, static cache?)."""
+    if mode == "dynamic":
+        return decode_step, False
+    if mode == "static":
+        return decode_step, True
+    return compiled_step("default" if mode == "compiled" else mode), True
+
+
+@torch.inference_mode()
+def time_decode(model, prompt: torch.Tensor, new_tokens: int, mode: str = "dynamic") -> DecodeTiming:
+    """One round: prefill `prompt` (B, T), then greedy-decode new_tokens - 1 steps, timed apart."""
+    step, static = decode_step_fn(mode)
+    device = prompt.device
+    B, T = prompt.shape
+    batch = left_pad(prompt.tolist(), device=device)
+    cache = new_cache(model, B, T + new_tokens - 1, static=static)
+    compile_s = warm_up(step, model, cache) if step is not decode_step else None
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, batch)
+    tok = logits.argmax(-1)
+    _sync(device)
+    t1 = time.perf_counter()
+    positions = batch.lengths.clone()
+    for _ in range(new_tokens - 1):
+        tok = step(model, cache, tok, positions).argmax(-1)
+        positions += 1
+    _sync(device)
+    t2 = time.perf_counter()
+    return DecodeTiming(B, T, new_tokens, t1 - t0, (t2 - t1) / max(1, new_tokens - 1), compile_s)
+
+
+def best_of(timings: list[DecodeTiming]) -> DecodeTiming:
+    """Fastest prefill and fastest step over rounds (contention only ever slows a round down)."""
+    first = timings[0]
+    compile_s = next((t.compile_s for t in timings if t.compile_s is not None), None)
+    return DecodeTiming(
+        first.batch,
+        first.prompt_len,
+        first.new_tokens,
+        min(t.prefill_s for t in timings),
+        min(t.step_s for t in timings),
+        compile_s,
+    )
+
+
+def bandwidth_limit_step_s(model, batch: int, fill: float, rate: float) -> float:
+    """Seconds a decode step needs at `rate` bytes/s to read the weights once and `fill` cached
+    tokens of each of `batch` rows."""
+    return (weight_bytes_per_step(model) + batch * fill * cache_bytes_per_token(model)) / rate
+
+
+@torch.inference_mode()
+def time_hf(hf, prompt: torch.Tensor, new_tokens: int) -> DecodeTiming:
+    """transformers: prefill timed as a forward that fills its cache; a decode step as the difference
+    of generate(new_tokens) and generate(1), over new_tokens - 1 steps."""
+    device = prompt.device
+    mask = torch.ones_like(prompt)
+
+    def gen(n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        hf.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    _sync(device)
+    t0 = time.perf_counter()
+    hf(prompt, attention_mask=mask, use_cache=True)
+    _sync(device)
+    prefill_s = time.perf_counter() - t0
+    one, full = gen(1), gen(new_tokens)
+    step_s = max(full - one, 1e-9) / max(1, new_tokens - 1)
+    B, T = prompt.shape
+    return DecodeTiming(B, T, new_tokens, prefill_s, step_s)
