@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from qkvlab.bench import hf_twin, parse_scheme_list
+from qkvlab.bench import DTYPES, hf_twin, parse_scheme_list
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 from qkvlab.model import GPT
@@ -45,7 +45,7 @@ from qkvlab.speed import (
 def decode_table(args, base: ModelConfig, rate: float) -> None:
     print(
         f"{base.n_layer} layers, {base.n_head} heads, d {base.d_model}, vocab {base.vocab_size}, context "
-        f"{base.context}, fp32; prompt {args.prompt_len} + {args.new_tokens} new tokens; best of {args.rounds} "
+        f"{base.context}, {args.dtype} on {args.device}; prompt {args.prompt_len} + {args.new_tokens} new tokens; best of {args.rounds} "
         f"alternating rounds; {torch.get_num_threads()} thread(s); copy rate {rate / 1e9:.1f} GB/s"
     )
     head = (
@@ -56,15 +56,15 @@ def decode_table(args, base: ModelConfig, rate: float) -> None:
     by_key: dict[tuple[str, int, str], float] = {}
     for name, cfg in parse_scheme_list(args.schemes, base):
         torch.manual_seed(0)
-        model = GPT(cfg).eval()
+        model = GPT(cfg).eval().to(args.device, DTYPES[args.dtype])
         hf = None
         if not args.skip_hf:
             try:
-                hf = hf_twin(model)
+                hf = hf_twin(model).to(args.device, DTYPES[args.dtype])
             except UserError as e:
                 print(f"  {name}: no transformers twin ({e})")
         for b in args.batches:
-            prompt = torch.randint(0, cfg.vocab_size, (b, args.prompt_len))
+            prompt = torch.randint(0, cfg.vocab_size, (b, args.prompt_len), device=args.device)
             limit = bandwidth_limit_step_s(model, b, args.prompt_len + args.new_tokens / 2, rate)
             paths = list(args.modes) + (["transformers"] if hf is not None else [])
             runs: dict[str, list] = {p: [] for p in paths}
@@ -99,10 +99,8 @@ def decode_table(args, base: ModelConfig, rate: float) -> None:
                 parts.append(f"{best} vs transformers {by_key[(name, b, 'transformers')] / ours[best]:.2f}x")
                 e2e = by_key[(name, b, "transformers:e2e")] / by_key[(name, b, best + ":e2e")]
                 parts.append(f"end-to-end {e2e:.2f}x")
-            if "compiled" in ours and "static" in ours:
-                parts.append(f"compiled vs static {ours['static'] / ours['compiled']:.2f}x")
-            if "compiled" in ours and "dynamic" in ours:
-                parts.append(f"compiled vs dynamic {ours['dynamic'] / ours['compiled']:.2f}x")
+            for m in [m for m in ours if m not in ("dynamic", "static")]:  # compiled paths vs eager ones
+                parts += [f"{m} vs {e} {ours[e] / ours[m]:.2f}x" for e in ("dynamic", "static") if e in ours]
             if name != names[0] and (names[0], b, best) in by_key:
                 parts.append(f"vs {names[0]} ({best}) {by_key[(names[0], b, best)] / ours[best]:.2f}x")
             print(f"    {name:<14} batch {b:>3}: " + ", ".join(parts))
@@ -158,12 +156,18 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--schemes", default="Q-K-V,Q-K=V:mqa,Id-K=V:mqa", help="as for qkvlab bench (':mqa', ':kvN')")
-    p.add_argument("--modes", default="dynamic,static,compiled", help="decode paths: dynamic, static, compiled")
+    p.add_argument(
+        "--modes",
+        default="dynamic,static,compiled",
+        help="decode paths: dynamic, static, compiled, or a torch.compile mode (reduce-overhead: CUDA graphs)",
+    )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--prompt-len", type=int, default=448)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda (the rope section always runs on the CPU)")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--fills", type=int, nargs="+", default=[64, 512, 2048])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rope-batch", type=int, default=1)
@@ -182,7 +186,7 @@ def main() -> None:
         vocab_size=args.vocab_size,
         context=args.context,
     ).validate()
-    rate = copy_rate()
+    rate = copy_rate(args.device)
     if not args.skip_decode:
         decode_table(args, base, rate)
     if not args.skip_rope:

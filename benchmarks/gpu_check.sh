@@ -14,6 +14,14 @@ qkvlab bench --preset small --device cuda --dtype bf16 --schemes Q-K-V,Id-K-V,Q-
   --json "$OUT/bench_bf16.json" | tee "$OUT/bench_bf16.txt"
 qkvlab bench --preset small --device cuda --dtype bf16 --schemes Q-K-V,Q-K=V --compile --no-hf \
   --json "$OUT/bench_bf16_compile.json" | tee "$OUT/bench_bf16_compile.txt"
+# decode: eager dynamic/static vs the static step compiled with CUDA graphs (reduce-overhead), bf16,
+# prefill and decode apart, fraction of the bandwidth limit; the compiled step must beat eager
+python benchmarks/decode.py --device cuda --dtype bf16 --modes dynamic,static,reduce-overhead \
+  --schemes Q-K-V,Q-K=V:mqa,Id-K=V:mqa --batches 1 16 --skip-rope | tee "$OUT/decode_bf16.txt"
+# the same through the CLI: compile time reported once on stderr
+qkvlab init --out "$OUT/m" --preset small --attn Q-K=V --pos rope
+qkvlab generate "$OUT/m" --prompt-ids 1,2,3 --max-new-tokens 64 --temperature 0 --device cuda \
+  --compile reduce-overhead 2>&1 | tail -2 | tee "$OUT/generate_cudagraphs.txt"
 # bf16 autocast training with torch.compile: loss must fall and stay finite
 qkvlab train --out "$OUT/train_compile" --preset small --attn Id-K=V --kv-heads 1 --device cuda --compile \
   --max-steps 200 | tail -3 | tee "$OUT/train_compile.txt"

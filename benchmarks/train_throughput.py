@@ -7,7 +7,13 @@ printed, and each model's FLOPs utilisation (MFU) against this machine's dense m
 measured at the start (qkvlab.bench.matmul_flops_per_s), FLOPs per token from qkvlab.accounting.
 Floor: qkvlab >= 1.0x transformers.
 
+With --schemes, a regression check across schemes instead: qkvlab's tokens/s per scheme, timed
+alternately, as a ratio to the first scheme's (Q-K-V) beside the ideal ratio of their FLOPs per token
+(qkvlab.accounting.flops_per_token); exits 1 when a scheme reaches less than --min-of-ideal of its
+ideal (a reduced scheme that stopped gaining what its FLOPs promise).
+
     python benchmarks/train_throughput.py                      # CPU-sized model
+    python benchmarks/train_throughput.py --schemes Q-K-V,Id-K-V,Q-K=V,Q=K=V   # regression check
     python benchmarks/train_throughput.py --preset gpt2-124m --batch 12 --compile   # GPU
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +60,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per model per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--schemes", help="comma-separated schemes: the regression check across schemes")
+    p.add_argument("--min-of-ideal", type=float, default=0.9, help="regression threshold (fraction of FLOP ideal)")
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,6 +77,8 @@ def main() -> None:
     else:
         over = {}
     cfg = preset(args.preset, bias=True, mlp="gelu_tanh", **over)  # GPT-2's block exactly: biases, tanh GELU
+    if args.schemes:
+        sys.exit(across_schemes(args, cfg, device, dtype))
     torch.manual_seed(0)
     ours = GPT(cfg)
     hf = hf_twin(ours).to(device).train()  # the same weights
@@ -108,6 +119,43 @@ def main() -> None:
         f"best-of-rounds {best['qkvlab'] / best['transformers']:.3f}x, per-round median "
         f"{statistics.median(per_round):.3f}x (floor 1.0x)"
     )
+
+
+def across_schemes(args, cfg, device, dtype) -> int:
+    """tokens/s per scheme vs the first, beside the FLOP ideal; 1 if any falls below --min-of-ideal."""
+    schemes = [t.strip() for t in args.schemes.split(",") if t.strip()]
+    cfgs = {s: cfg.replace(attn=s).validate() for s in schemes}
+    x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), device=device)
+    x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    steps = {}
+    for s, c in cfgs.items():
+        torch.manual_seed(0)
+        model = GPT(c).to(device)
+        f = torch.compile(model) if args.compile else model
+        steps[s] = make_step(lambda t, f=f: f(t)[0], model, x, y, device, dtype)
+        steps[s](), steps[s]()  # warm up (and compile)
+    rates: dict[str, list[float]] = {s: [] for s in steps}
+    for _ in range(args.rounds):
+        for s, fn in steps.items():
+            dt = timed(lambda: [fn() for _ in range(args.steps)], device)
+            rates[s].append(args.batch * cfg.context * args.steps / dt)
+    print(
+        f"{device.type} {dtype} threads={torch.get_num_threads()} | {cfg.n_layer}L d{cfg.d_model} {cfg.n_head}h "
+        f"ctx{cfg.context} vocab{cfg.vocab_size} batch {args.batch} | best of {args.rounds} alternating rounds"
+    )
+    first = schemes[0]
+    best = {s: max(v) for s, v in rates.items()}  # contention only slows a round down
+    failed = []
+    for s in schemes:
+        ratio = best[s] / best[first]
+        ideal = flops_per_token(cfgs[first]) / flops_per_token(cfgs[s])
+        ok = ratio >= args.min_of_ideal * ideal
+        failed += [] if ok else [s]
+        print(
+            f"  {s:>10}: {best[s]:10,.0f} tokens/s  {ratio:.3f}x {first} (FLOP ideal {ideal:.3f}x, "
+            f"{ratio / ideal:.0%} of it){'' if ok else '  BELOW ' + format(args.min_of_ideal, '.0%')}"
+        )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -100,6 +100,15 @@ class Attention(nn.Module):
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
     """SDPA with GQA: kv heads are shared by groups of query heads."""
+    B, hq, T, hd = q.shape
+    hk = k.shape[1]
+    if hq != hk and T == 1 and not is_causal and (attn_mask is None or attn_mask.shape[1] == 1):
+        # Decoding: a group's one-token queries become the rows of one query against their kv head,
+        # so each kv head is read once per group (what GQA/MQA save), not repeated per query head.
+        y = F.scaled_dot_product_attention(
+            q.reshape(B, hk, hq // hk, hd), k, v, attn_mask=attn_mask, scale=scale, dropout_p=dropout_p
+        )
+        return y.reshape(B, hq, 1, y.shape[-1])
     if q.shape[1] != k.shape[1]:
         if _SDPA_HAS_GQA:
             return F.scaled_dot_product_attention(
