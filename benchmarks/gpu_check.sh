@@ -16,7 +16,8 @@ qkvlab bench --preset small --device cuda --dtype bf16 --schemes Q-K-V,Q-K=V --c
   --json "$OUT/bench_bf16_compile.json" | tee "$OUT/bench_bf16_compile.txt"
 # decode: eager dynamic/static vs the static step compiled with CUDA graphs (reduce-overhead), bf16,
 # prefill and decode apart, fraction of the bandwidth limit; the compiled step must beat eager
-python benchmarks/decode.py --device cuda --dtype bf16 --modes dynamic,static,reduce-overhead \
+# (perf_hints logs it if CUDA graphs were skipped, e.g. for mutated inputs)
+TORCH_LOGS=perf_hints python benchmarks/decode.py --device cuda --dtype bf16 --modes dynamic,static,reduce-overhead \
   --schemes Q-K-V,Q-K=V:mqa,Id-K=V:mqa --batches 1 16 --skip-rope | tee "$OUT/decode_bf16.txt"
 # the same through the CLI: compile time reported once on stderr
 qkvlab init --out "$OUT/m" --preset small --attn Q-K=V --pos rope

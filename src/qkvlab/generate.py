@@ -159,8 +159,11 @@ def warm_up(step: Callable, model, cache: KVCache, calls: int = 3) -> float:
     second or third call), then empty the cache again -> seconds spent."""
     device = cache.positions.device
     if device.type == "cuda":
-        for t in cache.tensors():  # CUDA graphs: in-place writes to these are part of the graph
-            torch._dynamo.mark_static_address(t)
+        # CUDA graphs: in-place writes to these belong to the graph. No identity guard: a new cache of
+        # the same shape re-records the graph (cudagraph trees check static inputs' addresses), it
+        # does not recompile.
+        for t in cache.tensors():
+            torch._dynamo.mark_static_address(t, guard=False)
     zeros = torch.zeros(cache.batch_size, dtype=torch.long, device=device)
     t0 = time.perf_counter()
     for _ in range(calls):
