@@ -18,7 +18,7 @@ the memory-bandwidth limit.
    K=V this rotates the values too, so its outputs are wrong; it prices the rotation, nothing else).
 
     python benchmarks/decode.py --threads 2                        # the README's shape and rows
-    python benchmarks/decode.py --threads 2 --skip-rope --schemes Q-K-V --batches 1 --modes dynamic,compiled
+    python benchmarks/decode.py --threads 2 --skip-rope --variants Q-K-V --batches 1 --modes dynamic,compiled
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import time
 
 import torch
 
-from qkvlab.bench import DTYPES, hf_twin, parse_scheme_list
+from qkvlab.bench import hf_twin
 from qkvlab.config import ModelConfig
+from qkvlab.devices import DTYPES, torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.model import GPT
 from qkvlab.speed import (
@@ -40,6 +41,11 @@ from qkvlab.speed import (
     time_decode,
     time_hf,
 )
+from qkvlab.variants import parse_variants
+
+
+def variant_configs(text: str, base: ModelConfig) -> list[tuple[str, ModelConfig]]:
+    return [(v.name, v.apply(base)) for v in parse_variants(text)]
 
 
 def decode_table(args, base: ModelConfig, rate: float) -> None:
@@ -54,13 +60,13 @@ def decode_table(args, base: ModelConfig, rate: float) -> None:
     )
     print(head)
     by_key: dict[tuple[str, int, str], float] = {}
-    for name, cfg in parse_scheme_list(args.schemes, base):
+    for name, cfg in variant_configs(args.variants, base):
         torch.manual_seed(0)
-        model = GPT(cfg).eval().to(args.device, DTYPES[args.dtype])
+        model = GPT(cfg).eval().to(args.device, torch_dtype(args.dtype))
         hf = None
         if not args.skip_hf:
             try:
-                hf = hf_twin(model).to(args.device, DTYPES[args.dtype])
+                hf = hf_twin(model).to(args.device, torch_dtype(args.dtype))
             except UserError as e:
                 print(f"  {name}: no transformers twin ({e})")
         for b in args.batches:
@@ -69,7 +75,7 @@ def decode_table(args, base: ModelConfig, rate: float) -> None:
             paths = list(args.modes) + (["transformers"] if hf is not None else [])
             runs: dict[str, list] = {p: [] for p in paths}
             for p in args.modes:  # warm up (and compile, timed once inside)
-                runs[p].append(time_decode(model, prompt, 4, p))
+                runs[p].append(time_decode(model, prompt, args.new_tokens, p))
             compile_s = {p: runs[p][0].compile_s for p in args.modes}
             runs = {p: [] for p in paths}
             for _ in range(args.rounds):
@@ -89,7 +95,7 @@ def decode_table(args, base: ModelConfig, rate: float) -> None:
                 )
                 by_key[(name, b, p + ":e2e")] = 1 / t.end_to_end_tokens_per_s
     print("  ratios (decode step time, same batch; > 1 = faster):")
-    names = [n for n, _ in parse_scheme_list(args.schemes, base)]
+    names = [n for n, _ in variant_configs(args.variants, base)]
     for name in names:
         for b in args.batches:
             ours = {p: by_key[(name, b, p)] for p in args.modes}
@@ -155,7 +161,7 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=384)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--schemes", default="Q-K-V,Q-K=V:mqa,Id-K=V:mqa", help="as for qkvlab bench (':mqa', ':kvN')")
+    p.add_argument("--variants", default="Q-K-V,Q-K=V/MQA,Id-K=V/MQA", help="as for qkvlab bench (/MQA, /GQA-g)")
     p.add_argument(
         "--modes",
         default="dynamic,static,compiled",

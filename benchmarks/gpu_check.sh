@@ -10,15 +10,15 @@ import torch
 print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 PY
 # bf16 + SDPA decode/train throughput and cache bytes per scheme, eager then compiled decode step
-qkvlab bench --preset small --device cuda --dtype bf16 --schemes Q-K-V,Id-K-V,Q-K=V,Q=K=V,Id-K=V,Q-K=V:mqa \
+qkvlab bench --preset small --device cuda --dtype bf16 --variants Q-K-V,Id-K-V,Q-K=V,Q=K=V,Id-K=V,Q-K=V/MQA \
   --json "$OUT/bench_bf16.json" | tee "$OUT/bench_bf16.txt"
-qkvlab bench --preset small --device cuda --dtype bf16 --schemes Q-K-V,Q-K=V --compile --no-hf \
+qkvlab bench --preset small --device cuda --dtype bf16 --variants Q-K-V,Q-K=V --compile --no-hf \
   --json "$OUT/bench_bf16_compile.json" | tee "$OUT/bench_bf16_compile.txt"
 # decode: eager dynamic/static vs the static step compiled with CUDA graphs (reduce-overhead), bf16,
 # prefill and decode apart, fraction of the bandwidth limit; the compiled step must beat eager
 # (perf_hints logs it if CUDA graphs were skipped, e.g. for mutated inputs)
 TORCH_LOGS=perf_hints python benchmarks/decode.py --device cuda --dtype bf16 --modes dynamic,static,reduce-overhead \
-  --schemes Q-K-V,Q-K=V:mqa,Id-K=V:mqa --batches 1 16 --skip-rope | tee "$OUT/decode_bf16.txt"
+  --variants Q-K-V,Q-K=V/MQA,Id-K=V/MQA --batches 1 16 --skip-rope | tee "$OUT/decode_bf16.txt"
 # the same through the CLI: compile time reported once on stderr
 qkvlab init --out "$OUT/m" --preset small --attn Q-K=V --pos rope
 qkvlab generate "$OUT/m" --prompt-ids 1,2,3 --max-new-tokens 64 --temperature 0 --device cuda \

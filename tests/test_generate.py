@@ -571,6 +571,18 @@ def test_cli_bench_json(tmp_path, capsys):
             assert r[key] > 0, key
         assert r["kv_cache_bytes_allocated"] == r["kv_cache_bytes_analytic"]
         assert r["hf_max_logit_diff"] < 1e-4
+        for key in (  # prefill and decode apart, and the bandwidth limit, per decode batch
+            "prefill_tokens_per_s_by_batch",
+            "decode_step_ms_by_batch",
+            "end_to_end_tokens_per_s_by_batch",
+            "hf_decode_step_ms_by_batch",
+            "bandwidth_limit_step_ms_by_batch",
+            "bandwidth_fraction_by_batch",
+            "decode_speedup_vs_hf",
+        ):
+            assert r[key]["1"] > 0, key
+        assert r["decode_tokens_per_s"] == pytest.approx(1e3 / r["decode_step_ms_by_batch"]["1"])
+    assert json.loads(out.read_text())["copy_bytes_per_s"] > 0
     full = data["Q-K-V"]["kv_cache_bytes_allocated"]
     assert 2 * 4 * data["Q-K=V/MQA"]["kv_cache_bytes_allocated"] == full  # tiny: 4 heads
     assert data["Q-K=V/MQA"]["capacity_sequences"] > data["Q-K-V"]["capacity_sequences"]

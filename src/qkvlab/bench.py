@@ -1,8 +1,10 @@
 """Throughput, cache bytes and capacity per scheme, measured in one run.
 
 - training tokens/s and model FLOPs utilisation against this machine's measured matmul rate;
-- decoding tokens/s (prefill + greedy decode with the KV cache) beside `transformers`' GPT-2
-  `generate` on the same weights, the two timed alternately in the same run;
+- decoding with the KV cache, prefill and decode timed apart (qkvlab.speed): prefill tokens/s, ms per
+  decode step, decode tokens/s and end-to-end tokens/s, beside `transformers`' `generate` on the same
+  weights, the two timed alternately in the same run; and the step's memory-bandwidth limit (weights
+  + cache read once, at the copy rate measured at the start) with the fraction of it reached;
 - KV-cache bytes actually allocated by the cache tensors beside the analytic figure;
 - capacity: concurrent sequences of the model's context that fit a memory budget.
 
@@ -26,9 +28,10 @@ from qkvlab.cache import KVCache
 from qkvlab.config import PRESETS, ModelConfig, preset
 from qkvlab.devices import DEVICE_HELP, DTYPE_BYTES, check_device, dtype_name, pick_device, torch_dtype
 from qkvlab.errors import UserError
-from qkvlab.generate import Sampling, stream
 from qkvlab.model import GPT
 from qkvlab.settings import setting
+from qkvlab.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
+from qkvlab.speed import copy_rate as measured_copy_rate
 from qkvlab.variants import parse_variants
 
 DEFAULT_VARIANTS = "Q-K-V,Id-K-V,Q-K=V,Q=K=V,Id-K=V,Q-K=V/MQA"
@@ -63,7 +66,7 @@ class BenchConfig:
         help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
         choices=("auto", "fp32", "bf16", "fp16"),
     )
-    compile: bool = setting(False, help="torch.compile the decode step")
+    compile: bool = setting(False, help="decode with the static step under torch.compile (compiled once per shape)")
     hf: bool = setting(True, help="time transformers' generate on the same weights")
     train: bool = setting(True, help="measure training throughput")
     threads: int | None = setting(None, help="torch CPU threads (default: torch's)")
@@ -186,33 +189,6 @@ def train_tokens_per_s(cfg: ModelConfig, *, batch: int, steps: int, device, dtyp
     return batch * cfg.context / best
 
 
-def decode_seconds(model: GPT, prompt: torch.Tensor, new_tokens: int, compile: bool = False) -> float:
-    """Prefill + greedy decode of `new_tokens` per row with qkvlab's cache."""
-    device = prompt.device
-    prompts = prompt.tolist()
-    return timed(
-        lambda: sum(1 for _ in stream(model, prompts, new_tokens, Sampling(temperature=0.0), compile=compile)), device
-    )
-
-
-def hf_decode_seconds(hf, prompt: torch.Tensor, new_tokens: int) -> float:
-    device = prompt.device
-    mask = torch.ones_like(prompt)
-
-    def run():
-        with torch.inference_mode():
-            hf.generate(
-                prompt,
-                attention_mask=mask,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                use_cache=True,
-            )
-
-    return timed(run, device)
-
-
 def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
@@ -230,8 +206,18 @@ def cache_bytes(cfg: ModelConfig, batch: int, dtype: torch.dtype, device) -> int
 
 
 def bench_variant(
-    name: str, cfg: ModelConfig, opts: BenchConfig, flops_peak: float, device, log: Callable[[str], None]
+    name: str,
+    cfg: ModelConfig,
+    opts: BenchConfig,
+    flops_peak: float,
+    device,
+    log: Callable[[str], None],
+    copy_rate: float,
 ) -> dict:
+    """One variant's figures. Decoding: prefill and decode steps timed apart (qkvlab.speed), the
+    decode path eager dynamic, or the static step compiled (`compile`); the bandwidth limit of a
+    step reads the weights once and each row's cache at its mean fill, at `copy_rate` bytes/s."""
+    path = "compiled" if opts.compile else "dynamic"
     dname = dtype_name(opts.dtype, device_type=device.type)
     dtype = torch_dtype(dname)
     per_token = kv_cache_bytes_per_token(cfg, dname)
@@ -277,35 +263,50 @@ def bench_variant(
     new = min(opts.new_tokens, cfg.context - opts.prompt_len)
     if new < 1:
         raise UserError(f"--prompt-len {opts.prompt_len} leaves no room to decode in a context of {cfg.context}")
+    out |= {"decode_prompt_len": opts.prompt_len, "decode_new_tokens": new, "decode_path": path}
     ours_by_b, hf_by_b = {}, {}
     for b in opts.decode_batches:
         prompt = torch.randint(0, cfg.vocab_size, (b, opts.prompt_len), device=device)
-        decode_seconds(model, prompt, 2, opts.compile)  # warm up (and compile)
+        warm = time_decode(model, prompt, new, path)  # warm up; compiles once per shape (timed)
+        if warm.compile_s is not None:
+            out.setdefault("compile_seconds_by_batch", {})[str(b)] = warm.compile_s
         if hf is not None:
-            hf_decode_seconds(hf, prompt, 2)
+            time_hf(hf, prompt, 2)
         ours, theirs = [], []
         for _ in range(opts.rounds):  # alternate so drift in machine load hits both alike
-            ours.append(decode_seconds(model, prompt, new, opts.compile))
+            ours.append(time_decode(model, prompt, new, path))
             if hf is not None:
-                theirs.append(hf_decode_seconds(hf, prompt, new))
-        ours_by_b[str(b)] = b * new / min(ours)
+                theirs.append(time_hf(hf, prompt, new))
+        ours_by_b[str(b)] = best_of(ours)
         if theirs:
-            hf_by_b[str(b)] = b * new / min(theirs)
+            hf_by_b[str(b)] = best_of(theirs)
+        limit = bandwidth_limit_step_s(model, b, opts.prompt_len + new / 2, copy_rate)
+        out.setdefault("bandwidth_limit_step_ms_by_batch", {})[str(b)] = 1e3 * limit
+        out.setdefault("bandwidth_fraction_by_batch", {})[str(b)] = limit / ours_by_b[str(b)].step_s
+        t = ours_by_b[str(b)]
         log(
-            f"  {name} decode b={b}: {ours_by_b[str(b)]:.1f} tok/s"
-            + (f" (transformers {hf_by_b[str(b)]:.1f})" if theirs else "")
+            f"  {name} b={b}: prefill {t.prefill_tokens_per_s:.0f} tok/s, decode {1e3 * t.step_s:.2f} ms/step "
+            f"({t.decode_tokens_per_s:.1f} tok/s, {limit / t.step_s:.0%} of the bandwidth limit)"
+            + (f"; transformers {1e3 * hf_by_b[str(b)].step_s:.2f} ms/step" if theirs else "")
         )
+
+    def by_batch(timings: dict, attr: str, scale: float = 1.0) -> dict | None:
+        return {b: scale * getattr(t, attr) for b, t in timings.items()} or None
+
     first = str(opts.decode_batches[0])
-    out |= {
-        "decode_prompt_len": opts.prompt_len,
-        "decode_new_tokens": new,
-        "decode_tokens_per_s": ours_by_b[first],
-        "decode_tokens_per_s_by_batch": ours_by_b,
-        "hf_decode_tokens_per_s": hf_by_b.get(first),
-        "hf_decode_tokens_per_s_by_batch": hf_by_b or None,
-    }
+    for prefix, timings in (("", ours_by_b), ("hf_", hf_by_b)):
+        out |= {
+            f"{prefix}prefill_tokens_per_s_by_batch": by_batch(timings, "prefill_tokens_per_s"),
+            f"{prefix}decode_step_ms_by_batch": by_batch(timings, "step_s", 1e3),
+            f"{prefix}decode_tokens_per_s_by_batch": by_batch(timings, "decode_tokens_per_s"),
+            f"{prefix}end_to_end_tokens_per_s_by_batch": by_batch(timings, "end_to_end_tokens_per_s"),
+            f"{prefix}decode_tokens_per_s": timings[first].decode_tokens_per_s if timings else None,
+        }
     if hf_by_b:
-        out["decode_speedup_vs_hf"] = {b: ours_by_b[b] / hf_by_b[b] for b in hf_by_b}
+        out["decode_speedup_vs_hf"] = {b: hf_by_b[b].step_s / ours_by_b[b].step_s for b in hf_by_b}
+        out["end_to_end_speedup_vs_hf"] = {
+            b: ours_by_b[b].end_to_end_tokens_per_s / hf_by_b[b].end_to_end_tokens_per_s for b in hf_by_b
+        }
     return out
 
 
@@ -317,8 +318,9 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
     device = pick_device(cfg.device)
     dname = dtype_name(cfg.dtype, device_type=device.type)
     peak = matmul_flops_per_s(device, torch_dtype(dname))
-    log(f"matmul rate on {device} ({dname}): {peak / 1e9:.1f} GFLOP/s")
-    results = {name: bench_variant(name, m, cfg, peak, device, log) for name, m in variant_configs(cfg)}
+    rate = measured_copy_rate(device)
+    log(f"matmul rate on {device} ({dname}): {peak / 1e9:.1f} GFLOP/s; copy rate {rate / 1e9:.1f} GB/s")
+    results = {name: bench_variant(name, m, cfg, peak, device, log, rate) for name, m in variant_configs(cfg)}
     base = next(iter(results.values()))["kv_cache_bytes_analytic"]
     for r in results.values():
         r["kv_cache_fraction_of_first"] = r["kv_cache_bytes_analytic"] / base
@@ -328,6 +330,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "matmul_flops_per_s": peak,
+        "copy_bytes_per_s": rate,
         "options": cfg.to_dict(),
         "schemes": results,
     }

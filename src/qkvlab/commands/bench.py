@@ -66,14 +66,16 @@ def run(args) -> int:
     keys = [str(b) for b in dict.fromkeys(cfg.decode_batches)]
     head = ["variant", "train tok/s", "MFU %"]
     for b in keys:
-        head += [f"decode b{b}", "hf"]
+        head += [f"prefill b{b}", f"decode b{b}", "hf", "% limit"]
     head += ["cache B alloc", "analytic", "cache %", "capacity"]
     table = [head]
     for name, r in rows.items():
         ours, theirs = r["decode_tokens_per_s_by_batch"], r["hf_decode_tokens_per_s_by_batch"] or {}
         row = [name, _fmt(r.get("train_tokens_per_s"), ".0f"), _fmt(r.get("train_mfu") and 100 * r["train_mfu"], ".1f")]
         for b in keys:
-            row += [_fmt(ours[b]), _fmt(theirs.get(b))]
+            limit = r["bandwidth_fraction_by_batch"][b]
+            row += [_fmt(r["prefill_tokens_per_s_by_batch"][b], ".0f"), _fmt(ours[b]), _fmt(theirs.get(b))]
+            row += [_fmt(100 * limit, ".0f")]
         row += [
             f"{r['kv_cache_bytes_allocated']:,}",
             f"{r['kv_cache_bytes_analytic']:,}",
@@ -87,6 +89,10 @@ def run(args) -> int:
         f"{result['device']} {result['dtype']}, matmul {result['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
         f"cache at context {first['context']} x batch {cfg.batch}; capacity in "
         f"{first['memory_budget_bytes'] / 1e9:.1f} GB; decode prompt {cfg.prompt_len} + {first['decode_new_tokens']} tokens"
+    )
+    print(
+        f"tokens/s; decode = one step per token after the prefill ({first['decode_path']} path), % limit = "
+        f"the step's memory-bandwidth limit (weights + cache at {result['copy_bytes_per_s'] / 1e9:.1f} GB/s) / its time"
     )
     for row in table:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
