@@ -215,9 +215,9 @@ def bench_variant(
     copy_rate: float,
 ) -> dict:
     """One variant's figures. Decoding: prefill and decode steps timed apart (qkvlab.speed), the
-    decode path eager dynamic, or the static step compiled (`compile`); the bandwidth limit of a
+    decode path is generate's: the static step, eager or compiled (`compile`); the bandwidth limit of a
     step reads the weights once and each row's cache at its mean fill, at `copy_rate` bytes/s."""
-    path = "compiled" if opts.compile else "dynamic"
+    path = "compiled" if opts.compile else "static"
     dname = dtype_name(opts.dtype, device_type=device.type)
     dtype = torch_dtype(dname)
     per_token = kv_cache_bytes_per_token(cfg, dname)

@@ -191,7 +191,7 @@ def stream(
     seed: int | None = None,
     generator: torch.Generator | None = None,
     compile: bool | str = False,
-    static: bool | None = None,
+    static: bool = True,
     vocab_limit: int | None = None,
     on_compiled: Callable[[float], None] | None = None,
 ) -> Iterator[torch.Tensor]:
@@ -204,7 +204,8 @@ def stream(
 
     compile: False, True (= "default") or a torch.compile mode ("reduce-overhead": CUDA graphs);
     the step is compiled before the prompt is read and `on_compiled(seconds)` is told how long that
-    took. static: the static-shape decode step (cache.py); None = static exactly when compiling."""
+    took. static: the static-shape decode step (cache.py; measured faster than the dynamic one in
+    eager mode too, benchmarks/decode.py), or False for the dynamic one (not compilable)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise UserError(f"max_new_tokens={max_new_tokens} must be an integer >= 1")
     sampling.validate()
@@ -214,10 +215,9 @@ def stream(
         generator = torch.Generator(device=device).manual_seed(seed)
     if compile is True:
         compile = "default"
-    if compile and static is False:
-        raise UserError("compile needs the static decode step (static=True or None)")
+    if compile and not static:
+        raise UserError("compile needs the static decode step (static=True)")
     step = compiled_step(compile) if compile else decode_step
-    static = bool(compile) if static is None else static
     steps = max_steps(model, prompts, max_new_tokens)
     return _decode(model, prompts, steps, sampling, eot_id, generator, step, vocab_limit, static, on_compiled)
 
