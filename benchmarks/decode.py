@@ -8,8 +8,9 @@ the memory-bandwidth limit.
      static   - eager, every step the same shapes (full-length cache reads, unfilled slots masked);
      compiled - the static step under torch.compile, compiled once per (batch, cache length) before
                 the prompt (compile seconds reported apart);
-   and transformers' `generate` with its cache on the same weights (qkvlab.bench.hf_twin; its decode
-   step is the difference of generate(new) and generate(1)). All timed alternately, best of rounds.
+   and transformers' `generate` with its cache on the same weights (qkvlab.bench.hf_twin; its
+   prefill is generate(1), its step the difference of generate(new) and generate(1)). All timed
+   alternately, best of rounds.
    The bandwidth limit of a step reads the weights once and each row's cache at its mean fill
    (prompt + new/2 tokens); `of limit` is limit / measured.
 3. What rotating keys on read costs a shared K=V cache with rotary positions (ms per decode step at

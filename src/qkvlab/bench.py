@@ -3,8 +3,9 @@
 - training tokens/s and model FLOPs utilisation against this machine's measured matmul rate;
 - decoding with the KV cache, prefill and decode timed apart (qkvlab.speed): prefill tokens/s, ms per
   decode step, decode tokens/s and end-to-end tokens/s, beside `transformers`' `generate` on the same
-  weights, the two timed alternately in the same run; and the step's memory-bandwidth limit (weights
-  + cache read once, at the copy rate measured at the start) with the fraction of it reached;
+  weights (its prefill: generate(1)), the two timed alternately in the same run; and the step's
+  memory-bandwidth limit (weights + cache read once, at the copy rate measured at the start) with the
+  fraction of it reached;
 - KV-cache bytes actually allocated by the cache tensors beside the analytic figure;
 - capacity: concurrent sequences of the model's context that fit a memory budget.
 
