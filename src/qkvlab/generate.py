@@ -149,6 +149,9 @@ def compiled_step(mode: str = "default") -> Callable:
     if mode not in COMPILE_MODES:
         raise UserError(f"compile mode {mode!r} is not allowed; use one of {', '.join(COMPILE_MODES)}")
     if mode not in _COMPILED:
+        # each (scheme, batch, cache length) is one compile of this one function: past dynamo's
+        # default of 8 it would silently fall back to eager (e.g. bench: 6 variants x 2 batches)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _COMPILED[mode] = torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=True)
     return _COMPILED[mode]
 
