@@ -2,7 +2,7 @@
 the memory-bandwidth limit.
 
 1. This machine's copy rate (a large tensor copy, bytes read + written per second), measured first.
-2. Per scheme and batch: prefill tokens/s, decode ms per step and tokens/s, and new tokens/s end to
+2. Per variant and batch (rounds alternate over variants and paths): prefill tokens/s, decode ms per step and tokens/s, and new tokens/s end to
    end (prefill included), for each decode path
      dynamic  - eager, attention reads the filled cache slots (a view that grows each token);
      static   - eager, every step the same shapes (full-length cache reads, unfilled slots masked);
@@ -61,6 +61,7 @@ def decode_table(args, base: ModelConfig, rate: float) -> None:
     )
     print(head)
     by_key: dict[tuple[str, int, str], float] = {}
+    models = {}  # every variant's model and twin, built first: rounds alternate across variants too
     for name, cfg in variant_configs(args.variants, base):
         torch.manual_seed(0)
         model = GPT(cfg).eval().to(args.device, torch_dtype(args.dtype))
@@ -70,31 +71,34 @@ def decode_table(args, base: ModelConfig, rate: float) -> None:
                 hf = hf_twin(model).to(args.device, torch_dtype(args.dtype))
             except UserError as e:
                 print(f"  {name}: no transformers twin ({e})")
-        for b in args.batches:
-            prompt = torch.randint(0, cfg.vocab_size, (b, args.prompt_len), device=args.device)
-            limit = bandwidth_limit_step_s(model, b, args.prompt_len + args.new_tokens / 2, rate)
-            paths = list(args.modes) + (["transformers"] if hf is not None else [])
-            runs: dict[str, list] = {p: [] for p in paths}
+        models[name] = (model, hf)
+    for b in args.batches:
+        prompt = torch.randint(0, base.vocab_size, (b, args.prompt_len), device=args.device)
+        paths = {n: list(args.modes) + (["transformers"] if hf is not None else []) for n, (_, hf) in models.items()}
+        compile_s = {}
+        for name, (model, _) in models.items():
             for p in args.modes:  # warm up (and compile, timed once inside)
-                runs[p].append(time_decode(model, prompt, args.new_tokens, p))
-            compile_s = {p: runs[p][0].compile_s for p in args.modes}
-            runs = {p: [] for p in paths}
-            for _ in range(args.rounds):
-                for p in paths:
+                compile_s[(name, p)] = time_decode(model, prompt, args.new_tokens, p).compile_s
+        runs: dict[tuple[str, str], list] = {(n, p): [] for n in models for p in paths[n]}
+        for _ in range(args.rounds):  # load drifts: every variant and path once per round
+            for name, (model, hf) in models.items():
+                for p in paths[name]:
                     if p == "transformers":
-                        runs[p].append(time_hf(hf, prompt, args.new_tokens))
+                        runs[(name, p)].append(time_hf(hf, prompt, args.new_tokens))
                     else:
-                        runs[p].append(time_decode(model, prompt, args.new_tokens, p))
-            for p in paths:
-                t = best_of(runs[p])
+                        runs[(name, p)].append(time_decode(model, prompt, args.new_tokens, p))
+        for name, (model, _) in models.items():
+            limit = bandwidth_limit_step_s(model, b, args.prompt_len + args.new_tokens / 2, rate)
+            for p in paths[name]:
+                t = best_of(runs[(name, p)])
                 by_key[(name, b, p)] = t.step_s
-                cs = compile_s.get(p)
+                by_key[(name, b, p + ":e2e")] = 1 / t.end_to_end_tokens_per_s
+                cs = compile_s.get((name, p))
                 print(
                     f"  {name:<14} {b:>5} {p:<12} {t.prefill_tokens_per_s:>13.0f} {1e3 * t.step_s:>8.2f} "
                     f"{t.decode_tokens_per_s:>12.1f} {t.end_to_end_tokens_per_s:>16.1f} {1e3 * limit:>8.2f} "
                     f"{limit / t.step_s:>8.0%} {'-' if cs is None else f'{cs:.1f}':>9}"
                 )
-                by_key[(name, b, p + ":e2e")] = 1 / t.end_to_end_tokens_per_s
     print("  ratios (decode step time, same batch; > 1 = faster):")
     names = [n for n, _ in variant_configs(args.variants, base)]
     for name in names:
@@ -108,8 +112,8 @@ def decode_table(args, base: ModelConfig, rate: float) -> None:
                 parts.append(f"end-to-end {e2e:.2f}x")
             for m in [m for m in ours if m not in ("dynamic", "static")]:  # compiled paths vs eager ones
                 parts += [f"{m} vs {e} {ours[e] / ours[m]:.2f}x" for e in ("dynamic", "static") if e in ours]
-            if name != names[0] and (names[0], b, best) in by_key:
-                parts.append(f"vs {names[0]} ({best}) {by_key[(names[0], b, best)] / ours[best]:.2f}x")
+            if name != names[0]:  # same path, rounds alternated across variants
+                parts += [f"vs {names[0]} {m} {by_key[(names[0], b, m)] / ours[m]:.2f}x" for m in ours]
             print(f"    {name:<14} batch {b:>3}: " + ", ".join(parts))
 
 
