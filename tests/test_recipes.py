@@ -141,3 +141,89 @@ def test_gpt2_lr_horizon():
     assert train_preset("tiny").decay_steps == train_preset("tiny").max_steps  # None: the horizon is max_steps
     with pytest.raises(UserError, match="lr_decay_steps"):
         train_preset("tiny", lr_decay_steps=0)
+
+
+# ---- similarity as Paper B measures it: linear CKA of projection outputs ----------------------
+def numpy_cka(x: np.ndarray, y: np.ndarray) -> float:
+    x, y = x - x.mean(0), y - y.mean(0)
+    return float(np.linalg.norm(y.T @ x) ** 2 / (np.linalg.norm(x.T @ x) * np.linalg.norm(y.T @ y)))
+
+
+@pytest.mark.parametrize("shape", [(50, 8, 8), (200, 24, 8), (64, 16, 40)])
+def test_linear_cka_properties(shape):
+    from qkvlab.analysis.similarity import linear_cka
+
+    n, p, q = shape
+    g = torch.Generator().manual_seed(n + p + q)
+    x = torch.randn(n, p, generator=g, dtype=torch.float64)
+    y = x[:, :1].repeat(1, q) * 0.5 + torch.randn(n, q, generator=g, dtype=torch.float64)
+    want = numpy_cka(x.numpy(), y.numpy())
+    assert linear_cka(x, y) == pytest.approx(want, rel=1e-12) and 0 < want < 1
+    assert linear_cka(x, x) == pytest.approx(1.0, rel=1e-12)
+    assert linear_cka(x, y) == pytest.approx(linear_cka(y, x), rel=1e-12)
+    rot, _ = torch.linalg.qr(torch.randn(q, q, generator=g, dtype=torch.float64))  # orthogonal
+    shifted = 3.7 * y @ rot + torch.randn(q, generator=g, dtype=torch.float64)  # + isotropic scale, offset
+    assert linear_cka(x, shifted) == pytest.approx(want, rel=1e-10)
+    stretch = y * torch.linspace(0.1, 3, q, dtype=torch.float64)  # not invariant to anisotropic scaling
+    assert abs(linear_cka(x, stretch) - want) > 1e-3
+
+
+def test_activation_cka_of_a_model():
+    """Outputs are taken before rotary with the bias; shared roles give 1; GQA widths differ."""
+    from qkvlab.analysis.similarity import activation_cka, role_outputs, similarity
+
+    torch.manual_seed(4)
+    cfg = ModelConfig(n_layer=2, n_head=4, kv_heads=2, d_model=32, vocab_size=50, context=16, pos="rope", bias=True)
+    model = GPT(cfg).double().eval()
+    ids = torch.randint(0, 50, (3, 16))
+    outs = role_outputs(model, cfg, ids)
+    attn = model.trunk.blocks[1].attn
+    pos = torch.arange(16)[None]
+    h = model.trunk.blocks[0](model.tok_emb(ids), q_pos=pos, rope=model.trunk.rotary.cos_sin(pos, torch.float64))
+    x = model.trunk.blocks[1].norm1(h)
+    q, k, v = attn.in_proj(x).detach().split(attn.proj_widths, dim=-1)  # the fused projection, bias included
+    for role, want in zip("qkv", (q, k, v)):
+        torch.testing.assert_close(outs[1][role], want.reshape(48, -1), rtol=0, atol=1e-12)
+    assert outs[1]["q"].shape == (48, 32) and outs[1]["k"].shape == (48, 16)
+    c = activation_cka(model, cfg, ids)
+    assert c["layers"][1]["k_v"] == pytest.approx(numpy_cka(k.reshape(48, -1).numpy(), v.reshape(48, -1).numpy()))
+    assert c["tokens"] == 48 and c["k_v"] == pytest.approx((c["layers"][0]["k_v"] + c["layers"][1]["k_v"]) / 2)
+    shared = GPT(cfg.replace(attn="Q-K=V")).double().eval()
+    rep = similarity(shared, shared.cfg, ids)
+    assert rep["cka"]["k_v"] == pytest.approx(1.0, abs=1e-12) and rep["cka"]["q_k"] < 1
+    ident = GPT(cfg.replace(attn="Id-K-V", kv_heads=None, pos="learned")).double().eval()
+    assert 0 < similarity(ident, ident.cfg, ids)["cka"]["q_k"] < 1  # the identity query is the input
+
+
+def test_similarity_cli_cka(tmp_path, capsys):
+    from qkvlab.cli import main
+    from qkvlab.io import save_model
+
+    torch.manual_seed(5)
+    cfg = ModelConfig(n_layer=2, n_head=2, d_model=16, vocab_size=256, context=32)
+    save_model(tmp_path / "m", GPT(cfg), cfg)
+    text = tmp_path / "t.txt"
+    text.write_text("Call me Ishmael. Some years ago, never mind how long precisely, I went to sea. " * 4)
+    assert (
+        main(
+            [
+                "similarity",
+                str(tmp_path / "m"),
+                "--text",
+                str(text),
+                "--tokens",
+                "100",
+                "--tokenizer",
+                "bytes",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    import json
+
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["cka"]["tokens"] == 96 and set(rep["cka"]) >= {"k_v", "q_k", "q_v", "layers"}  # 3 rows of 32
+    assert len(rep["cka"]["layers"]) == 2 and all(0 < rep["cka"][k] <= 1 for k in ("k_v", "q_k", "q_v"))
+    assert main(["similarity", str(tmp_path / "m"), "--text", str(text), "--tokens", "1", "--tokenizer", "bytes"]) == 2
+    assert "--tokens=1" in capsys.readouterr().err
