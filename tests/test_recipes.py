@@ -264,3 +264,153 @@ def test_vision_paper_recipe_and_grid():
     assert PAPER_GRID["patch"] == (4, None) and (DEFAULT_PATCH[28], DEFAULT_PATCH[32]) == (7, 8)
     for side in (28, 32):
         assert all(side % (p or DEFAULT_PATCH[side]) == 0 for p in PAPER_GRID["patch"])
+
+
+# ---- set-anomaly inputs -------------------------------------------------------------------------
+@pytest.fixture
+def feature_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "features"
+
+
+def test_anomaly_encoder_features_are_disjoint_frozen_and_cached(feature_cache, monkeypatch):
+    from qkvlab.data import features as F
+    from qkvlab.tasks import get_task
+
+    kw = dict(n_train=200, n_val=40, n_test=40, encoder_steps=20)
+    t = get_task("anomaly", **kw)  # digits: the encoder learns classes 0-4, the sets use 5-9
+    assert t.features == 64 and t.batch(0, 3, 0)[0].shape == (3, 10, 64)
+    assert all(set(t.labels[s].unique().tolist()) == {5, 6, 7, 8, 9} for s in ("train", "val", "test"))
+    assert len(list(feature_cache.iterdir())) == 1
+    net = F.train_encoder(*_encoder_data(t), 20)  # the same training, run again: the same features
+    torch.testing.assert_close(F.encoder_features(net, t.images["test"].x), _all_test_features(feature_cache))
+    calls = []
+    monkeypatch.setattr(F, "train_encoder", lambda *a, **k: calls.append(1))
+    again = get_task("anomaly", **kw)  # read from the cache: no training
+    assert not calls and torch.equal(again.batch(0, 3, 0)[0], t.batch(0, 3, 0)[0])
+    x = t.rows("train", torch.arange(len(t.sets["train"][1])))[0]
+    assert abs(float(x.mean())) < 0.1  # standardised with the training split's statistics
+
+
+def _encoder_data(t):
+    tr = t.images["train"]
+    own = (tr.y < 5).nonzero().flatten()
+    return tr.x[own], tr.y[own]
+
+
+def _all_test_features(folder):
+    from safetensors.torch import load_file
+
+    (key,) = list(folder.iterdir())
+    return load_file(str(key / "features.safetensors"))["test"]
+
+
+def test_anomaly_feature_options_refused():
+    from qkvlab.tasks import get_task
+
+    for options, match in [
+        ({"features": "hog"}, "features='hog'"),
+        ({"features": "resnet34"}, "weights goes with features=resnet34"),
+        ({"weights": "/x.pth"}, "weights goes with features=resnet34"),
+        ({"features": "resnet34", "weights": "/nonexistent.pth"}, "no such file"),
+        ({"encoder_steps": 0}, "encoder_steps=0"),
+    ]:
+        with pytest.raises(UserError, match=match):
+            get_task("anomaly", **options)
+
+
+def test_read_state_dict_formats(tmp_path):
+    from safetensors.torch import save_file
+
+    from qkvlab.data.features import read_state_dict
+
+    state = {"conv1.weight": torch.randn(4, 3, 3, 3), "fc.bias": torch.zeros(2)}
+    save_file(state, str(tmp_path / "w.safetensors"))
+    torch.save(state, tmp_path / "w.pth")
+    torch.save({"state_dict": state}, tmp_path / "wrapped.pth")
+    for name in ("w.safetensors", "w.pth", "wrapped.pth"):
+        got = read_state_dict(tmp_path / name)
+        assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
+    (tmp_path / "bad.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="not a readable state dict"):
+        read_state_dict(tmp_path / "bad.pth")
+
+
+def write_fake_cifar100(root, n_train=60, n_test=30):
+    """CIFAR-100 binary records: coarse label, fine label, 3072 pixel bytes."""
+    folder = root / "cifar-100-binary"
+    folder.mkdir(parents=True)
+    g = np.random.default_rng(0)
+    for split, n in (("train", n_train), ("test", n_test)):
+        rec = np.zeros((n, 3074), np.uint8)
+        rec[:, 1] = np.arange(n) % 4  # 4 fine classes
+        rec[:, 0] = rec[:, 1] // 2
+        rec[:, 2:] = g.integers(0, 256, (n, 3072))
+        (folder / f"{split}.bin").write_bytes(rec.tobytes())
+    return folder
+
+
+def test_anomaly_resnet34_features_exact(tmp_path, feature_cache):
+    """The paper's input path on files the test writes: a random-weights torchvision resnet34 and a
+    tiny fake CIFAR-100. The features must equal torchvision's resnet34 (fc removed) on the 224-px,
+    ImageNet-normalised images."""
+    tv = pytest.importorskip("torchvision")
+    import torch.nn.functional as tF
+
+    from qkvlab.data.features import IMAGENET_MEAN, IMAGENET_STD
+    from qkvlab.tasks import get_task
+
+    torch.manual_seed(0)
+    ref = tv.models.resnet34(weights=None).eval()
+    torch.save(ref.state_dict(), tmp_path / "resnet34.pth")
+    root = write_fake_cifar100(tmp_path)
+    t = get_task(
+        "anomaly",
+        dataset="cifar100",
+        root=str(root),
+        features="resnet34",
+        weights=str(tmp_path / "resnet34.pth"),
+        n_train=20,
+        n_val=5,
+        n_test=5,
+        val_fraction=0.2,
+        set_size=4,
+    )
+    assert t.features == 512
+    img = t.images["test"].x[:2].float()
+    b = tF.interpolate(img, size=(224, 224), mode="bilinear", align_corners=False)
+    b = ((b * 255).round() / 255 - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(
+        1, 3, 1, 1
+    )
+    ref.fc = torch.nn.Identity()
+    with torch.no_grad():
+        want = ref(b)
+    torch.testing.assert_close(t.elements["test"][:2], want, rtol=1e-4, atol=1e-4)
+    torch.save({"conv1.weight": torch.zeros(1)}, tmp_path / "other.pth")
+    with pytest.raises(UserError, match="not a torchvision resnet34"):
+        get_task(
+            "anomaly", dataset="cifar100", root=str(root), features="resnet34", weights=str(tmp_path / "other.pth")
+        )
+
+
+def test_anomaly_resnet34_needs_torchvision(tmp_path, feature_cache):
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed")
+    from qkvlab.tasks import get_task
+
+    (tmp_path / "w.pth").write_bytes(b"")
+    root = write_fake_cifar100(tmp_path)
+    with pytest.raises(UserError, match=r"torchvision: pip install 'qkvlab\[resnet\]'"):
+        get_task(
+            "anomaly",
+            dataset="cifar100",
+            root=str(root),
+            features="resnet34",
+            weights=str(tmp_path / "w.pth"),
+            n_train=20,
+            n_val=5,
+            n_test=5,
+            set_size=4,
+        )
