@@ -91,6 +91,11 @@ def test_post_norm_block_formula():
     want = blk.norm2(h + blk.mlp(h))
     torch.testing.assert_close(blk(x, q_pos=pos), want, rtol=0, atol=0)
     assert isinstance(model.trunk.norm, torch.nn.Identity)  # post-norm blocks end normalised
+    from qkvlab.accounting import analytic_params, counted_params
+
+    assert analytic_params(cfg) == counted_params(model) and analytic_params(
+        cfg.replace(norm_position="pre")
+    ).total == (counted_params(model).total + 16)
     with pytest.raises(UserError, match="norm_position=post"):
         cfg.replace(mlp_skip=False).validate()
 
