@@ -115,7 +115,7 @@ def test_sinusoidal_input_positions():
     gpt = GPT(cfg.replace(causal=True)).double()
     plain = GPT(cfg.replace(causal=True, pos="none")).double()
     plain.load_state_dict(gpt.state_dict())
-    torch.testing.assert_close(gpt.pos_table, inp.pos_table)  # one table for both model kinds
+    torch.testing.assert_close(gpt.pos_fixed.table, inp.pos_fixed.table)  # one table for both model kinds
     x = torch.randint(0, 10, (1, 5))
     assert not torch.allclose(gpt(x)[0], plain(x)[0])
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from qkvlab.attention import Attention, dropout
 from qkvlab.cache import KVCache
 from qkvlab.config import ModelConfig
-from qkvlab.positions import Rotary, sinusoid
+from qkvlab.positions import Rotary, SinusoidalPositions
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -27,9 +27,9 @@ def activation(kind: str) -> nn.Module:
     return {"relu": nn.ReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": nn.SiLU()}[kind]
 
 
-def position_table(cfg: ModelConfig, n: int) -> torch.Tensor | None:
-    """Fixed sinusoidal input positions (n, d_model) for pos=sinusoidal (Vaswani; Borji's encoder), else None."""
-    return sinusoid(torch.arange(n), cfg.d_model).float() if cfg.pos == "sinusoidal" else None
+def fixed_positions(cfg: ModelConfig, n: int) -> SinusoidalPositions | None:
+    """Fixed sinusoidal input positions for [0, n) when pos=sinusoidal, else None."""
+    return SinusoidalPositions(n, cfg.d_model) if cfg.pos == "sinusoidal" else None
 
 
 class MLP(nn.Module):
@@ -140,7 +140,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.context, cfg.d_model) if cfg.pos == "learned" else None
-        self.register_buffer("pos_table", position_table(cfg, cfg.context), persistent=False)
+        self.pos_fixed = fixed_positions(cfg, cfg.context)
         self.drop = dropout(cfg.dropout)
         self.trunk = Trunk(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -173,8 +173,8 @@ class GPT(nn.Module):
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)
-        elif self.pos_table is not None:
-            x = x + self.pos_table[positions]
+        elif self.pos_fixed is not None:
+            x = x + self.pos_fixed(positions)
         x = self.trunk(self.drop(x), positions, cache, mask)
         logits = self.lm_head(x)  # (B, T, vocab)
         loss = None
@@ -191,12 +191,12 @@ class TokenInput(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Parameter(torch.zeros(1, cfg.context, cfg.d_model)) if cfg.pos == "learned" else None
-        self.register_buffer("pos_table", position_table(cfg, cfg.context), persistent=False)
+        self.pos_fixed = fixed_positions(cfg, cfg.context)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
-        if self.pos_table is not None:
-            return h + self.pos_table[: x.shape[1]]
+        if self.pos_fixed is not None:
+            return h + self.pos_fixed(torch.arange(x.shape[1], device=x.device))
         return h if self.pos is None else h + self.pos[:, : x.shape[1]]
 
 
@@ -213,14 +213,14 @@ class PatchInput(nn.Module):
         n = (image_size // patch) ** 2 + int(cls_token)
         self.cls = nn.Parameter(torch.zeros(1, 1, cfg.d_model)) if cls_token else None
         self.pos = nn.Parameter(torch.zeros(1, n, cfg.d_model)) if cfg.pos == "learned" else None
-        self.register_buffer("pos_table", position_table(cfg, n), persistent=False)
+        self.pos_fixed = fixed_positions(cfg, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.proj(x).flatten(2).transpose(1, 2)  # (B, N, d)
         if self.cls is not None:
             h = torch.cat([self.cls.expand(h.shape[0], -1, -1), h], dim=1)
-        if self.pos_table is not None:
-            return h + self.pos_table
+        if self.pos_fixed is not None:
+            return h + self.pos_fixed(torch.arange(h.shape[1], device=h.device))
         return h if self.pos is None else h + self.pos
 
 

@@ -18,6 +18,24 @@ def sinusoid(positions: torch.Tensor, channels: int) -> torch.Tensor:
     return out
 
 
+class SinusoidalPositions(nn.Module):
+    """Fixed input positions (Vaswani et al.; Borji's encoder): sinusoid(p, d_model) added to the
+    input at position p. The table for [0, max_positions) is computed, not stored (build_tables)."""
+
+    def __init__(self, max_positions: int, d_model: int):
+        super().__init__()
+        self.max_positions, self.d_model = max_positions, d_model
+        self.register_buffer("table", None, persistent=False)
+        self.build_tables()
+
+    def build_tables(self) -> None:
+        self.table = sinusoid(torch.arange(self.max_positions), self.d_model).float()  # (P, d)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (...,) -> (..., d_model)."""
+        return self.table[positions]
+
+
 class Rotary(nn.Module):
     """Rotary position embedding in the HF/Llama layout (rotate_half over two contiguous halves).
 
@@ -91,10 +109,9 @@ class ScoreTerm2D(nn.Module):
 
     def __init__(self, channels: int, max_positions: int, encoding: str = "original"):
         super().__init__()
-        self.channels, self.encoding = channels, encoding
+        self.channels, self.encoding, self.max_positions = channels, encoding, max_positions
         self.weight = nn.Parameter(torch.empty(channels))
         self.bias = nn.Parameter(torch.zeros(()))
-        self.max_positions = max_positions
         self.register_buffer("pe_row", None, persistent=False)  # (P, n_row)
         self.register_buffer("pe_col", None, persistent=False)  # (P, m - n_row)
         self.build_tables()
