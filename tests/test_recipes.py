@@ -238,7 +238,7 @@ def test_similarity_cli_cka(tmp_path, capsys):
 def test_synthetic_paper_recipe_builds_a_config():
     from qkvlab.tasks.synthetic import paper_recipe
 
-    over = paper_recipe(64)
+    over = paper_recipe("reverse", {"d_model": 64})
     cfg = train_preset("tiny", task="reverse", task_options={"length": 16}, **over)
     m = cfg.model
     assert (m.norm_position, m.pos, m.mlp, m.hidden, m.dropout, m.head) == (
@@ -251,20 +251,25 @@ def test_synthetic_paper_recipe_builds_a_config():
     )
     assert (cfg.max_steps, cfg.batch_size, cfg.lr, cfg.final_lr, cfg.warmup_steps) == (780, 128, 1e-3, 0.0, 5)
     assert (cfg.weight_decay, cfg.grad_clip, cfg.betas) == (0.0, 5.0, (0.9, 0.999))
-    assert paper_recipe(256, n_train=1000)["max_steps"] == 2 * 7
+    assert paper_recipe("sort", {"d_model": 256, "n_train": 1000})["max_steps"] == 2 * 7
 
 
 def test_vision_paper_recipe_and_grid():
     from qkvlab.tasks.vision import DEFAULT_PATCH, PAPER_GRID, paper_recipe
 
-    over = paper_recipe("cifar10", 256, 1e-4)
+    over = paper_recipe("cifar10", {"d_model": 256, "lr": 1e-4})
     cfg = train_preset("tiny", task="digits", **over)
     assert (cfg.model.hidden, cfg.model.head, cfg.model.norm_position, cfg.model.mlp) == (256, "mlp", "pre", "gelu")
     assert cfg.model.scale == pytest.approx(1 / 16)  # d_model^-1/2, not d_head^-1/2
     assert (cfg.max_steps, cfg.batch_size, cfg.lr, cfg.final_lr, cfg.weight_decay) == (40 * 351, 128, 1e-4, 1e-4, 0.01)
-    assert paper_recipe("mnist", 64, 1e-3)["max_steps"] == 20 * 300
+    assert paper_recipe("mnist", {"d_model": 64, "lr": 1e-3})["max_steps"] == 20 * 300
     with pytest.raises(UserError, match="n_train"):
-        paper_recipe("digits", 64, 1e-3)
+        paper_recipe("digits", {"d_model": 64, "lr": 1e-3})
+    from qkvlab.tasks import anomaly
+
+    a = train_preset("tiny", **{**anomaly.paper_recipe(), "task": "anomaly", "task_options": {}})
+    assert (a.max_steps, a.batch_size, a.lr, a.warmup_steps, a.grad_clip) == (100 * 703, 64, 5e-4, 100, 2.0)
+    assert (a.model.d_model, a.model.hidden, a.model.norm_position, a.model.head) == (256, 512, "post", "norm_mlp")
     # the grid's patches: 4 and the image's own (None -> DEFAULT_PATCH: 7 on 28 px, 8 on 32 px)
     assert PAPER_GRID["patch"] == (4, None) and (DEFAULT_PATCH[28], DEFAULT_PATCH[32]) == (7, 8)
     for side in (28, 32):

@@ -65,9 +65,9 @@ PAPER_RECIPE = dict(
 )
 
 
-def paper_recipe() -> dict[str, Any]:
+def paper_recipe(task: str = "anomaly", point: dict[str, Any] | None = None) -> dict[str, Any]:
     """PAPER_RECIPE as TrainConfig overrides (`model` and `task_options` mappings; add the user's
-    `weights` and `root` task options)."""
+    `weights` and `root` task options). One point: the grid has one (d 256, 4 layers, 4 heads)."""
     r = PAPER_RECIPE
     steps = r["epochs"] * (r["task_options"]["n_train"] // r["batch_size"])
     return {

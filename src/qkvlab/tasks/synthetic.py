@@ -45,9 +45,12 @@ PAPER_RECIPE = dict(
 )
 
 
-def paper_recipe(d_model: int, n_train: int = 50_000) -> dict[str, Any]:
-    """PAPER_RECIPE as TrainConfig overrides (`model` a mapping of model keys) at width d_model."""
+def paper_recipe(task: str, point: dict[str, Any]) -> dict[str, Any]:
+    """PAPER_RECIPE as TrainConfig overrides (`model` a mapping of model keys) for a grid point:
+    its d_model (the MLP is 2 d_model wide) and n_train (default 50k: 2 epochs = 780 steps).
+    The same for every synthetic task (one signature with the other task families')."""
     r = PAPER_RECIPE
+    d_model, n_train = point["d_model"], point.get("n_train", 50_000)
     model = {k: v for k, v in r["model"].items() if k != "mlp_width"}
     model.update(d_model=d_model, mlp_hidden=r["model"]["mlp_width"] * d_model)
     steps = r["epochs"] * (n_train // r["batch_size"])

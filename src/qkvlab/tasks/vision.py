@@ -43,11 +43,13 @@ PAPER_RECIPE = dict(
 )
 
 
-def paper_recipe(dataset: str, d_model: int, lr: float, n_train: int | None = None) -> dict[str, Any]:
-    """PAPER_RECIPE as TrainConfig overrides (`model` a mapping of model keys) for one grid point.
-    Datasets the paper's code does not name get CIFAR-100's epochs and batch; n_train defaults to
-    the paper's training-set size (required for the others)."""
+def paper_recipe(task: str, point: dict[str, Any]) -> dict[str, Any]:
+    """PAPER_RECIPE as TrainConfig overrides (`model` a mapping of model keys) for dataset `task` at a
+    grid point (its d_model, lr and optional n_train). Datasets the paper's code does not name get
+    CIFAR-100's epochs and batch; n_train defaults to the paper's training-set size (required for
+    the others)."""
     r = PAPER_RECIPE
+    dataset, d_model, lr, n_train = task, point["d_model"], point["lr"], point.get("n_train")
     model = {k: v for k, v in r["model"].items() if k != "mlp_width"}
     model.update(d_model=d_model, mlp_hidden=r["model"]["mlp_width"] * d_model, attn_scale=d_model**-0.5)
     n = n_train if n_train is not None else r["n_train"].get(dataset)
