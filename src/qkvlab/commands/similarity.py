@@ -34,6 +34,10 @@ def load_any(path: Path, tokenizer: str | None = None):
     tokenizer, when they ship one)."""
     if not path.exists():
         raise UserError(f"{path}: no such file or folder")
+    if path.is_dir():
+        from qkvlab.cli import find_model_dir
+
+        path = find_model_dir(str(path))  # a run folder still training: its checkpoint
     cfg_file = path / "config.json"
     if path.is_dir() and cfg_file.exists():
         try:
