@@ -424,3 +424,27 @@ def test_anomaly_resnet34_needs_torchvision(tmp_path, feature_cache):
             n_test=5,
             set_size=4,
         )
+
+
+def test_new_options_save_and_load(tmp_path):
+    """Computed tables (fixed positions, the '+' term's row/column sinusoids) are rebuilt on loading."""
+    from qkvlab.io import load_model, save_model
+
+    torch.manual_seed(9)
+    cfg = ModelConfig(
+        attn="(Q=K-V)+",
+        n_layer=2,
+        n_head=2,
+        d_model=16,
+        vocab_size=20,
+        context=12,
+        pos="sinusoidal",
+        norm_position="post",
+        plus_encoding="original",
+    )
+    model = GPT(cfg).eval()
+    save_model(tmp_path / "m", model, cfg)
+    loaded, cfg2, _ = load_model(tmp_path / "m")
+    assert cfg2 == cfg
+    x = torch.randint(0, 20, (2, 12))
+    torch.testing.assert_close(loaded(x)[0], model(x)[0], rtol=0, atol=0)
