@@ -273,9 +273,9 @@ def test_full_grid_plan(tmp_path, capsys):
     assert f"{3 * 2 * 2 * 3 * 3 * 5 * 6} runs" in first and "grid points 36" in first
 
 
-def test_full_grid_drops_points_a_task_cannot_take():
-    """Paper B's vision grid has patch 7, which does not divide 8-px digits: those points are
-    skipped (with a note), the others kept; nothing is trained here."""
+def test_full_grid_fits_the_image_size():
+    """Paper B's vision grid has patch 4 and the image's own (None: 7 on 28 px, 8 on 32 px, 2 on the
+    8-px digits), so no point is invalid for any image size; nothing is trained here."""
     from qkvlab.compare import CompareConfig
     from qkvlab.compare import plan as make_plan
     from qkvlab.compare.execute import _check_tasks
@@ -283,9 +283,8 @@ def test_full_grid_drops_points_a_task_cannot_take():
     plan = make_plan(CompareConfig(task="digits", full_grid=True, variants="Q-K-V", seeds=1)).runs
     notes = []
     keep, metrics = _check_tasks(plan, False, notes.append)
-    assert {r.point.split("-")[0] for r in plan} == {"p4", "p7"}
-    assert {r.point.split("-")[0] for r in keep} == {"p4"} and len(keep) == len(plan) // 2
-    assert notes and all("patch=7" in n for n in notes) and metrics["digits"]["metric"] == "accuracy"
+    assert {r.point.split("-")[0] for r in plan} == {"p4", "pNone"}
+    assert len(keep) == len(plan) and not notes and metrics["digits"]["metric"] == "accuracy"
 
 
 def test_real_compare_feeds_the_cache_plot_and_sets_the_identity_recipe(tmp_path, corpus, capsys, monkeypatch):

@@ -381,13 +381,13 @@ def test_similarity_definitions():
 def test_similarity_report_and_cli(tmp_path, capsys):
     model, cfg = make(attn="Q-K=V", kv_heads=2)
     rep = similarity(model, cfg)
-    assert rep["mean"]["cos"]["k-v"] == pytest.approx(1.0) and rep["layers"][0]["shared"] == ["k-v"]
+    assert rep["mean"]["cos"]["k_v"] == pytest.approx(1.0) and rep["layers"][0]["shared"] == ["k_v"]
     assert rep["mean"]["max_rank"] == {"q": 32, "k": 16, "v": 16}
     model, cfg = make(attn="Id-K-V")
     save_model(tmp_path / "m", model.float(), cfg)
     code, out, err = run_cli(capsys, "similarity", tmp_path / "m", "--json")
     rep = json.loads(out)
-    assert code == 0 and rep["mean"]["cos"]["q-k"] is None and abs(rep["mean"]["cos"]["k-v"]) < 0.5
-    assert rep["paper_b"]["cos"] == {"k-v": 0.73, "q-k": 0.42, "q-v": 0.31}
+    assert code == 0 and rep["mean"]["cos"]["q_k"] is None and abs(rep["mean"]["cos"]["k_v"]) < 0.5
+    assert rep["paper_b"]["cka"] == {"k_v": 0.73, "q_k": 0.42, "q_v": 0.31} and rep["cka"] is None  # no tokenizer
     code, out, err = run_cli(capsys, "similarity", tmp_path / "m")
     assert code == 0 and "Paper B" in out and "mean" in out

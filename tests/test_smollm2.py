@@ -71,3 +71,21 @@ def test_same_greedy_continuation(models):
         logits, _ = model(nxt, cache=cache)
     assert out == ref.tolist()
     assert "Paris" in tok.decode(out)
+
+
+def test_kv_activation_cka_on_prose(models):
+    """Paper B's similarity (linear CKA of the K and V projection outputs) on ordinary English prose:
+    the issue's independent computation gives ~0.63; the weight cosine is ~0 (docs/convert.md)."""
+    from transformers import AutoTokenizer
+
+    from qkvlab.analysis.similarity import similarity
+    from qkvlab.commands.similarity import text_ids
+
+    _, model, cfg = models
+    tok = AutoTokenizer.from_pretrained(gguf_cache_folder(GGUF))
+    text = Path(__file__).parents[1] / "docs" / "text" / "moby-dick-loomings.txt"
+    ids = text_ids(tok, str(text), 1024, cfg.context, cfg.vocab_size)
+    rep = similarity(model, cfg, ids)
+    assert rep["cka"]["tokens"] == 1024 and len(rep["cka"]["layers"]) == 30
+    assert 0.5 < rep["cka"]["k_v"] < 0.8, rep["cka"]["k_v"]
+    assert abs(rep["mean"]["cos"]["k_v"]) < 0.02

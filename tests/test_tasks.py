@@ -19,7 +19,7 @@ from qkvlab.tasks.synthetic import SyntheticOptions
 SMALL = {  # one small task per family, fast to build
     "copy": dict(length=8, n_train=300, n_val=100, n_test=50),
     "digits": dict(),
-    "anomaly": dict(n_train=300, n_val=100, n_test=50),
+    "anomaly": dict(n_train=300, n_val=100, n_test=50, features="pixels"),
     "segmentation": dict(n_train=200, n_val=60, n_test=30),
 }
 _CACHE: dict = {}
@@ -147,11 +147,11 @@ def test_fashion_mnist_default_root():
 
 
 def test_anomaly_odd_slot_uniform_and_odd():
-    t = get_task("anomaly", n_train=2000, n_val=50, n_test=50)
+    t = get_task("anomaly", n_train=2000, n_val=50, n_test=50, features="pixels")
     items, slot = t.sets["train"]
     counts = torch.bincount(slot, minlength=10)
     assert int(counts.min()) > 120 and int(counts.max()) < 280  # ~200 each: the slot is not fixed
-    labels = t.images["train"].y[items]  # (N, 10)
+    labels = t.labels["train"][items]  # (N, 10)
     odd = labels.gather(1, slot[:, None])[:, 0]
     others = labels.masked_fill(torch.nn.functional.one_hot(slot, 10).bool(), -1)
     major = others.max(1).values
@@ -211,7 +211,7 @@ def test_synthetic_learns(name):
 def test_digits_anomaly_segmentation_learn():
     d = task("digits")
     assert d.evaluate(_train(d, 60), batch_size=512)["accuracy"] > 0.3  # chance 0.1
-    a = get_task("anomaly", n_train=2000, n_val=300, n_test=50)
+    a = get_task("anomaly", n_train=2000, n_val=300, n_test=50, features="pixels")
     assert a.evaluate(_train(a, 40), batch_size=512)["accuracy"] > 0.3  # chance 0.1
     s = task("segmentation")
     target = s.labels["val"]

@@ -67,7 +67,8 @@ def analytic_params(cfg: ModelConfig, hidden: int | None = None) -> ParamCounts:
         embedding += cfg.context * cfg.d_model
     if not cfg.tie_embeddings:
         embedding += cfg.vocab_size * cfg.d_model
-    total = embedding + n_blocks * block + _norm_params(cfg)
+    final_norm = _norm_params(cfg) if cfg.norm_position == "pre" else 0  # post-norm blocks end normalised
+    total = embedding + n_blocks * block + final_norm
     return ParamCounts(total=total, embedding=embedding, attention=n_blocks * attention_params(cfg))
 
 

@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.proj_widths = widths
         self.in_proj = nn.Linear(cfg.d_model, sum(widths), bias=cfg.bias) if widths else None
         self.out_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
-        self.score_term = ScoreTerm2D(cfg.plus_channels, cfg.context) if self.spec.plus else None
+        self.score_term = ScoreTerm2D(cfg.plus_channels, cfg.context, cfg.plus_encoding) if self.spec.plus else None
         self.resid_dropout = dropout(cfg.dropout)
         # With rotary and K=V the cache holds the un-rotated shared tensor; keys rotate on read.
         self.k_shared_with_v = self.spec.role_source("k") == self.spec.role_source("v")

@@ -8,12 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from qkvlab.errors import UserError
+from qkvlab.positions import PLUS_ENCODINGS
 from qkvlab.settings import setting
 from qkvlab.spec import ProjectionSpec, parse_scheme, validate_heads
 
 NORMS = ("layernorm", "rmsnorm", "none")
-POSITIONS = ("learned", "rope", "none")
+POSITIONS = ("learned", "rope", "sinusoidal", "none")
 MLPS = ("gelu", "gelu_tanh", "relu", "swiglu")
+NORM_POSITIONS = ("pre", "post")
+OUTPUT_HEADS = ("linear", "mlp", "norm_mlp")
 
 
 @dataclass
@@ -28,6 +31,11 @@ class ModelConfig:
         None, help="score scale (default 1/sqrt(d_head), 1/(2 sqrt(d_head)) with an identity Q or K)", metavar="S"
     )
     plus_channels: int = setting(10, help="channels m of the 2D positional score term ('+' schemes)")
+    plus_encoding: str = setting(
+        "original",
+        help="the '+' term's 2D encoding: original (PositionalEncoding2D(m), Borji's) or halves (m/2 + m/2)",
+        choices=PLUS_ENCODINGS,
+    )
     mlp: str = setting("gelu", help="MLP activation", choices=MLPS)
     mlp_hidden: int | None = setting(
         None, help="MLP width (default 4 * d_model; with --match-params: the reference model's width)"
@@ -37,9 +45,12 @@ class ModelConfig:
     )
     norm: str = setting("layernorm", help="normalisation", choices=NORMS)
     norm_eps: float = setting(1e-5, help="epsilon of the norms")
+    norm_position: str = setting(
+        "pre", help="pre: x + f(norm(x)); post: norm(x + f(x)) (Borji's encoder)", choices=NORM_POSITIONS
+    )
     mlp_skip: bool = setting(True, help="residual skip around the MLP (Paper A's theorems need it off)")
     share_layers: bool = setting(False, help="one block's weights for every layer (ALBERT-style)")
-    pos: str = setting("learned", help="input positions", choices=POSITIONS)
+    pos: str = setting("learned", help="input positions (sinusoidal: fixed, added to the input)", choices=POSITIONS)
     rope_theta: float = setting(10000.0, help="rotary base (pos=rope)")
     vocab_size: int = setting(256, help="vocabulary size (tasks fit it to their data)")
     context: int = setting(256, help="longest sequence (positions)")
@@ -48,6 +59,11 @@ class ModelConfig:
     tie_embeddings: bool = setting(True, help="output head shares the token embedding")
     causal: bool = setting(True, help="causal attention (set by the task)", cli=False)
     init_std: float = setting(0.02, help="std of the normal initialisation")
+    head: str = setting(
+        "linear",
+        help="encoders' output head: linear; mlp (Linear-act-Linear, Borji's ViT); norm_mlp (+ a norm, his encoder)",
+        choices=OUTPUT_HEADS,
+    )
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -81,7 +97,14 @@ class ModelConfig:
 
     def validate(self) -> ModelConfig:
         spec = self.spec  # raises on a bad scheme
-        for name, allowed in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS)):
+        for name, allowed in (
+            ("norm", NORMS),
+            ("pos", POSITIONS),
+            ("mlp", MLPS),
+            ("norm_position", NORM_POSITIONS),
+            ("head", OUTPUT_HEADS),
+            ("plus_encoding", PLUS_ENCODINGS),
+        ):
             value = getattr(self, name)
             if value not in allowed:
                 raise UserError(f"{name}={value!r} is not allowed; use one of {', '.join(allowed)}")
@@ -102,6 +125,10 @@ class ModelConfig:
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
             ):
                 raise UserError(f"{name}={value!r} must be a finite number")
+        if self.norm_position == "post" and not self.mlp_skip:
+            raise UserError(
+                "norm_position=post needs the MLP skip (mlp_skip=True); a post-norm block without it is undefined"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"dropout={self.dropout} must be in [0, 1)")
         if self.attn_scale is not None and not self.attn_scale > 0:

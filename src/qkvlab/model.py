@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from qkvlab.attention import Attention, dropout
 from qkvlab.cache import KVCache
 from qkvlab.config import ModelConfig
-from qkvlab.positions import Rotary
+from qkvlab.positions import Rotary, SinusoidalPositions
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -20,6 +20,16 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
     return nn.Identity()
+
+
+def activation(kind: str) -> nn.Module:
+    """The MLP's nonlinearity as a module (SwiGLU's gate uses SiLU)."""
+    return {"relu": nn.ReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": nn.SiLU()}[kind]
+
+
+def fixed_positions(cfg: ModelConfig, n: int) -> SinusoidalPositions | None:
+    """Fixed sinusoidal input positions for [0, n) when pos=sinusoidal, else None."""
+    return SinusoidalPositions(n, cfg.d_model) if cfg.pos == "sinusoidal" else None
 
 
 class MLP(nn.Module):
@@ -44,28 +54,33 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block. Without the MLP skip it computes mlp(norm(x + attn(norm(x)))) (Paper A)."""
+    """Pre-norm block x + attn(norm(x)), x + mlp(norm(x)). Without the MLP skip it computes
+    mlp(norm(x + attn(norm(x)))) (Paper A). Post-norm: norm(x + attn(x)), norm(x + mlp(x)) (Borji)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm1, self.attn = make_norm(cfg), Attention(cfg)
         self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
         self.mlp_skip = cfg.mlp_skip
+        self.post_norm = cfg.norm_position == "post"
 
     def forward(self, x: torch.Tensor, **attn_kwargs) -> torch.Tensor:
+        if self.post_norm:
+            x = self.norm1(x + self.attn(x, **attn_kwargs))
+            return self.norm2(x + self.mlp(x))
         x = x + self.attn(self.norm1(x), **attn_kwargs)
         h = self.mlp(self.norm2(x))
         return x + h if self.mlp_skip else h
 
 
 class Trunk(nn.Module):
-    """n_layer blocks (or one block applied n_layer times) and a final norm."""
+    """n_layer blocks (or one block applied n_layer times) and a final norm (none after post-norm blocks)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(1 if cfg.share_layers else cfg.n_layer))
-        self.norm = make_norm(cfg)
+        self.norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
         self.rotary = Rotary(cfg.head_dim, cfg.context, cfg.rope_theta) if cfg.pos == "rope" else None
         # K=V caches the shared tensor un-rotated: keys rotate on read, at their positions.
         self.rope_on_read = self.rotary is not None and cfg.spec.role_source("k") == cfg.spec.role_source("v")
@@ -118,9 +133,14 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
+        if cfg.head != "linear":
+            from qkvlab.errors import UserError
+
+            raise UserError(f"head={cfg.head!r} is an encoder's output head; a language model's head is linear")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.context, cfg.d_model) if cfg.pos == "learned" else None
+        self.pos_fixed = fixed_positions(cfg, cfg.context)
         self.drop = dropout(cfg.dropout)
         self.trunk = Trunk(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -153,6 +173,8 @@ class GPT(nn.Module):
         x = self.tok_emb(idx)  # (B, T, C)
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)
+        elif self.pos_fixed is not None:
+            x = x + self.pos_fixed(positions)
         x = self.trunk(self.drop(x), positions, cache, mask)
         logits = self.lm_head(x)  # (B, T, vocab)
         loss = None
@@ -163,15 +185,18 @@ class GPT(nn.Module):
 
 # ---- encoder ----------------------------------------------------------------------------------
 class TokenInput(nn.Module):
-    """Token ids (B, N) -> (B, N, C), learned absolute positions unless pos != learned."""
+    """Token ids (B, N) -> (B, N, C), plus learned or fixed sinusoidal absolute positions (per cfg.pos)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Parameter(torch.zeros(1, cfg.context, cfg.d_model)) if cfg.pos == "learned" else None
+        self.pos_fixed = fixed_positions(cfg, cfg.context)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
+        if self.pos_fixed is not None:
+            return h + self.pos_fixed(torch.arange(x.shape[1], device=x.device))
         return h if self.pos is None else h + self.pos[:, : x.shape[1]]
 
 
@@ -188,11 +213,14 @@ class PatchInput(nn.Module):
         n = (image_size // patch) ** 2 + int(cls_token)
         self.cls = nn.Parameter(torch.zeros(1, 1, cfg.d_model)) if cls_token else None
         self.pos = nn.Parameter(torch.zeros(1, n, cfg.d_model)) if cfg.pos == "learned" else None
+        self.pos_fixed = fixed_positions(cfg, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.proj(x).flatten(2).transpose(1, 2)  # (B, N, d)
         if self.cls is not None:
             h = torch.cat([self.cls.expand(h.shape[0], -1, -1), h], dim=1)
+        if self.pos_fixed is not None:
+            return h + self.pos_fixed(torch.arange(h.shape[1], device=h.device))
         return h if self.pos is None else h + self.pos
 
 
@@ -208,6 +236,17 @@ class SetInput(nn.Module):
 
 
 HEADS = ("token", "class", "element")
+
+
+def output_head(cfg: ModelConfig, n_out: int) -> nn.Module:
+    """cfg.head: linear; mlp = Linear(d, d), activation, dropout, Linear(d, n_out) (Borji's ViT head,
+    whose width is the MLP's = d in its grid); norm_mlp adds a norm after the first Linear (Borji's
+    synthetic encoder: Linear, LayerNorm, ReLU, Dropout, Linear). The activation is cfg.mlp's."""
+    if cfg.head == "linear":
+        return nn.Linear(cfg.d_model, n_out)
+    norm = [make_norm(cfg)] if cfg.head == "norm_mlp" else []
+    d = cfg.d_model
+    return nn.Sequential(nn.Linear(d, d), *norm, activation(cfg.mlp), dropout(cfg.dropout), nn.Linear(d, n_out))
 
 
 class Encoder(nn.Module):
@@ -228,7 +267,7 @@ class Encoder(nn.Module):
         self.cfg, self.head_kind, self.pool = cfg, head, pool
         self.inputs = inputs
         self.trunk = Trunk(cfg)
-        self.head = nn.Linear(cfg.d_model, 1 if head == "element" else n_out)
+        self.head = output_head(cfg, 1 if head == "element" else n_out)
         init_weights(self.trunk, cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,24 @@ def sinusoid(positions: torch.Tensor, channels: int) -> torch.Tensor:
     return out
 
 
+class SinusoidalPositions(nn.Module):
+    """Fixed input positions (Vaswani et al.; Borji's encoder): sinusoid(p, d_model) added to the
+    input at position p. The table for [0, max_positions) is computed, not stored (build_tables)."""
+
+    def __init__(self, max_positions: int, d_model: int):
+        super().__init__()
+        self.max_positions, self.d_model = max_positions, d_model
+        self.register_buffer("table", None, persistent=False)
+        self.build_tables()
+
+    def build_tables(self) -> None:
+        self.table = sinusoid(torch.arange(self.max_positions), self.d_model).float()  # (P, d)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (...,) -> (..., d_model)."""
+        return self.table[positions]
+
+
 class Rotary(nn.Module):
     """Rotary position embedding in the HF/Llama layout (rotate_half over two contiguous halves).
 
@@ -50,29 +68,59 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+PLUS_ENCODINGS = ("original", "halves")
+
+
+def axis_encodings(
+    positions: torch.Tensor, channels: int, encoding: str = "original"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 2D encoding's two parts at integer positions: (row part (P, r), column part (P, m - r)).
+
+    original: `positional_encodings.PositionalEncoding2D(m)`, which Borji's code calls: c = 2*ceil(m/4)
+    channels of each axis with frequencies 10000^(-2k/c), rows first, cut to m (m = 10: 6 row + 4
+    column channels). halves: m/2 + m/2 with frequencies over m/2 (the Brainchip reconstruction).
+    """
+    if encoding == "halves":
+        return sinusoid(positions, channels // 2), sinusoid(positions, channels - channels // 2)
+    if encoding != "original":
+        raise ValueError(f"unknown 2D encoding {encoding!r}; allowed: {', '.join(PLUS_ENCODINGS)}")
+    c = 2 * math.ceil(channels / 4)
+    axis = sinusoid(positions, c)  # (P, c): the same table for rows and columns
+    return axis[:, : min(c, channels)], axis[:, : max(0, channels - c)]
+
+
+def encoding_2d(rows: int, cols: int, channels: int, encoding: str = "original") -> torch.Tensor:
+    """P[i, j] of the "+" term: (rows, cols, channels) float64; channel k depends on i alone (the
+    row part) or j alone (the column part)."""
+    row, _ = axis_encodings(torch.arange(rows), channels, encoding)
+    _, col = axis_encodings(torch.arange(cols), channels, encoding)
+    return torch.cat((row[:, None].expand(rows, cols, -1), col[None].expand(rows, cols, -1)), dim=-1)
+
+
 class ScoreTerm2D(nn.Module):
     """The "+" variants' learned term: S' = Linear(m->1)(S[..., None] + P[i, j]), shared by heads.
 
-    P is a 2D sinusoidal encoding of (query row i, key column j): the first m/2 channels encode i,
-    the last m/2 encode j. Expanded, S' = S * sum(w) + P . w + b. Because P's channels each depend
-    on i alone or j alone, P . w = a(i) + c(j): we compute those two vectors instead of the (T, T, m)
-    tensor, which keeps the term exact and cheap when decoding with a cache. The sinusoids of
-    positions [0, max_positions) are a table built once, like the rotary tables.
+    P = encoding_2d(T, T, m): a 2D sinusoidal encoding of (query row i, key column j) whose channels
+    each depend on i alone or j alone. Expanded, S' = S * sum(w) + P . w + b with P . w = a(i) + c(j):
+    we compute those two vectors instead of the (T, T, m) tensor, which keeps the term exact and cheap
+    when decoding with a cache. The per-axis sinusoids of positions [0, max_positions) are tables built
+    once, like the rotary tables.
     """
 
-    def __init__(self, channels: int, max_positions: int):
+    def __init__(self, channels: int, max_positions: int, encoding: str = "original"):
         super().__init__()
-        self.channels = channels
+        self.channels, self.encoding, self.max_positions = channels, encoding, max_positions
         self.weight = nn.Parameter(torch.empty(channels))
         self.bias = nn.Parameter(torch.zeros(()))
-        self.max_positions = max_positions
-        self.register_buffer("pe", None, persistent=False)
+        self.register_buffer("pe_row", None, persistent=False)  # (P, n_row)
+        self.register_buffer("pe_col", None, persistent=False)  # (P, m - n_row)
         self.build_tables()
+        self.n_row = self.pe_row.shape[1]  # weight[:n_row] reads the row channels, the rest the column ones
         self.reset_parameters()
 
     def build_tables(self) -> None:
-        """Compute the sinusoid table (also after loading weights into a model built on meta)."""
-        self.pe = sinusoid(torch.arange(self.max_positions), self.channels // 2)
+        """Compute the row and column tables (also after loading weights into a model built on meta)."""
+        self.pe_row, self.pe_col = axis_encodings(torch.arange(self.max_positions), self.channels, self.encoding)
 
     def reset_parameters(self) -> None:
         bound = math.sqrt(6.0 / (self.channels + 1))  # Xavier-uniform of a Linear(m, 1)
@@ -82,11 +130,15 @@ class ScoreTerm2D(nn.Module):
     def score_scale(self) -> torch.Tensor:
         return self.weight.sum()
 
+    def row_col_terms(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_pos (B, T), k_pos (B, S) -> (a (B, T), c (B, S)) with P[i, j] . w = a(i) + c(j), in the
+        weight's dtype. Only c(j) survives the softmax over keys; a(i) and the bias cancel."""
+        w = self.weight
+        a = self.pe_row.to(w.dtype)[q_pos] @ w[: self.n_row]  # (B, T)
+        c = self.pe_col.to(w.dtype)[k_pos] @ w[self.n_row :]  # (B, S)
+        return a, c
+
     def additive(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """q_pos (B, T), k_pos (B, S) -> the additive term P . w + b, shape (B, 1, T, S)."""
-        half = self.channels // 2
-        w_row, w_col = self.weight[:half], self.weight[half:]
-        pe = self.pe.to(self.weight.dtype)
-        a = pe[q_pos] @ w_row  # (B, T)
-        c = pe[k_pos] @ w_col  # (B, S)
+        a, c = self.row_col_terms(q_pos, k_pos)
         return (a[:, :, None] + c[:, None, :] + self.bias)[:, None].to(dtype)

@@ -299,6 +299,8 @@ def _check_exportable(cfg: ModelConfig, fmt: str) -> None:
         raise UserError(f"{why}: mlp_skip=False (no skip around the MLP) is not a standard block")
     if not cfg.causal:
         raise UserError(f"{why}: a bidirectional model is not a causal LM")
+    if cfg.norm_position != "pre":
+        raise UserError(f"{why}: norm_position={cfg.norm_position} (that class has pre-norm blocks)")
     need = {
         "gpt2": dict(norm=("layernorm",), pos=("learned", "none"), mlp=tuple(GPT2_ACT_OUT)),
         "llama": dict(norm=("rmsnorm",), pos=("rope",), mlp=("swiglu",)),

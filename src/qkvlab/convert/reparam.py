@@ -146,6 +146,11 @@ def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int
             f"norm={cfg.norm}: a normalization layer does not commute with a general change of basis, so "
             f"{name} cannot be removed exactly (the theorems need norm=none; otherwise W_{role.upper()} = Id is reachable only by training)"
         )
+    if cfg.pos == "sinusoidal":
+        raise UserError(
+            f"pos=sinusoidal: fixed input positions cannot follow the residual stream's change of basis, so {name} "
+            "cannot be removed exactly (use pos learned, rope or none)"
+        )
     d, width = cfg.d_model, (cfg.n_head if role == "q" else cfg.n_kv_heads) * cfg.head_dim
     if role != "q" and cfg.n_kv_heads != cfg.n_head:
         raise UserError(

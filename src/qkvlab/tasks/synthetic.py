@@ -9,6 +9,7 @@ paper's sizes; generating them takes milliseconds, only the number of steps cost
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,31 @@ PAPER_GRID = dict(
     batch_size=128,
     plus_channels=10,
 )
+# Paper B's recipe for these tasks: Borji's encoder (kv-transformer, Reverse_sort_pos.py). One-hot
+# digits through a Linear (an embedding), fixed sinusoidal positions, post-norm blocks with a ReLU MLP
+# of width 2d, dropout 0.1, an MLP head (Linear, LayerNorm, ReLU, Dropout, Linear); Adam (no decay)
+# lr 1e-3, 5 warmup steps then cosine to 0, gradient clip 5, 2 epochs of 50k lists at batch 128
+# (drop_last: 390 steps an epoch).
+PAPER_RECIPE = dict(
+    model=dict(
+        norm_position="post", pos="sinusoidal", mlp="relu", mlp_width=2, dropout=0.1, head="norm_mlp", bias=True
+    ),
+    train=dict(lr=1e-3, min_lr=0.0, warmup_steps=5, weight_decay=0.0, betas=(0.9, 0.999), grad_clip=5.0),
+    batch_size=128,
+    epochs=2,
+)
+
+
+def paper_recipe(task: str, point: dict[str, Any]) -> dict[str, Any]:
+    """PAPER_RECIPE as TrainConfig overrides (`model` a mapping of model keys) for a grid point:
+    its d_model (the MLP is 2 d_model wide) and n_train (default 50k: 2 epochs = 780 steps).
+    The same for every synthetic task (one signature with the other task families')."""
+    r = PAPER_RECIPE
+    d_model, n_train = point["d_model"], point.get("n_train", 50_000)
+    model = {k: v for k, v in r["model"].items() if k != "mlp_width"}
+    model.update(d_model=d_model, mlp_hidden=r["model"]["mlp_width"] * d_model)
+    steps = r["epochs"] * (n_train // r["batch_size"])
+    return {"model": model, **r["train"], "batch_size": r["batch_size"], "max_steps": steps}
 
 
 @dataclass

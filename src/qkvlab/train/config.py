@@ -48,6 +48,9 @@ class TrainConfig:
     lr: float = setting(1e-3, help="peak learning rate")
     min_lr: float | None = setting(None, help="end of the cosine (default lr / 10)")
     warmup_steps: int = setting(100, help="linear warmup steps")
+    lr_decay_steps: int | None = setting(
+        None, help="the cosine's horizon, nanoGPT's lr_decay_iters (default max_steps)", metavar="STEPS"
+    )
     weight_decay: float | None = setting(
         None,
         help=f"AdamW weight decay on weights with dim >= 2 (default {WEIGHT_DECAY}; "
@@ -88,6 +91,10 @@ class TrainConfig:
         return self.min_lr if self.min_lr is not None else self.lr / 10
 
     @property
+    def decay_steps(self) -> int:
+        return self.lr_decay_steps if self.lr_decay_steps is not None else self.max_steps
+
+    @property
     def ckpt_every(self) -> int:
         return self.checkpoint_every or self.eval_every
 
@@ -123,7 +130,7 @@ class TrainConfig:
         self.model.validate()
         for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "log_every"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("micro_batch_size", "checkpoint_every", "eval_batch_size"):
+        for name in ("micro_batch_size", "checkpoint_every", "eval_batch_size", "lr_decay_steps"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=0)
@@ -284,11 +291,13 @@ TRAIN_PRESETS: dict[str, dict[str, Any]] = {
         eval_every=100,
         eval_batches=8,
     ),
-    # Paper A (nanoGPT GPT-2 small on OpenWebText): 480 x 1024 = 491,520 tokens/step
+    # Paper A (nanoGPT GPT-2 small on OpenWebText): 480 x 1024 = 491,520 tokens/step. The reference stops
+    # at max_iters 105,001 of a cosine whose horizon is lr_decay_iters 600,000: the lr ends near 5.6e-4.
     "gpt2-124m": dict(
         model="gpt2-124m",
         task_options={"data": "hf:Skylion007/openwebtext", "tokenizer": "gpt2"},
-        max_steps=105_000,
+        max_steps=105_001,
+        lr_decay_steps=600_000,
         batch_size=480,
         micro_batch_size=12,
         lr=6e-4,

@@ -252,7 +252,7 @@ def _restore(run: Run, saved: Saved) -> State:
 
 # ---- the step and evaluation ---------------------------------------------------------------------
 def lr_for(cfg: TrainConfig, step: int) -> float:
-    return lr_at(step, lr=cfg.lr, min_lr=cfg.final_lr, warmup=cfg.warmup_steps, total=cfg.max_steps)
+    return lr_at(step, lr=cfg.lr, min_lr=cfg.final_lr, warmup=cfg.warmup_steps, total=cfg.decay_steps)
 
 
 def train_step(run: Run, state: State, lr: float) -> float:
