@@ -225,10 +225,10 @@ def test_plus_term_at_neutral_weights_is_plain(scheme):
     with torch.no_grad():
         for blk in plus.trunk.blocks:
             # w = e_0: sum(w) = 1 and P . w = sin(i), a function of the query row alone, which
-            # softmax cancels; b = 0. So the scores are the plain scheme's.
+            # softmax cancels (so does the Linear's bias, hence no such parameter). So the scores are
+            # the plain scheme's.
             blk.attn.score_term.weight.zero_()
             blk.attn.score_term.weight[0] = 1.0
-            blk.attn.score_term.bias.zero_()
     torch.testing.assert_close(plus(x)[0], plain(x)[0], rtol=1e-12, atol=1e-12)
     with torch.no_grad():
         for blk in plus.trunk.blocks:

@@ -46,7 +46,7 @@ def attention_params(cfg: ModelConfig) -> int:
     if cfg.bias:
         n += width + cfg.d_model
     if cfg.spec.plus:
-        n += cfg.plus_channels + 1
+        n += cfg.plus_channels  # the Linear(m->1) weight; its bias cancels under softmax (positions.py)
     return n
 
 

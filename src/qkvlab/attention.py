@@ -86,16 +86,30 @@ class Attention(nn.Module):
         if rope is not None and self.k_shared_with_v:
             k = apply_rotary(k, *(rope_k if rope_k is not None else rope))
         attn_mask, is_causal = mask, self.causal and mask is None and cache is None
-        if self.score_term is not None:
-            q = q * self.score_term.score_scale()  # S * sum(w), folded into the query
-            term = self.score_term.additive(q_pos, k_pos, q.dtype)  # (B, 1, T, S)
-            if attn_mask is None and self.causal and cache is None:
-                attn_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            attn_mask = term if attn_mask is None else term.masked_fill(~attn_mask, float("-inf"))
-            is_causal = False
+        if self.score_term is not None:  # the "+" term inside the dot product: masks and kernels as without it
+            q, k, v = ride_key_term(self.score_term, q, k, v, k_pos, self.scale)
         y = _sdpa(q, k, v, attn_mask, is_causal, self.scale, self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
+        y = y[..., : self.head_dim].transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
         return self.resid_dropout(self.out_proj(y))
+
+
+def plus_channels_pad(head_dim: int) -> int:
+    """Extra channels for the "+" key term: at least one, up to a multiple of 8 (flash kernels' head dims)."""
+    return -(head_dim + 1) % 8 + 1
+
+
+def ride_key_term(term: ScoreTerm2D, q, k, v, k_pos: torch.Tensor, scale: float):
+    """S * sum(w) + c(j) as one scaled dot product, exactly (see ScoreTerm2D for why a(i), b drop out):
+    q' = [q * sum(w), 1/scale, 0...], k' = [k, c(j), 0...], v' = [v, 0...] (v padded because flash
+    attention wants equal head dims; the output's extra channels are zeros, sliced off by the caller).
+    New tensors: a cached or shared (K=V) k and v are never altered. q (B, h, T, hd); k, v (B, hk, S, hd)."""
+    B, hq, T, hd = q.shape
+    hk, S = k.shape[1], k.shape[2]
+    pad = plus_channels_pad(hd)
+    c = term.key_term(k_pos).to(k.dtype)  # (B, S)
+    q = torch.cat((q * term.score_scale(), q.new_full((B, hq, T, 1), 1.0 / scale), q.new_zeros(B, hq, T, pad - 1)), -1)
+    k = torch.cat((k, c[:, None, :, None].expand(B, hk, S, 1), k.new_zeros(B, hk, S, pad - 1)), -1)
+    return q, k, F.pad(v, (0, pad))
 
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):

@@ -58,7 +58,10 @@ class Rotary(nn.Module):
         self.cos, self.sin = emb.cos(), emb.sin()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, T) -> cos, sin of shape (B, 1, T, head_dim), broadcast over heads."""
+        """positions (B, T) -> cos, sin of shape (B, 1, T, head_dim), broadcast over heads. Under
+        autocast in its dtype (q and k leave the projections in it and reach attention in it)."""
+        if torch.is_autocast_enabled(self.cos.device.type):
+            dtype = torch.get_autocast_dtype(self.cos.device.type)
         return self.cos[positions][:, None].to(dtype), self.sin[positions][:, None].to(dtype)
 
 
@@ -97,21 +100,30 @@ def encoding_2d(rows: int, cols: int, channels: int, encoding: str = "original")
     return torch.cat((row[:, None].expand(rows, cols, -1), col[None].expand(rows, cols, -1)), dim=-1)
 
 
+LEGACY_KEYS = ("score_term.bias",)  # parameters older checkpoints hold that never acted: loaded and dropped
+
+
+def is_legacy_key(name: str) -> bool:
+    return name.endswith(LEGACY_KEYS)
+
+
 class ScoreTerm2D(nn.Module):
     """The "+" variants' learned term: S' = Linear(m->1)(S[..., None] + P[i, j]), shared by heads.
 
     P = encoding_2d(T, T, m): a 2D sinusoidal encoding of (query row i, key column j) whose channels
-    each depend on i alone or j alone. Expanded, S' = S * sum(w) + P . w + b with P . w = a(i) + c(j):
-    we compute those two vectors instead of the (T, T, m) tensor, which keeps the term exact and cheap
-    when decoding with a cache. The per-axis sinusoids of positions [0, max_positions) are tables built
-    once, like the rotary tables.
+    each depend on i alone or j alone. Expanded, S' = S * sum(w) + a(i) + c(j) + b with
+    P . w = a(i) + c(j). Under the softmax over keys a(i) and b are constant along each row and cancel
+    exactly (their gradients are zero), so only the temperature sum(w) and the key term c(j) act: the
+    bias is not a parameter (checkpoints that hold one load, the value is dropped) and a(i) is never
+    computed when attending. c(j) rides inside the attention dot product (attention.ride_key_term),
+    which keeps causal flash attention and the cache exact. The per-axis sinusoids of positions
+    [0, max_positions) are tables built once, like the rotary tables.
     """
 
     def __init__(self, channels: int, max_positions: int, encoding: str = "original"):
         super().__init__()
         self.channels, self.encoding, self.max_positions = channels, encoding, max_positions
         self.weight = nn.Parameter(torch.empty(channels))
-        self.bias = nn.Parameter(torch.zeros(()))
         self.register_buffer("pe_row", None, persistent=False)  # (P, n_row)
         self.register_buffer("pe_col", None, persistent=False)  # (P, m - n_row)
         self.build_tables()
@@ -125,20 +137,19 @@ class ScoreTerm2D(nn.Module):
     def reset_parameters(self) -> None:
         bound = math.sqrt(6.0 / (self.channels + 1))  # Xavier-uniform of a Linear(m, 1)
         nn.init.uniform_(self.weight, -bound, bound)
-        nn.init.zeros_(self.bias)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.pop(prefix + "bias", None)  # the Linear's bias of older checkpoints: no effect (see above)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def score_scale(self) -> torch.Tensor:
         return self.weight.sum()
 
     def row_col_terms(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q_pos (B, T), k_pos (B, S) -> (a (B, T), c (B, S)) with P[i, j] . w = a(i) + c(j), in the
-        weight's dtype. Only c(j) survives the softmax over keys; a(i) and the bias cancel."""
-        w = self.weight
-        a = self.pe_row.to(w.dtype)[q_pos] @ w[: self.n_row]  # (B, T)
-        c = self.pe_col.to(w.dtype)[k_pos] @ w[self.n_row :]  # (B, S)
-        return a, c
+        weight's dtype. Only c(j) survives the softmax over keys (`key_term`); a(i) cancels."""
+        return self.pe_row.to(self.weight.dtype)[q_pos] @ self.weight[: self.n_row], self.key_term(k_pos)
 
-    def additive(self, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """q_pos (B, T), k_pos (B, S) -> the additive term P . w + b, shape (B, 1, T, S)."""
-        a, c = self.row_col_terms(q_pos, k_pos)
-        return (a[:, :, None] + c[:, None, :] + self.bias)[:, None].to(dtype)
+    def key_term(self, k_pos: torch.Tensor) -> torch.Tensor:
+        """k_pos (B, S) -> c(j), shape (B, S), in the weight's dtype."""
+        return self.pe_col.to(self.weight.dtype)[k_pos] @ self.weight[self.n_row :]

@@ -314,13 +314,13 @@ def _check_exportable(cfg: ModelConfig, fmt: str) -> None:
         )
 
 
-def _explicit_roles(block, cfg: ModelConfig, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+def _explicit_roles(block, cfg: ModelConfig, dtype, device) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """Per role an explicit (weight, bias); the score scale folded into the query so the class's
     fixed 1/sqrt(d_h) reproduces it."""
     out = {}
     for r, wb in role_weights(block, cfg.spec).items():
         if wb is None:
-            out[r] = (torch.eye(cfg.d_model, dtype=dtype), None)
+            out[r] = (torch.eye(cfg.d_model, dtype=dtype, device=device), None)
         else:
             out[r] = (wb[0].detach().to(dtype), None if wb[1] is None else wb[1].detach().to(dtype))
     factor = cfg.scale * math.sqrt(cfg.head_dim)
@@ -335,13 +335,13 @@ def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
     if fmt not in FORMATS:
         raise UserError(f"--to-hf {fmt!r}: allowed {', '.join(FORMATS)}")
     _check_exportable(cfg, fmt)
-    dtype = model.tok_emb.weight.dtype
+    dtype, device = model.tok_emb.weight.dtype, model.tok_emb.weight.device  # every tensor made here goes there
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     nh, kv, hd, d = cfg.n_head, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
     st: dict[str, torch.Tensor] = {}
 
     def bias_or_zero(b, n):
-        return b if b is not None else torch.zeros(n, dtype=dtype)
+        return b if b is not None else torch.zeros(n, dtype=dtype, device=device)
 
     if fmt == "gpt2":
         hf_cfg = tf.GPT2Config(
@@ -362,13 +362,13 @@ def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
         )
         st["transformer.wte.weight"] = sd["tok_emb.weight"]
         st["transformer.wpe.weight"] = (
-            sd["pos_emb.weight"] if cfg.pos == "learned" else torch.zeros(cfg.context, d, dtype=dtype)
+            sd["pos_emb.weight"] if cfg.pos == "learned" else torch.zeros(cfg.context, d, dtype=dtype, device=device)
         )
         st["transformer.ln_f.weight"] = sd["trunk.norm.weight"]
         st["transformer.ln_f.bias"] = bias_or_zero(sd.get("trunk.norm.bias"), d)
         for i in range(cfg.n_layer):
             blk, p, h = model.trunk.layer(i), f"trunk.blocks.{0 if cfg.share_layers else i}.", f"transformer.h.{i}."
-            roles = _explicit_roles(blk, cfg, dtype)
+            roles = _explicit_roles(blk, cfg, dtype, device)
             rep = nh // kv
             ws, bs = [], []
             for r in ROLES:  # GPT-2 has no GQA: repeat each key/value head for its query heads
@@ -416,7 +416,7 @@ def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
         st["model.norm.weight"] = sd["trunk.norm.weight"]
         for i in range(cfg.n_layer):
             blk, p, h = model.trunk.layer(i), f"trunk.blocks.{0 if cfg.share_layers else i}.", f"model.layers.{i}."
-            roles = _explicit_roles(blk, cfg, dtype)
+            roles = _explicit_roles(blk, cfg, dtype, device)
             for r in ROLES:
                 w, b = roles[r]
                 st[h + f"self_attn.{r}_proj.weight"] = w.clone()  # K=V: two copies of one tensor

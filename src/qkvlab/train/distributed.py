@@ -9,6 +9,7 @@ Multi-node runs need OUT on a shared filesystem (every rank reads the checkpoint
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -36,22 +37,40 @@ class Env:
         return self.world > 1
 
 
-def setup(device: str = "auto") -> Env:
-    """Read torchrun's env vars; initialise the process group when WORLD_SIZE > 1."""
+def select_device(requested: str, local_rank: int, world: int, cuda_count: int) -> torch.device:
+    """The device this process trains on, always with an index when it is CUDA (set_device needs one).
+
+    requested: "auto", "cpu", "mps", "cuda" or "cuda:N"; cuda_count: visible CUDA devices (0 without
+    CUDA). "auto" and "cuda" pick cuda:LOCAL_RANK (one process per GPU under torchrun; cuda:0 alone)."""
+    if requested == "auto":
+        requested = "cuda" if cuda_count > 0 else "cpu"
+    dev = torch.device(requested)
+    if dev.type != "cuda":
+        return dev
+    if cuda_count == 0:
+        raise UserError(f"device={requested} but no CUDA device is available; use device=auto or cpu")
+    index = local_rank if dev.index is None else dev.index
+    if index >= cuda_count:
+        who = f"LOCAL_RANK={local_rank} of world size {world}" if dev.index is None else f"device={requested}"
+        raise UserError(f"{who} needs cuda:{index} but only {cuda_count} CUDA device(s) are visible")
+    return torch.device("cuda", index)
+
+
+def setup(device: str = "auto", timeout_s: float | None = None) -> Env:
+    """Read torchrun's env vars; initialise the process group when WORLD_SIZE > 1 (timeout_s: the
+    collectives' timeout, None = torch's default)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and (world > 1 or torch.cuda.device_count() > 1):
-        device = f"cuda:{local_rank}"
-    dev = torch.device(device)
+    dev = select_device(device, local_rank, world, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("device=cuda but no CUDA device is available; use device=auto or cpu")
         torch.cuda.set_device(dev)
     env = Env(rank, world, local_rank, dev)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if dev.type == "cuda" else "gloo",
+            device_id=dev if dev.type == "cuda" else None,
+            timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s),
+        )
         env.owns_group = True
     return env
 
@@ -83,25 +102,33 @@ def all_gather_object(env: Env, obj):
     return out
 
 
-def shard(model: nn.Module, env: Env) -> nn.Module:
+def shard(model: nn.Module, env: Env, *, param_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
     """FSDP2: every element of every ModuleList (the transformer blocks) is its own unit, then the
-    root (embeddings, head). Parameters become DTensors sharded over the ranks, in place."""
+    root (embeddings, head). Parameters become DTensors sharded over the ranks, in place.
+    param_dtype (bf16): parameters all-gathered and computed in it, gradients reduced in fp32, the
+    fp32 master copy sharded. compile: each block compiled before it is sharded (torchtitan's order:
+    no graph breaks at the FSDP hooks between blocks)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(env.device.type, (env.world,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:
-                fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+                if compile:
+                    block.compile()
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
 def replicate(model: nn.Module, env: Env) -> nn.Module:
+    """DDP. Buffers (rotary and score-term tables) are identical on every rank by construction:
+    broadcasting them every step would only cost bandwidth."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None, broadcast_buffers=False)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,55 @@
+"""Run by test_gpu_ready under `torchrun --nproc-per-node 2`: every scheme trained 2 steps with FSDP2
+on gloo, each rank on its half of the batch; rank 0 trains an unsharded copy on the whole batch and
+prints the largest loss or weight difference per scheme as one JSON line."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+
+from qkvlab.config import ModelConfig
+from qkvlab.model import GPT
+from qkvlab.train import distributed as D
+from qkvlab.train.optim import make_optimizer
+
+
+def main(schemes: list[str]) -> None:
+    torch.set_num_threads(1)
+    env = D.setup("cpu")
+    diffs = {}
+    for scheme in schemes:
+        cfg = ModelConfig(attn=scheme, n_layer=2, n_head=4, d_model=32, vocab_size=64, context=16, bias=True)
+        torch.manual_seed(0)
+        model = GPT(cfg.validate()).double()  # float64: a sharding bug, not summation order, would show
+        ref = copy.deepcopy(model)
+        D.shard(model, env)
+        opt = make_optimizer(model, 1e-2, 0.1, (0.9, 0.95), env.device)
+        ref_opt = make_optimizer(ref, 1e-2, 0.1, (0.9, 0.95), env.device)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(2):
+            x = torch.randint(0, 64, (4, 13), generator=g)
+            half = x[2 * env.rank : 2 * env.rank + 2]
+            loss = model(half[:, :-1], half[:, 1:])[1]
+            loss.backward()  # FSDP averages gradients over ranks
+            opt.step()
+            opt.zero_grad()
+            ref_loss = ref(x[:, :-1], x[:, 1:])[1]
+            losses.append(abs(D.mean(env, loss.detach()).item() - ref_loss.item()))
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        weights, _ = D.full_state(model, opt, sharded=True)
+        if env.main:
+            ref_w = ref.state_dict()
+            diffs[scheme] = max(max(losses), *((weights[k] - ref_w[k]).abs().max().item() for k in ref_w))
+    if env.main:
+        print(json.dumps(diffs))
+    D.teardown(env)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,260 @@
+"""Ready for GPUs without one: device selection, the "+" term inside the dot product (exact against
+the explicit S*sum(w) + a(i) + c(j) + b formula), export on a non-CPU device, FSDP for every scheme."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qkvlab.attention import Attention, _sdpa, apply_rotary
+from qkvlab.config import ModelConfig
+from qkvlab.errors import UserError
+from qkvlab.generate import decode_step, left_pad, new_cache, prefill
+from qkvlab.model import GPT
+from qkvlab.train.distributed import select_device
+
+PLUS_SCHEMES = ["(Q-K-V)+", "(Id-K-V)+", "(Q=K-V)+", "(Q-K=V)+", "(Q=K=V)+", "(Id-K=V)+"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- 1. device selection
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_device_selection_always_indexes_cuda(world):
+    for rank in range(world):
+        for requested in ("auto", "cuda"):
+            assert select_device(requested, rank, world, cuda_count=8) == torch.device("cuda", rank)
+        assert select_device("auto", rank, world, cuda_count=0) == torch.device("cpu")
+        assert select_device("cpu", rank, world, cuda_count=8) == torch.device("cpu")
+        assert select_device("cuda:3", rank, world, cuda_count=8) == torch.device("cuda", 3)
+        with pytest.raises(UserError, match="no CUDA device"):
+            select_device("cuda", rank, world, cuda_count=0)
+    assert select_device("cuda", 0, 1, cuda_count=1).index == 0  # one GPU: cuda:0, never bare "cuda"
+    with pytest.raises(UserError, match="LOCAL_RANK=1 .* only 1 CUDA"):
+        select_device("auto", 1, 2, cuda_count=1)
+    with pytest.raises(UserError, match="device=cuda:2 .* only 2"):
+        select_device("cuda:2", 0, 1, cuda_count=2)
+
+
+# ---------------------------------------------------------------- 4. the "+" term, exact
+
+
+def legacy_forward(self, x, *, q_pos, rope=None, rope_k=None, cache=None, mask=None):
+    """Attention.forward before the fast path: the explicit additive mask S*sum(w) + a(i) + c(j) + b
+    (b: the test's `legacy_bias` attribute), float mask, no causal kernel."""
+    B, T, _ = x.shape
+    src = self.spec.source
+    new = self.project(x)
+    q = new[src[0]]
+    if rope is not None:
+        q = apply_rotary(q, *rope)
+        if not self.k_shared_with_v:
+            new[src[1]] = apply_rotary(new[src[1]], *rope)
+    if cache is not None:
+        stored = {s: cache.update(s, new[s]) for s in self.spec.cached_sources()}
+        k_pos = cache.key_positions()
+    else:
+        stored, k_pos = new, q_pos
+    k, v = stored[src[1]], stored[src[2]]
+    if rope is not None and self.k_shared_with_v:
+        k = apply_rotary(k, *(rope_k if rope_k is not None else rope))
+    term = self.score_term
+    half = term.channels // 2
+    pe = term.pe.to(term.weight.dtype)
+    a, c = pe[q_pos] @ term.weight[:half], pe[k_pos] @ term.weight[half:]
+    additive = (a[:, :, None] + c[:, None, :] + self.legacy_bias)[:, None].to(q.dtype)  # (B, 1, T, S)
+    q = q * term.score_scale()
+    attn_mask = mask
+    if attn_mask is None and self.causal and cache is None:
+        attn_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    attn_mask = additive if attn_mask is None else additive.masked_fill(~attn_mask, float("-inf"))
+    y = _sdpa(q, k, v, attn_mask, False, self.scale, 0.0)
+    return self.out_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+def plus_model(scheme: str, pos: str, kv: int | None, head_dim: int = 8) -> GPT:
+    cfg = ModelConfig(
+        attn=scheme,
+        pos=pos,
+        kv_heads=kv,
+        n_layer=2,
+        n_head=4,
+        d_model=4 * head_dim,
+        d_head=head_dim,
+        vocab_size=50,
+        context=24,
+    ).validate()
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.5 if "score_term" in name else 0.3)
+    for blk in model.trunk.blocks:
+        blk.attn.legacy_bias = torch.tensor(0.7, dtype=torch.float64)  # any b: it cancels
+    return model.double()
+
+
+PLUS_CASES = [
+    (s, p, kv)
+    for s in PLUS_SCHEMES
+    for p in ("rope", "learned")
+    for kv in (None, 2, 1)
+    if kv is None or not s.startswith(("(Q=K", "(Id"))  # query-tied and identity schemes: MHA only
+]
+
+
+@pytest.mark.parametrize("scheme,pos,kv", PLUS_CASES, ids=[f"{s}-{p}-kv{kv}" for s, p, kv in PLUS_CASES])
+def test_plus_term_in_the_dot_product_equals_the_explicit_formula_float64(scheme, pos, kv, monkeypatch):
+    head_dims = (8, 6) if kv is None else (8,)  # 6: the padding to a multiple of 8 is not a full block
+    for hd in head_dims:
+        model = plus_model(scheme, pos, kv, hd)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randint(0, 50, (3, 17), generator=g)
+        prompts = [x[0, :5].tolist(), x[1, :1].tolist(), x[2, :9].tolist()]
+        cont = torch.randint(0, 50, (3, 4), generator=g)
+
+        def run():
+            with torch.no_grad():
+                full = model(x)[0]  # training forward (causal)
+                batch = left_pad(prompts)
+                cache = new_cache(model, 3, batch.idx.shape[1] + cont.shape[1])
+                steps = [prefill(model, cache, batch)]
+                pos_ = batch.lengths.clone()
+                for t in range(cont.shape[1]):
+                    steps.append(decode_step(model, cache, cont[:, t], pos_))
+                    pos_ += 1
+            return full, torch.stack(steps, 1)
+
+        fast = run()
+        with monkeypatch.context() as m:
+            m.setattr(Attention, "forward", legacy_forward)
+            slow = run()
+        for a, b in zip(fast, slow):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_row_term_and_bias_have_zero_gradient_and_old_checkpoints_load(monkeypatch):
+    """The reason a(i) and b are not computed: softmax over keys cancels them (gradient 0)."""
+    model = plus_model("(Q-K=V)+", "rope", None)
+    attn = model.trunk.blocks[0].attn
+    attn.legacy_bias = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    row = torch.zeros(24, dtype=torch.float64, requires_grad=True)  # an extra a(i) per position
+    bias = attn.legacy_bias
+
+    def with_row(self, x, **kw):
+        self.legacy_bias = bias + row[kw["q_pos"]][..., None]  # (B, T, 1): a(i) + b
+        return legacy_forward(self, x, **kw)
+
+    monkeypatch.setattr(Attention, "forward", with_row)
+    x = torch.randint(0, 50, (2, 12))
+    model(x[:, :-1], x[:, 1:])[1].backward()
+    monkeypatch.undo()
+    assert bias.grad.abs().item() < 1e-12 and row.grad.abs().max().item() < 1e-12
+    assert model.trunk.blocks[0].attn.score_term.weight.grad.abs().sum() > 0  # the rest does act
+    # an old checkpoint's 0-dim score_term.bias loads (strictly) and is dropped
+    state = {**model.state_dict(), "trunk.blocks.0.attn.score_term.bias": torch.tensor(0.5, dtype=torch.float64)}
+    fresh = plus_model("(Q-K=V)+", "rope", None)
+    fresh.load_state_dict(state, strict=True)
+    assert all(p.dim() >= 1 for p in fresh.parameters())  # FSDP2 refuses 0-dim parameters
+
+
+def test_fast_path_keeps_the_causal_kernel_and_leaves_the_shared_tensor_alone(monkeypatch):
+    """No float mask reaches SDPA in training (flash-eligible); K=V's shared tensor is untouched."""
+    model = plus_model("(Q-K=V)+", "rope", None)
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((kw.get("attn_mask"), kw.get("is_causal"), q.shape[-1], k.shape[-1], v.shape[-1]))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model(torch.randint(0, 50, (2, 10)))
+    assert all(m is None and causal and dq == dk == dv == 16 for m, causal, dq, dk, dv in seen), seen
+
+
+# ---------------------------------------------------------------- 3. export on the weights' device
+
+
+@pytest.mark.parametrize(
+    "scheme,fmt,pos,mlp,norm",
+    [
+        ("Id-K-V", "gpt2", "learned", "gelu", "layernorm"),
+        ("Id-K=V", "llama", "rope", "swiglu", "rmsnorm"),
+        ("Q-K=V", "gpt2", "none", "gelu", "layernorm"),
+    ],
+)
+def test_export_builds_every_tensor_on_the_weights_device(scheme, fmt, pos, mlp, norm, monkeypatch):
+    pytest.importorskip("transformers")
+    from qkvlab.convert import hf
+
+    cfg = ModelConfig(
+        attn=scheme,
+        pos=pos,
+        mlp=mlp,
+        norm=norm,
+        n_layer=2,
+        n_head=4,
+        d_model=32,
+        vocab_size=64,
+        context=16,
+        bias=fmt == "gpt2",
+    ).validate()
+    with torch.device("cpu"):
+        model = GPT(cfg)
+    model = model.to("meta")
+    made = []
+    real_load = torch.nn.Module.load_state_dict
+
+    def check(self, sd, strict=True, assign=False):  # the export's tensors, before transformers sees them
+        made.extend(v.device.type for v in sd.values())
+        return real_load(self.to("meta"), sd, strict=strict, assign=True)
+
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", check)
+    hf.to_hf(model, cfg, fmt)
+    assert made and set(made) == {"meta"}
+
+
+# ---------------------------------------------------------------- 2. FSDP2 for every scheme
+
+
+def test_fsdp_on_two_gloo_processes_trains_every_scheme_like_one_process(tmp_path):
+    from qkvlab.spec import KNOWN_SCHEMES
+
+    schemes = [*KNOWN_SCHEMES, "(Q-K-V)+", "(Q-K=V)+", "(Id-K=V)+", "Q-Id-V"]
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(Path(__file__).with_name("fsdp_worker.py")),
+            *schemes,
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    diffs = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(diffs) == set(schemes)
+    assert all(d < 1e-5 for d in diffs.values()), diffs
