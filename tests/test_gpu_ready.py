@@ -258,3 +258,46 @@ def test_fsdp_on_two_gloo_processes_trains_every_scheme_like_one_process(tmp_pat
     diffs = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(diffs) == set(schemes)
     assert all(d < 1e-5 for d in diffs.values()), diffs
+
+
+def test_a_checkpoint_with_the_old_score_term_bias_resumes():
+    """Optimizer state written before the bias was dropped loads (direct route; FSDP uses the same filter)."""
+    from qkvlab.train.distributed import full_state, load_full_state
+    from qkvlab.train.optim import make_optimizer
+
+    model = plus_model("(Q=K-V)+", "rope", None).float()
+    opt = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"))
+    x = torch.randint(0, 50, (2, 9))
+    model(x[:, :-1], x[:, 1:])[1].backward()
+    opt.step()
+    w, o = full_state(model, opt)
+    old = "trunk.blocks.1.attn.score_term.bias"
+    w[old] = torch.tensor(0.0)
+    o["state"][old] = {"step": torch.tensor(1.0), "exp_avg": torch.tensor(0.0), "exp_avg_sq": torch.tensor(0.0)}
+    o["param_groups"][-1]["params"].append(old)
+    fresh = plus_model("(Q=K-V)+", "rope", None).float()
+    fresh_opt = make_optimizer(fresh, 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"))
+    load_full_state(fresh, fresh_opt, w, o)
+    assert str(fresh_opt.state_dict()) == str(opt.state_dict())
+
+
+# ---------------------------------------------------------------- 3. rotary in the autocast dtype
+
+
+@pytest.mark.parametrize("scheme", ["Q-K-V", "Q-K=V", "(Q-K=V)+", "Id-K-V"])
+def test_q_and_k_reach_attention_in_the_autocast_dtype(scheme, monkeypatch):
+    cfg = ModelConfig(attn=scheme, pos="rope", n_layer=1, n_head=4, d_model=32, vocab_size=50, context=16)
+    model = GPT(cfg.validate())
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 50, (2, 10)))
+    # an identity query is a view of the fp32 residual stream: autocast casts it at SDPA (on CUDA)
+    want = (torch.float32 if scheme.startswith("Id") else torch.bfloat16, torch.bfloat16)
+    assert seen and all(d == want for d in seen), seen

@@ -182,6 +182,7 @@ def load_full_state(
     sharded: bool = False,
 ) -> None:
     """Full state dicts (from any world size, either route) into a possibly sharded model."""
+    weights, optim_state = _without_legacy(weights, optim_state)
     if sharded:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -203,6 +204,23 @@ def load_full_state(
                 "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optim_state["param_groups"]],
             }
         )
+
+
+LEGACY = ("score_term.bias",)  # parameters older versions had and that never acted (positions.ScoreTerm2D)
+
+
+def _without_legacy(weights: dict, optim_state: dict | None) -> tuple[dict, dict | None]:
+    """Drop LEGACY parameters (and their optimizer state) from a checkpoint's state dicts."""
+    old = lambda name: name.endswith(LEGACY)  # noqa: E731
+    weights = {k: v for k, v in weights.items() if not old(k)}
+    if optim_state is not None:
+        optim_state = {
+            "state": {n: s for n, s in optim_state["state"].items() if not old(n)},
+            "param_groups": [
+                {**g, "params": [n for n in g["params"] if not old(n)]} for g in optim_state["param_groups"]
+            ],
+        }
+    return weights, optim_state
 
 
 def _index_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
