@@ -207,6 +207,7 @@ def test_checkpoint_parked_between_renames_is_recovered(tmp_path):
 
 def test_ddp_and_fsdp_on_two_cpu_processes_match_one_and_resume_at_world_size_one(corpus, tmp_path):
     common = [*CLI_BASE, "--data", str(corpus), "--max-steps", "6", "--eval-every", "3", "--grad-accum", "2"]
+    assert cli.main(["prepare", "--data", str(corpus), "--tokenizer", "char", "--quiet"]) == 0  # ranks never tokenize
     launch = [
         sys.executable,
         "-m",

@@ -19,6 +19,7 @@ from qkvlab.settings import add_options, config_to_text, nonempty, options_from_
 COMMANDS = {
     "info": "parameters, KV-cache bytes and FLOPs of a model config",
     "init": "write a randomly initialised model folder",
+    "prepare": "tokenize a corpus once (streaming, resumable) before training",
     "train": "train a model on a corpus or task",
     "compare": "train every attention scheme and tabulate the results",
     "convert": "exact weight conversion between schemes (Paper A's theorems); HF import/export",

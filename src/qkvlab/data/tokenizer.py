@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -101,7 +101,7 @@ class BPETokenizer:
         return f"bpe:{self.requested_vocab}"
 
     @classmethod
-    def train(cls, texts: Sequence[str], vocab_size: int = DEFAULT_BPE_VOCAB) -> BPETokenizer:
+    def train(cls, texts: Iterable[str], vocab_size: int = DEFAULT_BPE_VOCAB) -> BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -114,7 +114,7 @@ class BPETokenizer:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+        tok.train_from_iterator(texts, trainer=trainer, length=len(texts) if hasattr(texts, "__len__") else None)
         return cls(tok, vocab_size)
 
     def encode(self, text: str) -> list[int]:
@@ -163,7 +163,7 @@ class CharTokenizer:
         self._ids = {c: i for i, c in enumerate(self.chars)}
 
     @classmethod
-    def train(cls, texts: Sequence[str]) -> CharTokenizer:
+    def train(cls, texts: Iterable[str]) -> CharTokenizer:
         seen: set[str] = set()
         for t in texts:
             seen.update(t)
@@ -279,7 +279,7 @@ def bpe_cache_path(corpus_sha: str, vocab_size: int) -> Path:
 
 
 def build_tokenizer(
-    spec: str | TokenizerSpec, texts: Sequence[str] | None = None, corpus_sha: str | None = None
+    spec: str | TokenizerSpec, texts: Iterable[str] | None = None, corpus_sha: str | None = None
 ) -> Tokenizer:
     """A tokenizer for `spec`. BPE and char are fitted to `texts`; a trained BPE is cached on
     disk under the corpus checksum and vocabulary size, so passing `corpus_sha` avoids retraining

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,9 @@ class LMTask(Task):
         if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
             raise UserError(f"block_size={block_size!r} must be a positive integer")
         self.source, self.tokenizer_spec, self._block_size = data, tokenizer, block_size
-        self.prepared: PreparedData = prepare(data, tokenizer, val_fraction=val_fraction)
+        # ranks of a multi-process run never tokenize: `qkvlab prepare` does it once, beforehand
+        single = int(os.environ.get("WORLD_SIZE", "1")) <= 1
+        self.prepared: PreparedData = prepare(data, tokenizer, val_fraction=val_fraction, tokenize=single)
         self._val: dict[tuple[int, int, int], list] = {}
         self.cfg: ModelConfig | None = None  # set by adapt_config
 
