@@ -301,3 +301,90 @@ def test_q_and_k_reach_attention_in_the_autocast_dtype(scheme, monkeypatch):
     # an identity query is a view of the fp32 residual stream: autocast casts it at SDPA (on CUDA)
     want = (torch.float32 if scheme.startswith("Id") else torch.bfloat16, torch.bfloat16)
     assert seen and all(d == want for d in seen), seen
+
+
+# ---------------------------------------------------------------- 5. memory per GPU
+
+
+def _saved_bytes(model: GPT, B: int) -> int:
+    """Bytes of the tensors autograd keeps for backward (distinct storages, parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randint(0, model.cfg.vocab_size, (B, model.cfg.context + 1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x[:, :-1], x[:, 1:])
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+MEMORY_CASES = [
+    dict(attn="Q-K-V"),
+    dict(attn="Id-K=V", pos="rope"),
+    dict(attn="Q-K-V", kv_heads=2, pos="rope"),
+    dict(attn="(Q-K-V)+"),
+    dict(attn="(Q=K=V)+", pos="rope"),
+    dict(attn="Q-K-V", pos="rope", mlp="swiglu", norm="rmsnorm"),
+]
+
+
+@pytest.mark.parametrize("over", MEMORY_CASES, ids=[str(c) for c in MEMORY_CASES])
+def test_memory_estimate_against_real_tensors(over):
+    from qkvlab.accounting import memory_estimate
+    from qkvlab.train.optim import make_optimizer
+
+    cfg = ModelConfig(n_layer=3, n_head=4, d_model=64, vocab_size=256, context=48, **over).validate()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    est = memory_estimate(cfg, micro_batch=3, dtype="fp32")
+    # activations + the log-softmax: measured from what autograd keeps (fp32, CPU's flash attention)
+    saved = _saved_bytes(model, 3)
+    expect = est["activations"] + est["logits"] // 3  # of the logits term (4 + 4 + 4 B), the saved fp32 part
+    assert abs(saved - expect) / saved < 0.05, (saved, expect)
+    # parameters, gradients, AdamW moments: exact byte counts
+    opt = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"))
+    x = torch.randint(0, 256, (2, 9))
+    model(x[:, :-1], x[:, 1:])[1].backward()
+    opt.step()
+    distinct = {p.data_ptr(): p for p in model.parameters()}.values()
+    assert est["params"] == sum(p.nbytes for p in distinct) == sum(p.grad.nbytes for p in distinct) == est["grads"]
+    moments = sum(s[k].nbytes for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    assert est["optimizer"] == moments
+    # FSDP2 shards dim 0 of every parameter in ceil(rows / world) pieces: the estimate is within padding
+    fsdp = memory_estimate(cfg, micro_batch=3, world=8, sharding="fsdp", dtype="fp32")
+    per_rank = sum(4 * -(-p.shape[0] // 8) * (p.numel() // p.shape[0]) for p in distinct)
+    assert fsdp["params"] <= per_rank <= fsdp["params"] * 1.02 and fsdp["optimizer"] == 2 * fsdp["params"]
+    assert fsdp["activations"] == est["activations"] and fsdp["total"] < est["total"]
+
+
+def test_info_memory_command(capsys):
+    from qkvlab.cli import main
+
+    assert (
+        main(
+            [
+                "info",
+                "--preset",
+                "paperB-1.2b",
+                "--memory",
+                "--batch",
+                "8",
+                "--world",
+                "8",
+                "--sharding",
+                "fsdp",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    mem = json.loads(capsys.readouterr().out)["memory_per_gpu"]
+    assert mem["world"] == 8 and mem["total"] == sum(
+        mem[k] for k in ("params", "grads", "optimizer", "comm_buffers", "activations", "logits")
+    )
+    assert 0 < mem["total"] < 80 * 2**30  # the paper's 1.2B model fits an 80 GB GPU at micro-batch 8 on 8 GPUs
+    assert main(["info", "--preset", "tiny", "--memory", "--batch", "0"]) == 2
+    assert "--batch=0" in capsys.readouterr().err

@@ -146,3 +146,68 @@ def report(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None)
         "kv_cache_bytes": per_token * T,
         "flops_per_token": flops_per_token(cfg),
     }
+
+
+# ---- training memory per GPU -----------------------------------------------------------------
+SHARDINGS = ("ddp", "fsdp")
+
+
+def _attention_plus_pad(cfg: ModelConfig) -> int:
+    from qkvlab.attention import plus_channels_pad
+
+    return plus_channels_pad(cfg.head_dim) if cfg.spec.plus else 0
+
+
+def activation_elements_per_token(cfg: ModelConfig) -> dict[str, int]:
+    """Elements autograd keeps per token for the backward pass, per layer and outside the layers,
+    with flash-style attention (no (T, T) tensor: q, k, v, output and log-sum-exp) and eager norms
+    (RMSNorm also keeps its normalised input). Tested against the tensors autograd saves on the CPU.
+    Dropout masks are not counted."""
+    d, nh, hd, kv = cfg.d_model, cfg.n_head, cfg.head_dim, cfg.n_kv_heads
+    norm = {"layernorm": d + 2, "rmsnorm": 2 * d + 1}.get(cfg.norm, 0)  # input (+ normalised) + statistics
+    layer = 2 * norm + 2 * d  # the two norms and the two matmul inputs after them
+    layer += projection_width(cfg)  # the fused projection's output (q, k, v are views of it)
+    pad = _attention_plus_pad(cfg)
+    if pad:  # "+" (attention.ride_key_term): q kept for the scale, q', k', v' and the output widened
+        layer += (nh * hd if cfg.pos == "rope" else 0) + (2 * nh + 2 * kv) * (hd + pad) + nh * hd
+        layer += cfg.plus_channels // 2  # the key positions' sinusoids
+    else:  # rotated query and keys are new tensors; the output doubles as out_proj's input
+        layer += ((nh + kv) * hd if cfg.pos == "rope" else 0) + nh * hd
+    layer += nh  # log-sum-exp
+    layer += (4 if cfg.mlp == "swiglu" else 2) * cfg.hidden
+    outside = norm + d  # final norm, the head's input
+    return {"per_layer": layer, "outside": outside, "logits": cfg.vocab_size}
+
+
+def memory_estimate(
+    cfg: ModelConfig, *, micro_batch: int, world: int = 1, sharding: str = "ddp", dtype: str = "bf16"
+) -> dict[str, int]:
+    """Bytes per GPU of a training step at `micro_batch` sequences of cfg.context tokens per rank.
+
+    Parameters and AdamW's two moments are fp32. ddp: everything replicated, plus DDP's gradient
+    buckets (a second fp32 copy of the gradients). fsdp: parameters, gradients and moments sharded
+    over `world`, plus the units all-gathered at once in the compute dtype (the root and two blocks:
+    the one computing and the one prefetched), and one block's fp32 gradients being reduced.
+    Activations: `activation_elements_per_token` x tokens x the compute dtype's bytes (fp32
+    log-sum-exp and norm statistics counted at that size too). Logits: the fp32 log-softmax autograd
+    keeps, its fp32 gradient and the logits' gradient in the compute dtype, at the peak of backward.
+    Not counted: the CUDA context and allocator fragmentation (add ~1-2 GB), torch.compile workspaces."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding {sharding!r}: use one of {SHARDINGS}")
+    n = analytic_params(cfg).total
+    c = DTYPE_BYTES[dtype_name(dtype)]
+    block = 2 * _norm_params(cfg) + attention_params(cfg) + mlp_params(cfg, cfg.hidden)  # one FSDP unit
+    root = n - (1 if cfg.share_layers else cfg.n_layer) * block  # embeddings, head, final norm
+    shard = 1 if sharding == "ddp" else world
+    params = 4 * -(-n // shard)
+    grads = 4 * -(-n // shard)
+    optimizer = 8 * -(-n // shard)
+    comm = 4 * n if sharding == "ddp" else c * (root + 2 * block) + 4 * block
+    tokens = micro_batch * cfg.context
+    per = activation_elements_per_token(cfg)
+    activations = tokens * (cfg.n_layer * per["per_layer"] + per["outside"]) * c
+    logits = tokens * per["logits"] * (4 + 4 + c)
+    parts = dict(
+        params=params, grads=grads, optimizer=optimizer, comm_buffers=comm, activations=activations, logits=logits
+    )
+    return {**parts, "total": sum(parts.values())}

@@ -4,13 +4,14 @@ The config is a preset with overrides, or the one saved in a model or run folder
   qkvlab info --preset gpt2-124m --attn Id-K-V
   qkvlab info --preset gpt2-124m --variant Q-K-V/width=Id-K-V   # Paper A's original_smaller_overall
   qkvlab info runs/tiny                                         # a model folder or a training run
+  qkvlab info --preset paperB-1.2b --memory --batch 4 --world 8 --sharding fsdp   # memory per GPU
 """
 
 from __future__ import annotations
 
 import json
 
-from qkvlab.accounting import report
+from qkvlab.accounting import SHARDINGS, memory_estimate, report
 from qkvlab.analysis.report import human
 from qkvlab.cli import add_config_options, add_model_options, find_model_dir, model_config_from_args, print_config
 from qkvlab.devices import DTYPE_BYTES
@@ -40,6 +41,11 @@ def add_arguments(p) -> None:
         metavar="T",
         help="tokens held in the KV cache figure (default: the model's --context)",
     )
+    g = p.add_argument_group("training memory per GPU (--memory)")
+    g.add_argument("--memory", action="store_true", help="estimate a training step's memory per GPU")
+    g.add_argument("--batch", type=positive_int, default=8, metavar="B", help="micro-batch per GPU (default 8)")
+    g.add_argument("--world", type=positive_int, default=1, metavar="W", help="GPUs (ranks) in all (default 1)")
+    g.add_argument("--sharding", choices=SHARDINGS, default="ddp", help="ddp (replicated, default) or fsdp")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_options(p)
 
@@ -62,6 +68,9 @@ def run(args) -> int:
     if print_config(args, cfg.to_dict()):
         return 0
     info = report(cfg, dtype=args.dtype, context=args.cache_tokens)
+    if args.memory:
+        mem = memory_estimate(cfg, micro_batch=args.batch, world=args.world, sharding=args.sharding, dtype=args.dtype)
+        info["memory_per_gpu"] = {"micro_batch": args.batch, "world": args.world, "sharding": args.sharding, **mem}
     if args.json:
         print(json.dumps(info))
         return 0
@@ -81,6 +90,12 @@ def run(args) -> int:
         ),
         ("train FLOPs / token", f"{info['flops_per_token']:,} ({human(info['flops_per_token'])})"),
     ]
+    if args.memory:
+        m = info["memory_per_gpu"]
+        where = f"{args.sharding} x{args.world}, micro-batch {args.batch} x {cfg.context} tokens, {args.dtype}"
+        rows.append((f"memory / GPU ({where})", ""))
+        for key in ("params", "grads", "optimizer", "comm_buffers", "activations", "logits", "total"):
+            rows.append((f"  {key.replace('_', ' ')}", f"{m[key] / 2**30:,.2f} GiB"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
