@@ -95,6 +95,7 @@ def test_interrupted_prepare_resumes_to_the_same_files(tmp_path, texts, monkeypa
     monkeypatch.setattr(prep, "CHUNK_BYTES", 512)
     monkeypatch.setattr(prep, "SPILL_TOKENS", 700)
     monkeypatch.setattr(prep, "BATCH_CHUNKS", 2)
+    monkeypatch.setattr(prep, "CHECKPOINT_SECONDS", 0.0)  # progress.json after every batch
     src = write_docs(tmp_path / "corpus", texts)
     real, calls = prep.encode_batch, {"n": 0}
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,8 +61,10 @@ SPLIT_RULES = ("document", "stream")
 META_NAME = "meta.json"
 PROGRESS_NAME = "progress.json"
 ROW_SUFFIXES = (".jsonl", ".parquet")  # files holding one document per row
-CHUNK_BYTES = 1 << 20  # text per encode call (a cut needs a newline within 16x this)
-BATCH_CHUNKS = 16  # chunks per parallel batch: bounds memory (~36 B per token while in Python lists)
+CHUNK_BYTES = 1 << 18  # text per piece (a cut needs a newline within 16x this)
+BATCH_CHUNKS = 4  # pieces per encoding thread in one batch call, at most MAX_BATCH
+MAX_BATCH = 64  # bounds memory: ~16 MB of text, ids at ~36 B each while they are Python lists
+CHECKPOINT_SECONDS = 10.0  # progress.json this often (each one flushes and fsyncs the token files)
 SPILL_TOKENS = 1 << 24  # a document longer than this goes to train.bin as it comes (split at its end)
 PREPARE_COMMAND = "qkvlab prepare --data {data} --tokenizer {tokenizer}"
 
@@ -536,7 +539,10 @@ def _prepare(source, spec, d: Path, key: str, val_fraction, split, force, progre
             desc=f"prepare {spec}",
             dynamic_ncols=True,
         )
-    threads = threads or os.cpu_count() or 1
+    threads = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    per_batch = min(MAX_BATCH, BATCH_CHUNKS * threads)
+    bytes_done = state["bytes_done"]
+    last_checkpoint = time.monotonic()
     try:
         for ui in range(state["unit"], len(units)):
             start = state["position"] if ui == state["unit"] else 0
@@ -546,16 +552,20 @@ def _prepare(source, spec, d: Path, key: str, val_fraction, split, force, progre
                 piece = next(stream, None)
                 if piece is not None:
                     batch.append(piece)
-                if batch and (piece is None or len(batch) >= BATCH_CHUNKS * threads):
+                if batch and (piece is None or len(batch) >= per_batch):
                     ids = encode_batch(tok, [p[0] for p in batch])  # parallel: tiktoken / tokenizers threads
                     for (_, end, _, _), x in zip(batch, ids):
                         writer.add(np.asarray(x, dtype=dtype), end)
-                    state.update(writer.checkpoint(), unit=ui, position=batch[-1][2])
-                    state["bytes_done"] += sum(p[3] for p in batch)
-                    _atomic_write(d / PROGRESS_NAME, json.dumps(state).encode())
+                    done = sum(p[3] for p in batch)
+                    position, batch = batch[-1][2], []
+                    if time.monotonic() - last_checkpoint >= CHECKPOINT_SECONDS:
+                        state.update(writer.checkpoint(), unit=ui, position=position)
+                        state["bytes_done"] = bytes_done + done
+                        _atomic_write(d / PROGRESS_NAME, json.dumps(state).encode())
+                        last_checkpoint = time.monotonic()
+                    bytes_done += done
                     if bar is not None:
-                        bar.update(sum(p[3] for p in batch))
-                    batch = []
+                        bar.update(done)
                 if piece is None:
                     break
             state.update(unit=ui + 1, position=0)
