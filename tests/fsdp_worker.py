@@ -1,6 +1,7 @@
 """Run by test_gpu_ready under `torchrun --nproc-per-node 2`: every scheme trained 2 steps with FSDP2
 on gloo, each rank on its half of the batch; rank 0 trains an unsharded copy on the whole batch and
-prints the largest loss or weight difference per scheme as one JSON line."""
+prints the largest loss or weight difference per scheme as one JSON line. Also: full state
+on rank 0 only, and a sharded model loaded from rank 0's dicts alone."""
 
 from __future__ import annotations
 
@@ -42,10 +43,27 @@ def main(schemes: list[str]) -> None:
             ref_loss.backward()
             ref_opt.step()
             ref_opt.zero_grad()
-        weights, _ = D.full_state(model, opt, sharded=True)
+        weights, optim = D.full_state(model, opt, sharded=True)
+        assert env.main or (not weights and not optim.get("state")), "full state on a non-main rank"
+        # resume at this world size from rank 0's dicts alone (the others read nothing)
+        torch.manual_seed(1)
+        fresh = D.shard(GPT(cfg.validate()).double(), env)
+        fresh_opt = make_optimizer(fresh, 1e-2, 0.1, (0.9, 0.95), env.device)
+        loaded = (weights, optim) if env.main else ({}, {})
+        D.load_full_state(fresh, fresh_opt, *loaded, sharded=True, from_rank0=True)
+        again, again_optim = D.full_state(fresh, fresh_opt, sharded=True)
         if env.main:
             ref_w = ref.state_dict()
             diffs[scheme] = max(max(losses), *((weights[k] - ref_w[k]).abs().max().item() for k in ref_w))
+            assert all(torch.equal(weights[k], again[k]) for k in weights)
+            assert json.dumps(optim["param_groups"]) == json.dumps(again_optim["param_groups"])  # betas: tuple or list
+            assert optim["state"].keys() == again_optim["state"].keys()
+            for n, st in optim["state"].items():
+                assert all(torch.equal(v, again_optim["state"][n][k]) for k, v in st.items()), (
+                    n,
+                    st,
+                    again_optim["state"][n],
+                )
     if env.main:
         print(json.dumps(diffs))
     D.teardown(env)

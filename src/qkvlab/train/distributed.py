@@ -149,11 +149,15 @@ def grad_sync(model: nn.Module, sync: bool):
         yield
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool = False) -> tuple[dict, dict]:
+def full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool = False, main: bool = True
+) -> tuple[dict, dict]:
     """Full (gathered) state dicts on the CPU, the optimizer's keyed by parameter name:
-    {"state": {name: {key: tensor}}, "param_groups": [{..., "params": [names]}]}. Sharded (FSDP)
-    models go through torch.distributed.checkpoint (a collective: call on every rank); replicated
-    and single-process ones take the direct route, same layout (tested), without DCP's import cost."""
+    {"state": {name: {key: tensor}}, "param_groups": [{..., "params": [names]}]}, on the main rank
+    only (the others get empty dicts: CPU memory is not multiplied by the ranks). Sharded (FSDP)
+    models go through torch.distributed.checkpoint, one parameter gathered to rank 0 at a time (a
+    collective: call on every rank); replicated and single-process ones take the direct route, same
+    layout (tested), without DCP's import cost."""
     if sharded:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -161,8 +165,10 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool
             get_optimizer_state_dict,
         )
 
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full dicts on rank 0 only
         return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
+    if not main:
+        return {}, {"state": {}, "param_groups": []}
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     names = _index_names(model, optimizer)
     osd = optimizer.state_dict()
@@ -180,8 +186,11 @@ def load_full_state(
     weights: dict,
     optim_state: dict | None,
     sharded: bool = False,
+    from_rank0: bool = False,
 ) -> None:
-    """Full state dicts (from any world size, either route) into a possibly sharded model."""
+    """Full state dicts (from any world size, either route) into a possibly sharded model.
+    from_rank0 (sharded only): only rank 0 passes the dicts (the others pass empty ones and need
+    not read the checkpoint); each tensor is broadcast and sharded in turn."""
     weights, optim_state = _without_legacy(weights, optim_state)
     if sharded:
         from torch.distributed.checkpoint.state_dict import (
@@ -190,7 +199,7 @@ def load_full_state(
             set_optimizer_state_dict,
         )
 
-        opts = StateDictOptions(full_state_dict=True)
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
         set_model_state_dict(model, weights, options=opts)
         if optimizer is not None and optim_state is not None:
             set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
@@ -213,7 +222,7 @@ def _without_legacy(weights: dict, optim_state: dict | None) -> tuple[dict, dict
     """Drop LEGACY parameters (and their optimizer state) from a checkpoint's state dicts."""
     old = lambda name: name.endswith(LEGACY)  # noqa: E731
     weights = {k: v for k, v in weights.items() if not old(k)}
-    if optim_state is not None:
+    if optim_state:  # (empty on the ranks that load from rank 0)
         optim_state = {
             "state": {n: s for n, s in optim_state["state"].items() if not old(n)},
             "param_groups": [
