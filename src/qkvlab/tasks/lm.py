@@ -85,17 +85,32 @@ class LMTask(Task):
         _, loss = model(inputs, targets)
         return loss
 
+    shards_evaluation = True  # evaluate(shard=env): each rank takes its share of the fixed batches
+
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
+    def evaluate(
+        self, model: nn.Module, *, batch_size: int, max_batches: int | None = None, shard=None
+    ) -> dict[str, float]:
+        """Mean loss over the fixed validation batches. shard (a train.distributed.Env): this rank
+        evaluates batches rank, rank + world, ... and the sums are all-reduced; every rank runs the
+        same number of forwards (FSDP's forward is a collective), padding ones counted zero."""
         n = max_batches or 10
         key = (n, batch_size, self.block_size(self.cfg))
         if key not in self._val:
             self._val[key] = fixed_val_batches(self.prepared.val, n, batch_size, key[2], seed=VAL_SEED)
         device = next(model.parameters()).device
-        total = 0.0
-        for x, y in self._val[key]:
-            total += float(self.loss(model, x.to(device), y.to(device)))
-        val_loss = total / n
+        rank, world = (shard.rank, shard.world) if shard is not None else (0, 1)
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, batches)
+        for i in range(rank, -(-n // world) * world, world):
+            x, y = self._val[key][i % n]
+            loss = self.loss(model, x.to(device), y.to(device)).double()
+            if i < n:
+                sums += torch.stack((loss, torch.ones_like(loss)))
+        if shard is not None:
+            from qkvlab.train.distributed import total
+
+            sums = total(shard, sums)
+        val_loss = float(sums[0] / sums[1])
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
 
     def save_artifacts(self, folder: Path) -> None:

@@ -85,6 +85,14 @@ def barrier(env: Env) -> None:
         dist.barrier()
 
 
+def total(env: Env, value: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (on the tensor's device: NCCL needs CUDA tensors)."""
+    if env.distributed:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
 def mean(env: Env, value: torch.Tensor) -> torch.Tensor:
     """Mean over ranks (SUM then divide: gloo has no AVG)."""
     if env.distributed:
