@@ -15,10 +15,10 @@ import torch.nn.functional as F
 
 from qkvlab.attention import Attention, _sdpa, apply_rotary
 from qkvlab.config import ModelConfig
+from qkvlab.devices import select_device
 from qkvlab.errors import UserError
 from qkvlab.generate import decode_step, left_pad, new_cache, prefill
 from qkvlab.model import GPT
-from qkvlab.train.distributed import select_device
 
 PLUS_SCHEMES = ["(Q-K-V)+", "(Id-K-V)+", "(Q=K-V)+", "(Q-K=V)+", "(Q=K=V)+", "(Id-K=V)+"]
 
@@ -387,4 +387,4 @@ def test_info_memory_command(capsys):
     )
     assert 0 < mem["total"] < 80 * 2**30  # the paper's 1.2B model fits an 80 GB GPU at micro-batch 8 on 8 GPUs
     assert main(["info", "--preset", "tiny", "--memory", "--batch", "0"]) == 2
-    assert "--batch=0" in capsys.readouterr().err
+    assert "--batch: 0 must be a positive integer" in capsys.readouterr().err

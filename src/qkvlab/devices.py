@@ -62,7 +62,28 @@ def resolve_device(requested: str, cuda_available: bool, local_rank: int = 0, pe
 
 
 def pick_device(requested: str = "auto"):
-    """torch.device for a single-process command (generate, bench)."""
+    """torch.device for a single-process command (generate, bench): CUDA always with an index."""
     import torch
 
-    return torch.device(resolve_device(requested, torch.cuda.is_available()))
+    return select_device(requested, 0, 1, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def select_device(requested: str, local_rank: int, world: int, cuda_count: int):
+    """The device this process trains on, always with an index when it is CUDA (set_device needs one).
+
+    requested: "auto", "cpu", "mps", "cuda" or "cuda:N"; cuda_count: visible CUDA devices (0 without
+    CUDA). "auto" and "cuda" pick cuda:LOCAL_RANK (one process per GPU under torchrun; cuda:0 alone).
+    Pure: a torch.device is only a name. The training ranks' resolver (train.distributed.setup)."""
+    import torch
+
+    check_device(requested)
+    dev = torch.device(("cuda" if cuda_count > 0 else "cpu") if requested == "auto" else requested)
+    if dev.type != "cuda":
+        return dev
+    if cuda_count == 0:
+        raise UserError(f"device={requested}: no CUDA device on this machine; use cpu or auto")
+    index = local_rank if dev.index is None else dev.index
+    if index >= cuda_count:
+        who = f"LOCAL_RANK={local_rank} of world size {world}" if dev.index is None else f"device={requested}"
+        raise UserError(f"{who} needs cuda:{index} but only {cuda_count} CUDA device(s) are visible")
+    return torch.device("cuda", index)

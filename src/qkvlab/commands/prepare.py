@@ -13,12 +13,14 @@ from __future__ import annotations
 import time
 
 from qkvlab.data.prepare import SPLIT_RULES, prepare
+from qkvlab.settings import finite_float, nonempty, positive_int
 from qkvlab.tasks.lm import DEFAULT_TOKENIZER
 
 
 def add_arguments(p) -> None:
     p.add_argument(
         "--data",
+        type=nonempty,
         metavar="SOURCE",
         help="a text file or folder, .jsonl/.parquet ('text' per row), 'shakespeare[:genres]' or "
         "'hf:NAME?split=..&text_field=..' (default: the Shakespeare plays)",
@@ -29,10 +31,12 @@ def add_arguments(p) -> None:
         default=DEFAULT_TOKENIZER,
         help=f"bpe:N, char or gpt2 (default {DEFAULT_TOKENIZER})",
     )
-    p.add_argument("--out", metavar="DIR", help="output folder (default: the cache, where training looks)")
-    p.add_argument("--val-fraction", type=float, default=0.1, metavar="F", help="validation share (default 0.1)")
+    p.add_argument(
+        "--out", type=nonempty, metavar="DIR", help="output folder (default: the cache, where training looks)"
+    )
+    p.add_argument("--val-fraction", type=finite_float, default=0.1, metavar="F", help="validation share (default 0.1)")
     p.add_argument("--split", choices=SPLIT_RULES, default="document", help="per document (default) or stream tail")
-    p.add_argument("--threads", type=int, metavar="N", help="encoding threads (default: every CPU)")
+    p.add_argument("--threads", type=positive_int, metavar="N", help="encoding threads (default: every CPU)")
     p.add_argument("--force", action="store_true", help="prepare again even if a finished one exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -80,6 +80,9 @@ class TrainConfig:
         choices=SHARDINGS,
         resumable=True,
     )
+    dist_timeout_s: int | None = setting(
+        None, help="timeout of the collectives in seconds (default: PyTorch's)", resumable=True, metavar="S"
+    )
     log_tensorboard: bool = setting(
         False, help="TensorBoard logs in OUT/tb (needs the 'tb' extra)", resumable=True, flags=("--tensorboard",)
     )
@@ -130,7 +133,7 @@ class TrainConfig:
         self.model.validate()
         for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "log_every"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("micro_batch_size", "checkpoint_every", "eval_batch_size", "lr_decay_steps"):
+        for name in ("micro_batch_size", "checkpoint_every", "eval_batch_size", "lr_decay_steps", "dist_timeout_s"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         _check_int("seed", self.seed, minimum=0)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from qkvlab.errors import UserError
+from qkvlab.devices import select_device
 
 
 @dataclass
@@ -35,25 +35,6 @@ class Env:
     @property
     def distributed(self) -> bool:
         return self.world > 1
-
-
-def select_device(requested: str, local_rank: int, world: int, cuda_count: int) -> torch.device:
-    """The device this process trains on, always with an index when it is CUDA (set_device needs one).
-
-    requested: "auto", "cpu", "mps", "cuda" or "cuda:N"; cuda_count: visible CUDA devices (0 without
-    CUDA). "auto" and "cuda" pick cuda:LOCAL_RANK (one process per GPU under torchrun; cuda:0 alone)."""
-    if requested == "auto":
-        requested = "cuda" if cuda_count > 0 else "cpu"
-    dev = torch.device(requested)
-    if dev.type != "cuda":
-        return dev
-    if cuda_count == 0:
-        raise UserError(f"device={requested} but no CUDA device is available; use device=auto or cpu")
-    index = local_rank if dev.index is None else dev.index
-    if index >= cuda_count:
-        who = f"LOCAL_RANK={local_rank} of world size {world}" if dev.index is None else f"device={requested}"
-        raise UserError(f"{who} needs cuda:{index} but only {cuda_count} CUDA device(s) are visible")
-    return torch.device("cuda", index)
 
 
 def setup(device: str = "auto", timeout_s: float | None = None) -> Env:
