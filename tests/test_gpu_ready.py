@@ -388,3 +388,13 @@ def test_info_memory_command(capsys):
     assert 0 < mem["total"] < 80 * 2**30  # the paper's 1.2B model fits an 80 GB GPU at micro-batch 8 on 8 GPUs
     assert main(["info", "--preset", "tiny", "--memory", "--batch", "0"]) == 2
     assert "--batch: 0 must be a positive integer" in capsys.readouterr().err
+
+
+def test_compiled_forward_has_no_graph_break_with_the_plus_term_under_autocast():
+    """torch.compile sees one graph: the autocast dtype query and the key-term channels trace."""
+    cfg = ModelConfig(attn="(Q=K-V)+", pos="rope", n_layer=2, n_head=4, d_model=32, vocab_size=64, context=16)
+    model = GPT(cfg.validate())
+    x = torch.randint(0, 64, (2, 17))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(model)(x[:, :-1], x[:, 1:])
+    assert explained.graph_break_count == 0, explained.break_reasons
