@@ -55,6 +55,7 @@ from qkvlab.data.text import (
 )
 from qkvlab.data.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer, encode_batch, load_tokenizer
 from qkvlab.errors import UserError
+from qkvlab.io import atomic_write
 
 FORMAT_VERSION = 2
 SPLIT_RULES = ("document", "stream")
@@ -96,12 +97,6 @@ def _memmap(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     if count == 0:  # mmap cannot map an empty file
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def load_prepared(out_dir: str | os.PathLike[str]) -> PreparedData:
@@ -238,7 +233,7 @@ def pieces(unit: Unit, start: int = 0) -> Iterator[tuple[str, bool, int, int]]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise UserError(f"{unit.name!r}: reading .parquet needs pyarrow: pip install 'qkvlab[data]'") from None
+            raise UserError(f"{unit.name!r}: reading .parquet needs pyarrow: pip install 'qkvlab[parquet]'") from None
         pf = pq.ParquetFile(unit.path)
         if "text" not in pf.schema_arrow.names:
             raise UserError(f"{unit.name!r} has no 'text' column; columns: {', '.join(pf.schema_arrow.names)}")
@@ -516,7 +511,7 @@ def _prepare(source, spec, d: Path, key: str, val_fraction, split, force, progre
         }
         for split_name in ("train", "val"):
             (d / f"{split_name}.bin").unlink(missing_ok=True)
-        _atomic_write(d / PROGRESS_NAME, json.dumps(state).encode())
+        atomic_write(d / PROGRESS_NAME, json.dumps(state))
     sha = state["corpus_sha256"]
     if (d / "qkvlab_tokenizer.json").is_file() and state.get("tokenizer_saved"):
         tok = load_tokenizer(d)
@@ -561,7 +556,7 @@ def _prepare(source, spec, d: Path, key: str, val_fraction, split, force, progre
                     if time.monotonic() - last_checkpoint >= CHECKPOINT_SECONDS:
                         state.update(writer.checkpoint(), unit=ui, position=position)
                         state["bytes_done"] = bytes_done + done
-                        _atomic_write(d / PROGRESS_NAME, json.dumps(state).encode())
+                        atomic_write(d / PROGRESS_NAME, json.dumps(state))
                         last_checkpoint = time.monotonic()
                     bytes_done += done
                     if bar is not None:
@@ -597,7 +592,7 @@ def _prepare(source, spec, d: Path, key: str, val_fraction, split, force, progre
         "split": {"rule": split, "val_fraction": val_fraction},
         "bin_sha256": {name: _file_sha(d / f"{name}.bin") for name in ("train", "val")},
     }
-    _atomic_write(d / META_NAME, (json.dumps(meta, indent=2) + "\n").encode())
+    atomic_write(d / META_NAME, json.dumps(meta, indent=2) + "\n")
     (d / PROGRESS_NAME).unlink(missing_ok=True)
     return load_prepared(d)
 
