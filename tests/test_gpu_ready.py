@@ -148,7 +148,7 @@ def test_plus_term_in_the_dot_product_equals_the_explicit_formula_float64(scheme
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_row_term_and_bias_have_zero_gradient_and_old_checkpoints_load(monkeypatch):
+def test_row_term_and_bias_have_zero_gradient_and_old_checkpoints_load(monkeypatch, tmp_path):
     """The reason a(i) and b are not computed: softmax over keys cancels them (gradient 0)."""
     model = plus_model("(Q-K=V)+", "rope", None)
     attn = model.trunk.blocks[0].attn
@@ -171,6 +171,17 @@ def test_row_term_and_bias_have_zero_gradient_and_old_checkpoints_load(monkeypat
     fresh = plus_model("(Q-K=V)+", "rope", None)
     fresh.load_state_dict(state, strict=True)
     assert all(p.dim() >= 1 for p in fresh.parameters())  # FSDP2 refuses 0-dim parameters
+    # and a model folder written before (safetensors + config.json) loads through io.load_model
+    from safetensors.torch import save_file
+
+    from qkvlab.io import load_model, save_model, state_dict_for_save
+
+    save_model(tmp_path / "m", model, model.cfg)
+    old = {**state_dict_for_save(model), "trunk.blocks.1.attn.score_term.bias": torch.tensor(0.5, dtype=torch.float64)}
+    save_file(old, str(tmp_path / "m" / "model.safetensors"))
+    loaded, _, _ = load_model(tmp_path / "m")
+    x = torch.randint(0, 50, (2, 7))
+    torch.testing.assert_close(loaded(x)[0], model(x)[0], rtol=0, atol=0)
 
 
 def test_fast_path_keeps_the_causal_kernel_and_leaves_the_shared_tensor_alone(monkeypatch):

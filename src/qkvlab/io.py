@@ -331,15 +331,18 @@ def build_model_from_state(
 
 
 def check_state(model: torch.nn.Module, state: dict[str, torch.Tensor], aliases: dict[str, str], where: str) -> None:
-    """One line naming the first tensor that is missing, unexpected or of the wrong shape."""
+    """One line naming the first tensor that is missing, unexpected or of the wrong shape (keys older
+    versions wrote that never acted, positions.LEGACY_KEYS, are accepted: loading drops them)."""
+    from qkvlab.positions import is_legacy_key
+
     expected = {k: v for k, v in model.state_dict().items() if k not in aliases}
     missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    unexpected = sorted(k for k in set(state) - set(expected) if not is_legacy_key(k))
     if missing or unexpected:
         what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
         raise UserError(
             f"{where}: weights do not fit this architecture ({what}, {len(missing)} missing, {len(unexpected)} unexpected)"
         )
     for name, t in state.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
+        if name in expected and tuple(t.shape) != tuple(expected[name].shape):
             raise UserError(f"{where}: {name} has shape {tuple(t.shape)}, config expects {tuple(expected[name].shape)}")

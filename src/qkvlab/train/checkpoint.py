@@ -39,6 +39,7 @@ from qkvlab.io import (
     json_text,
     load_weights,
 )
+from qkvlab.positions import is_legacy_key
 
 CHECKPOINT = "checkpoint"
 OPTIMIZER = "optimizer.safetensors"
@@ -175,6 +176,8 @@ def check_against_model(
     check_state(model, weights, aliases, where)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     for name, entry in optimizer["state"].items():
+        if is_legacy_key(name):  # dropped when loaded (train.distributed)
+            continue
         for key, t in entry.items():
             if name not in shapes or (t.dim() > 0 and tuple(t.shape) != shapes[name]):
                 got = tuple(t.shape) if name in shapes else "no such parameter"

@@ -204,12 +204,10 @@ def load_full_state(
         )
 
 
-LEGACY = ("score_term.bias",)  # parameters older versions had and that never acted (positions.ScoreTerm2D)
-
-
 def _without_legacy(weights: dict, optim_state: dict | None) -> tuple[dict, dict | None]:
-    """Drop LEGACY parameters (and their optimizer state) from a checkpoint's state dicts."""
-    old = lambda name: name.endswith(LEGACY)  # noqa: E731
+    """Drop positions.LEGACY_KEYS (and their optimizer state) from a checkpoint's state dicts."""
+    from qkvlab.positions import is_legacy_key as old
+
     weights = {k: v for k, v in weights.items() if not old(k)}
     if optim_state:  # (empty on the ranks that load from rank 0)
         optim_state = {
