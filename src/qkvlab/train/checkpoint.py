@@ -151,13 +151,19 @@ def find_checkpoint(out_dir: Path, *, repair: bool = True) -> Path | None:
     return path if path.exists() else None
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """-> (model weights, optimizer state dict, state.json), verified (`verify_checkpoint`)."""
+def load_checkpoint(
+    path: Path, *, tensors: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """-> (model weights, optimizer state dict, state.json), verified (`verify_checkpoint`).
+    tensors=False: empty dicts for the first two (FSDP ranks other than 0, loaded by broadcast)."""
     path = Path(path)
     state = verify_checkpoint(path)
-    weights = load_weights(path / WEIGHTS)
-    optimizer = unflatten_optimizer(load_weights(path / OPTIMIZER), state.pop("optimizer_param_groups"))
+    groups = state.pop("optimizer_param_groups")
     state.pop("files", None)
+    if not tensors:
+        return {}, {}, state
+    weights = load_weights(path / WEIGHTS)
+    optimizer = unflatten_optimizer(load_weights(path / OPTIMIZER), groups)
     return weights, optimizer, state
 
 

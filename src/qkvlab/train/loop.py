@@ -114,7 +114,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progre
     if cfg.log_tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("log_tensorboard needs TensorBoard: pip install 'qkvlab[tb]'")
     out = Path(out_dir)
-    env = D.setup(cfg.device)
+    env = D.setup(cfg.device, cfg.dist_timeout_s)
     claim = None
     try:
         _check_memory(cfg, cfg.model, env, with_vocab=False)  # before anything is written or built
@@ -178,10 +178,8 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
 
 # ---- set-up ---------------------------------------------------------------------------------------
 def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
-    """Task (rank 0 first: it may tokenize and cache the corpus), model, optimizer, wrappers."""
-    task = get_task(cfg.task, **cfg.task_options) if env.main else None
-    D.barrier(env)
-    task = task or get_task(cfg.task, **cfg.task_options)
+    """Task (ranks never tokenize: `qkvlab prepare` did), model, optimizer, wrappers."""
+    task = get_task(cfg.task, **cfg.task_options)
     model_cfg = task.adapt_config(cfg.model)
     _check_memory(cfg, model_cfg, env, with_vocab=True)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
@@ -189,12 +187,12 @@ def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
     aliases = tied_aliases(raw)
     params = sum(p.numel() for p in raw.parameters())
     sharded = env.distributed and cfg.sharding == "fsdp"
-    if sharded:
-        D.shard(raw, env)
-    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, cfg.betas, env.device)
-    fwd = torch.compile(raw) if cfg.compile else raw
-    train_fwd = D.replicate(fwd, env) if env.distributed and cfg.sharding == "ddp" else fwd
     dtype = torch_dtype(cfg.dtype, env.device.type)
+    if sharded:  # blocks compiled one by one before sharding; bf16 all-gathers, fp32 reduction
+        D.shard(raw, env, param_dtype=dtype if dtype != torch.float32 else None, compile=cfg.compile)
+    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, cfg.betas, env.device)
+    fwd = torch.compile(raw) if cfg.compile and not sharded else raw
+    train_fwd = D.replicate(fwd, env) if env.distributed and cfg.sharding == "ddp" else fwd
     autocast = torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     return Run(
         cfg=cfg,
@@ -233,8 +231,17 @@ def _start(run: Run) -> State:
 def _restore(run: Run, saved: Saved) -> State:
     """Weights, optimizer state and RNG streams from a checkpoint; the State it recorded."""
     st = saved.state
-    ck.check_against_model(saved.weights, saved.optimizer, run.raw, run.aliases, run.out / ck.CHECKPOINT)
-    D.load_full_state(run.raw, run.optimizer, with_aliases(saved.weights, run.aliases), saved.optimizer, run.sharded)
+    error = None
+    if run.env.main or not run.sharded:  # under FSDP rank 0 alone read the tensors, and checks them
+        try:
+            ck.check_against_model(saved.weights, saved.optimizer, run.raw, run.aliases, run.out / ck.CHECKPOINT)
+        except UserError as e:
+            error = e
+    verdict = D.all_gather_object(run.env, None if error is None else str(error))[0] if run.sharded else None
+    if error is not None or verdict is not None:
+        raise error or UserError(verdict)
+    weights = with_aliases(saved.weights, run.aliases) if saved.weights else {}
+    D.load_full_state(run.raw, run.optimizer, weights, saved.optimizer, run.sharded, from_rank0=run.sharded)
     rngs = st["rng"]
     if len(rngs) == run.env.world:
         ck.set_rng_state(run.env.device, rngs[run.env.rank])
@@ -298,7 +305,10 @@ def evaluate(run: Run) -> dict[str, float]:
     """The task's validation scores, in eval mode without gradients."""
     run.fwd.eval()
     with torch.no_grad(), run.autocast:
-        scores = run.task.evaluate(run.fwd, batch_size=run.cfg.val_batch_size, max_batches=run.cfg.eval_batches)
+        shard = {"shard": run.env} if run.env.distributed and getattr(run.task, "shards_evaluation", False) else {}
+        scores = run.task.evaluate(
+            run.fwd, batch_size=run.cfg.val_batch_size, max_batches=run.cfg.eval_batches, **shard
+        )
     run.fwd.train()
     return {k: float(v) for k, v in scores.items()}
 
@@ -346,7 +356,7 @@ def _write_metrics(out: Path, rows: list[dict[str, Any]]) -> None:
 def save_checkpoint(run: Run, state: State) -> dict[str, Any]:
     """Write OUT/checkpoint (a collective under FSDP); returns a snapshot of its state.json."""
     env = run.env
-    weights, optim_state = D.full_state(run.raw, run.optimizer, run.sharded)
+    weights, optim_state = D.full_state(run.raw, run.optimizer, run.sharded, main=env.main)  # rank 0's alone
     bad = next((k for k, t in weights.items() if not torch.isfinite(t).all()), None) if env.main else None
     bad = D.all_gather_object(env, bad)[0]
     if bad is not None:  # never write a checkpoint that is not good

@@ -55,7 +55,7 @@ class Saved:
 
 def read_checkpoint(cfg: TrainConfig, out: Path, env: D.Env, resume: bool) -> Saved | None:
     """OUT's checkpoint, or None to start fresh. Rank 0 first repairs an interrupted checkpoint
-    write, then every rank reads."""
+    write, then every rank reads (under FSDP only rank 0 reads the tensors)."""
     if env.main:
         ck.find_checkpoint(out, repair=True)
     D.barrier(env)
@@ -64,7 +64,8 @@ def read_checkpoint(cfg: TrainConfig, out: Path, env: D.Env, resume: bool) -> Sa
         return None
     if not resume:
         raise UserError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
-    weights, optim_state, state = ck.load_checkpoint(found)
+    fsdp = env.distributed and cfg.sharding == "fsdp"  # rank 0 alone holds the tensors; it broadcasts them
+    weights, optim_state, state = ck.load_checkpoint(found, tensors=env.main or not fsdp)
     check_resumable(state["train_config"], cfg, out)
     if state["step"] > cfg.max_steps:
         raise UserError(f"{found} is at step {state['step']}, beyond max_steps={cfg.max_steps}")
