@@ -250,6 +250,32 @@ def test_ddp_and_fsdp_on_two_cpu_processes_match_one_and_resume_at_world_size_on
         assert json.loads((tmp_path / s / "checkpoint" / "state.json").read_text())["world_size"] == 1
 
 
+def test_fsdp_resumes_on_two_processes_from_rank_0_and_bf16_mixed_precision_runs(corpus, tmp_path):
+    """FSDP at world size 2: a run stopped at step 3 and resumed (only rank 0 reads the checkpoint's
+    tensors, then broadcasts) ends like one process; bf16 (MixedPrecisionPolicy) trains finite."""
+    assert cli.main(["prepare", "--data", str(corpus), "--tokenizer", "char", "--quiet"]) == 0
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "qkvlab"]
+    common = [*CLI_BASE, "--data", str(corpus), "--eval-every", "3", "--sharding", "fsdp", "--dist-timeout-s", "120"]
+
+    def run(*extra):
+        done = subprocess.run([*launch, "train", *common, *extra], env=_env(), capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    run("--max-steps", "3", "--out", str(tmp_path / "fsdp"))
+    run("--max-steps", "6", "--out", str(tmp_path / "fsdp"), "--resume")
+    one = train(tiny(corpus, max_steps=6, eval_every=3), tmp_path / "one", progress=False)
+    rows = read_metrics(tmp_path / "fsdp")
+    assert [r["step"] for r in rows] == [0, 3, 6]
+    assert all(abs(r["val_loss"] - q["val_loss"]) < 1e-5 for r, q in zip(rows, one.history))
+    final, ref = (
+        load_file(str(tmp_path / "fsdp" / "model.safetensors")),
+        load_file(str(tmp_path / "one" / "model.safetensors")),
+    )
+    assert all(torch.allclose(final[k], ref[k], atol=1e-4) for k in ref)
+    run("--max-steps", "3", "--dtype", "bfloat16", "--out", str(tmp_path / "bf16"))
+    assert all(math.isfinite(r["val_loss"]) for r in read_metrics(tmp_path / "bf16"))
+
+
 # ---------------------------------------------------------------- failures
 
 
