@@ -247,7 +247,7 @@ def test_export_builds_every_tensor_on_the_weights_device(scheme, fmt, pos, mlp,
 def test_fsdp_on_two_gloo_processes_trains_every_scheme_like_one_process(tmp_path):
     from qkvlab.spec import KNOWN_SCHEMES
 
-    schemes = [*KNOWN_SCHEMES, "(Q-K-V)+", "(Q-K=V)+", "(Id-K=V)+", "Q-Id-V"]
+    schemes = sorted({*KNOWN_SCHEMES, *PLUS_SCHEMES, "Q-Id-V", "Q-K-Id"})
     run = subprocess.run(
         [
             sys.executable,
