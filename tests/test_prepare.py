@@ -185,3 +185,26 @@ def test_prepare_command(tmp_path, capsys):
     assert "already prepared" in capsys.readouterr().out
     assert main(["prepare", "--data", str(tmp_path / "none.txt"), "--tokenizer", "char"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_users_folder_is_refused_and_two_preparers_share_one_result(tmp_path, texts):
+    import os
+    import subprocess
+    import sys
+
+    src = write_docs(tmp_path / "corpus", texts)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match="not a prepared data folder"):
+        prepare(str(src), "char", mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    cmd = [sys.executable, "-m", "qkvlab", "prepare", "--data", str(src), "--tokenizer", "bpe:400", "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([*cmd, "--out", str(tmp_path / "same")], env=env, stdout=subprocess.PIPE) for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and sum("already prepared" in o for o in outs) == 1, outs
+    alone = prepare(str(src), "bpe:400", tmp_path / "alone")
+    assert load_prepared(tmp_path / "same").meta["bin_sha256"] == alone.meta["bin_sha256"]

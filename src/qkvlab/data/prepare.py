@@ -29,6 +29,7 @@ from progress.json (same inputs, same folder).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -55,6 +56,7 @@ from qkvlab.data.text import (
 )
 from qkvlab.data.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer, encode_batch, load_tokenizer
 from qkvlab.errors import UserError
+from qkvlab.folders import LOCK
 from qkvlab.io import atomic_write
 
 FORMAT_VERSION = 2
@@ -469,14 +471,8 @@ def prepare(
     spec = TokenizerSpec.parse(tokenizer_spec)
     key = prepare_key(source, spec, split, val_fraction)
     d = Path(out_dir) if out_dir is not None else cache_dir() / "prepared" / key[:16]
-    if not force and (d / META_NAME).is_file():
-        try:
-            existing = load_prepared(d)
-            if existing.meta.get("key") == key:
-                existing.cached = True
-                return existing
-        except (UserError, ValueError, KeyError):
-            pass  # stale or broken: prepare again
+    if not force and (found := _cached(d, key)) is not None:
+        return found
     if not tokenize:
         data = describe_source(source)
         raise UserError(
@@ -486,12 +482,53 @@ def prepare(
             + ("" if split == "document" else f" --split {split}")
             + "` once before launching"
         )
-    return _prepare(source, spec, d, key, val_fraction, split, force, progress, threads)
+    _check_target(d)
+    d.mkdir(parents=True, exist_ok=True)
+    with _exclusive(d):  # two processes preparing the same corpus: the second waits, then reuses
+        if not force and (found := _cached(d, key)) is not None:
+            return found
+        return _prepare(source, spec, d, key, val_fraction, split, force, progress, threads)
+
+
+def _cached(d: Path, key: str) -> PreparedData | None:
+    if (d / META_NAME).is_file():
+        try:
+            existing = load_prepared(d)
+            if existing.meta.get("key") == key:
+                existing.cached = True
+                return existing
+        except (UserError, ValueError, KeyError):
+            pass  # stale or broken: prepare again
+    return None
+
+
+def _check_target(d: Path) -> None:
+    """A user's folder is never written into: the target is new, empty or a prepared folder."""
+    if not d.exists():
+        return
+    ours = (d / META_NAME).is_file() or (d / PROGRESS_NAME).is_file()
+    if not d.is_dir() or (not ours and any(p.name != LOCK for p in d.iterdir())):
+        raise UserError(f"{str(d)!r} is not a prepared data folder (nor empty); give --out a new or empty folder")
+
+
+@contextlib.contextmanager
+def _exclusive(d: Path) -> Iterator[None]:
+    """Hold an exclusive flock on the folder's lock file (waiting for it); no-op without fcntl."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
 
 
 def _prepare(source, spec, d: Path, key: str, val_fraction, split, force, progress, threads) -> PreparedData:
     units = corpus_units(source)
-    d.mkdir(parents=True, exist_ok=True)
     (d / META_NAME).unlink(missing_ok=True)  # meta.json is written last: its presence means complete
     state: dict = {}
     if not force and (d / PROGRESS_NAME).is_file():
