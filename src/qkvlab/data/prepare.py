@@ -230,7 +230,7 @@ def pieces(unit: Unit, start: int = 0) -> Iterator[tuple[str, bool, int, int]]:
                     raise UserError(
                         f"{unit.name!r}: line at byte {pos - len(line)} is not a JSON object with a 'text' field"
                     ) from None
-                yield str(text), True, pos, len(line)
+                yield "" if text is None else str(text), True, pos, len(line)
     elif unit.kind == "parquet":
         try:
             import pyarrow.parquet as pq
@@ -285,7 +285,7 @@ def content_hash(units: list[Unit]) -> tuple[str, int]:
 class _Writer:
     """Appends documents' ids to train.bin/val.bin under the split rule. A document is held in
     memory until it ends or passes SPILL_TOKENS; then it goes to train.bin and its val tail is moved
-    over when it ends. `state()` after `checkpoint()` is everything a resume needs."""
+    over when it ends. What `checkpoint()` returns is everything a resume needs."""
 
     def __init__(self, d: Path, dtype: np.dtype, eot: int | None, val_fraction: float, rule: str, state: dict):
         self.dtype, self.val_fraction, self.rule = dtype, val_fraction, rule
@@ -533,7 +533,7 @@ def _prepare(source, spec, d: Path, key: str, val_fraction, split, force, progre
     state: dict = {}
     if not force and (d / PROGRESS_NAME).is_file():
         with_key = json.loads((d / PROGRESS_NAME).read_text())
-        state = with_key if with_key.get("key") == key else {}
+        state = with_key if with_key.get("key") == key and not with_key.get("finishing") else {}
     if "corpus_sha256" not in state:  # pass 1: the content hash (and nothing else is trusted from before)
         sha, n_docs = content_hash(units)
         if n_docs == 0:
@@ -601,6 +601,8 @@ def _prepare(source, spec, d: Path, key: str, val_fraction, split, force, progre
                 if piece is None:
                     break
             state.update(unit=ui + 1, position=0)
+        state.update(writer.checkpoint(), finishing=True)  # the last step rewrites the files: not resumable
+        atomic_write(d / PROGRESS_NAME, json.dumps(state))
         writer.finish()
     finally:
         if bar is not None:
