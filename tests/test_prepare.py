@@ -196,7 +196,7 @@ def test_a_users_folder_is_refused_and_two_preparers_share_one_result(tmp_path, 
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    with pytest.raises(UserError, match="not a prepared data folder"):
+    with pytest.raises(UserError, match="not a prepared data folder .it holds .notes.txt"):
         prepare(str(src), "char", mine)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
     cmd = [sys.executable, "-m", "qkvlab", "prepare", "--data", str(src), "--tokenizer", "bpe:400", "--quiet"]

@@ -502,13 +502,23 @@ def _cached(d: Path, key: str) -> PreparedData | None:
     return None
 
 
+OWN_FILES = (META_NAME, PROGRESS_NAME, LOCK, "train.bin", "val.bin", "qkvlab_tokenizer.json", "bpe.json")
+
+
 def _check_target(d: Path) -> None:
-    """A user's folder is never written into: the target is new, empty or a prepared folder."""
+    """A user's folder is never written into: the target is new, or holds only what prepare writes
+    (its files, their temp files while being written)."""
     if not d.exists():
         return
-    ours = (d / META_NAME).is_file() or (d / PROGRESS_NAME).is_file()
-    if not d.is_dir() or (not ours and any(p.name != LOCK for p in d.iterdir())):
-        raise UserError(f"{str(d)!r} is not a prepared data folder (nor empty); give --out a new or empty folder")
+    foreign = (
+        [p.name for p in d.iterdir() if p.name not in OWN_FILES and not p.name.endswith(".tmp")]
+        if d.is_dir()
+        else [d.name]
+    )
+    if foreign:
+        raise UserError(
+            f"{str(d)!r} is not a prepared data folder (it holds {foreign[0]!r}); give --out a new or empty folder"
+        )
 
 
 @contextlib.contextmanager
