@@ -24,9 +24,7 @@ from qkvlab.positions import ScoreTerm2D
 
 
 def before(term, q, k, v, pos, scale):
-    half = term.channels // 2
-    pe = term.pe.to(term.weight.dtype)
-    a, c = pe[pos] @ term.weight[:half], pe[pos] @ term.weight[half:]
+    a, c = term.row_col_terms(pos, pos)
     T = q.shape[2]
     add = (a[:, :, None] + c[:, None, :] + 0.1)[:, None].to(q.dtype)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()

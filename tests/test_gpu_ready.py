@@ -19,6 +19,7 @@ from qkvlab.devices import select_device
 from qkvlab.errors import UserError
 from qkvlab.generate import decode_step, left_pad, new_cache, prefill
 from qkvlab.model import GPT
+from qkvlab.positions import encoding_2d
 
 PLUS_SCHEMES = ["(Q-K-V)+", "(Id-K-V)+", "(Q=K-V)+", "(Q-K=V)+", "(Q=K=V)+", "(Id-K=V)+"]
 
@@ -55,7 +56,7 @@ def test_device_selection_always_indexes_cuda(world):
 
 
 def legacy_forward(self, x, *, q_pos, rope=None, rope_k=None, cache=None, mask=None):
-    """Attention.forward before the fast path: the explicit additive mask S*sum(w) + a(i) + c(j) + b
+    """Attention.forward before the fast path: the explicit additive mask S*sum(w) + P[i, j] . w + b
     (b: the test's `legacy_bias` attribute), float mask, no causal kernel."""
     B, T, _ = x.shape
     src = self.spec.source
@@ -74,10 +75,10 @@ def legacy_forward(self, x, *, q_pos, rope=None, rope_k=None, cache=None, mask=N
     if rope is not None and self.k_shared_with_v:
         k = apply_rotary(k, *(rope_k if rope_k is not None else rope))
     term = self.score_term
-    half = term.channels // 2
-    pe = term.pe.to(term.weight.dtype)
-    a, c = pe[q_pos] @ term.weight[:half], pe[k_pos] @ term.weight[half:]
-    additive = (a[:, :, None] + c[:, None, :] + self.legacy_bias)[:, None].to(q.dtype)  # (B, 1, T, S)
+    P = encoding_2d(term.max_positions, term.max_positions, term.channels, term.encoding).to(term.weight.dtype)
+    qp, kp = q_pos.expand(B, -1), k_pos.expand(B, -1)
+    pw = P[qp[:, :, None], kp[:, None, :]] @ term.weight  # P[i, j] . w, by the definition: (B, T, S)
+    additive = (pw + self.legacy_bias)[:, None].to(q.dtype)  # (B, 1, T, S)
     q = q * term.score_scale()
     attn_mask = mask
     if attn_mask is None and self.causal and cache is None:

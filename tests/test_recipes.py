@@ -58,17 +58,16 @@ def test_encoding_2d_channel_split_and_rectangles():
 @pytest.mark.parametrize("encoding", ["original", "halves"])
 @pytest.mark.parametrize("m", [10, 50])
 def test_score_term_is_linear_map_of_encoding(encoding, m):
-    """additive() = P[i, j] . w + b with P = encoding_2d, at arbitrary (cached) positions."""
+    """a(i) + c(j) = P[i, j] . w with P = encoding_2d, at arbitrary (cached) positions (the Linear's
+    bias cancels under softmax and is not a parameter: positions.ScoreTerm2D)."""
     torch.manual_seed(0)
     term = ScoreTerm2D(m, 40, encoding).double()
-    with torch.no_grad():
-        term.bias.fill_(0.3)
     q_pos, k_pos = torch.randint(0, 40, (2, 7)), torch.randint(0, 40, (2, 11))
     P = encoding_2d(40, 40, m, encoding)
-    want = P[q_pos[:, :, None], k_pos[:, None, :]] @ term.weight.detach() + 0.3  # (B, T, S)
-    torch.testing.assert_close(term.additive(q_pos, k_pos, torch.float64)[:, 0], want, rtol=0, atol=1e-13)
+    want = P[q_pos[:, :, None], k_pos[:, None, :]] @ term.weight.detach()  # (B, T, S)
     a, c = term.row_col_terms(q_pos, k_pos)
-    torch.testing.assert_close(a[:, :, None] + c[:, None, :] + 0.3, want, rtol=0, atol=1e-13)
+    torch.testing.assert_close(a[:, :, None] + c[:, None, :], want, rtol=0, atol=1e-13)
+    torch.testing.assert_close(term.key_term(k_pos), c, rtol=0, atol=0)
 
 
 def test_plus_encoding_is_a_model_option():

@@ -158,6 +158,15 @@ def _attention_plus_pad(cfg: ModelConfig) -> int:
     return plus_channels_pad(cfg.head_dim) if cfg.spec.plus else 0
 
 
+def _key_channels(cfg: ModelConfig) -> int:
+    """Channels of the "+" term's column (key position) part."""
+    import torch
+
+    from qkvlab.positions import axis_encodings
+
+    return axis_encodings(torch.arange(1), cfg.plus_channels, cfg.plus_encoding)[1].shape[1]
+
+
 def activation_elements_per_token(cfg: ModelConfig) -> dict[str, int]:
     """Elements autograd keeps per token for the backward pass, per layer and outside the layers,
     with flash-style attention (no (T, T) tensor: q, k, v, output and log-sum-exp) and eager norms
@@ -170,7 +179,7 @@ def activation_elements_per_token(cfg: ModelConfig) -> dict[str, int]:
     pad = _attention_plus_pad(cfg)
     if pad:  # "+" (attention.ride_key_term): q kept for the scale, q', k', v' and the output widened
         layer += (nh * hd if cfg.pos == "rope" else 0) + (2 * nh + 2 * kv) * (hd + pad) + nh * hd
-        layer += cfg.plus_channels // 2  # the key positions' sinusoids
+        layer += _key_channels(cfg)  # the key positions' sinusoids
     else:  # rotated query and keys are new tensors; the output doubles as out_proj's input
         layer += ((nh + kv) * hd if cfg.pos == "rope" else 0) + nh * hd
     layer += nh  # log-sum-exp
