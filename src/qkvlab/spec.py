@@ -231,7 +231,9 @@ def _layer_entry(text: str, entry: str, n_head: int) -> tuple[str | None, int | 
     return scheme, int(kv), True
 
 
-def _layer_selection(text: str, sel: str, n_layer: int) -> list[int]:
+def select_layers(sel: str, n_layer: int, text: str | None = None) -> list[int]:
+    """The layers a selection SEL names ('every4', '0,5,7', '-4:'), in order, without repeats."""
+    text = sel if text is None else text
     out: list[int] = []
     for item in sel.split(","):
         item = item.strip()
@@ -254,7 +256,7 @@ def _layer_selection(text: str, sel: str, n_layer: int) -> list[int]:
             raise UserError(f"layers {text!r}: selection {item!r} is not a layer index, a slice a:b[:s] or everyK")
     if not out:
         raise UserError(f"layers {text!r}: selection {sel!r} names no layer of {n_layer}")
-    return out
+    return list(dict.fromkeys(out))
 
 
 def parse_layers(
@@ -286,7 +288,7 @@ def parse_layers(
         scheme, kv, has_kv = _layer_entry(text, entry, n_head)
         if scheme is None and not has_kv:
             raise UserError(f"layers {text!r}: override {part.strip()!r} names neither a scheme nor kv heads")
-        for i in _layer_selection(text, sel, n_layer):
+        for i in select_layers(sel, n_layer, text):
             table[i] = (scheme or table[i][0], kv if has_kv else table[i][1])
     return tuple(table)
 
