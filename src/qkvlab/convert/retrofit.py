@@ -261,8 +261,10 @@ def fit(
     pool: str = "fit",
     calib_tokens: int = 2048,
     block: int | None = None,
+    inputs: list[torch.Tensor] | None = None,
 ) -> FitResult:
-    """The retrofitted model (in the source's dtype) and per-layer fit quality; see the module doc."""
+    """The retrofitted model (in the source's dtype) and per-layer fit quality; see the module doc.
+    inputs: the layers' calibration inputs from `attention_inputs` (computed here when None)."""
     dst = parse_scheme(to)
     if dst.name not in TARGETS:
         raise UserError(
@@ -280,7 +282,7 @@ def fit(
     candidates = select_layers(layers, cfg.n_layer) if layers else list(range(cfg.n_layer))
     table = list(cfg.layer_table())
     block = block or min(cfg.context, 256)
-    xs = attention_inputs(model, calib, calib_tokens, block)
+    xs = inputs if inputs is not None else attention_inputs(model, calib, calib_tokens, block)
     fits: dict[int, tuple] = {}
     report: list[LayerFit] = []
     for i in candidates:
