@@ -187,3 +187,21 @@ def test_retrofit_refuses_foreign_out(trained, capsys):
     assert main(argv) == 2
     assert "not written by qkvlab retrofit" in capsys.readouterr().err
     assert (foreign / "notes.txt").read_text() == "keep me" and len(list(foreign.iterdir())) == 1
+
+
+def test_kl_and_distill_options():
+    import torch.nn.functional as F
+
+    from qkvlab.tasks import get_task
+    from qkvlab.tasks.distill import kl_teacher_student
+
+    t, s = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    assert kl_teacher_student(t, t).item() == pytest.approx(0.0, abs=1e-6)
+    ref = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1).mean()
+    assert kl_teacher_student(t, s).item() == pytest.approx(ref.item(), rel=1e-5)
+    with pytest.raises(UserError, match="unknown distill task option 'temp'"):
+        get_task("distill", teacher="a", student="b", tokens="c", temp=2)
+    with pytest.raises(UserError, match="both 0"):
+        get_task("distill", teacher="a", student="b", tokens="c", kl_weight=0, lm_weight=0)
+    with pytest.raises(UserError, match="needs the option teacher"):
+        get_task("distill", student="b", tokens="c")

@@ -40,7 +40,13 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, metavar="N")
     p.add_argument("--kl-weight", type=float, default=d.kl_weight, help="weight of KL(teacher||student) (default 1)")
+    p.add_argument(
+        "--lm-weight", type=float, default=d.lm_weight, help="weight of the LM loss (default 1; 0: pure distillation)"
+    )
     p.add_argument("--eval-every", type=int, default=d.eval_every, metavar="N")
+    p.add_argument(
+        "--eval-batches", type=int, default=d.eval_batches, metavar="N", help="validation batches per uptraining eval"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype, help="training autocast")
@@ -65,7 +71,9 @@ def run(args) -> int:
         lr=args.lr,
         warmup_steps=args.warmup_steps,
         kl_weight=args.kl_weight,
+        lm_weight=args.lm_weight,
         eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
         seed=args.seed,
         device=args.device,
         dtype=args.dtype,

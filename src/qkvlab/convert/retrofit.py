@@ -359,7 +359,9 @@ class RetrofitOptions:
     lr: float = 3e-4
     warmup_steps: int = 20
     kl_weight: float = 1.0
+    lm_weight: float = 1.0
     eval_every: int = 50
+    eval_batches: int = 10
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
@@ -367,7 +369,7 @@ class RetrofitOptions:
 
 def _owned(out: Path) -> bool:
     """An OUT this command wrote before (so --resume may continue it)."""
-    return (out / TOKENS_FILE).is_file() and (out / "fit" / "config.json").is_file()
+    return (out / TOKENS_FILE).is_file()  # written first, before any other file
 
 
 def retrofit(
@@ -431,6 +433,7 @@ def retrofit(
                 "student": str((out / "fit").resolve()),
                 "tokens": str(tokens.resolve()),
                 "kl_weight": opts.kl_weight,
+                "lm_weight": opts.lm_weight,
                 "block_size": block,
             },
             model=res.cfg,
@@ -440,6 +443,7 @@ def retrofit(
             lr=opts.lr,
             warmup_steps=min(opts.warmup_steps, opts.steps),
             eval_every=min(opts.eval_every, opts.steps),
+            eval_batches=opts.eval_batches,
             device=opts.device,
             dtype=opts.dtype,
             log_tensorboard=False,

@@ -1,12 +1,13 @@
 """Distillation: a student (a model folder, e.g. a retrofitted one) learns from a frozen teacher.
 
-loss = LM cross-entropy + kl_weight * KL(teacher || student), both per token, softmax temperature 1.
+loss = lm_weight * LM cross-entropy + kl_weight * KL(teacher || student), per token, temperature 1.
 The student starts from its folder's weights (not a fresh init); the teacher is a qkvlab model
 folder or a Hugging Face GPT-2/Llama folder or .gguf (imported through convert/hf.py). Batches are
 random windows of a token file (safetensors with int64 tensors "train" and "val", as written by
 `qkvlab.convert.retrofit.write_tokens`) drawn from (seed, step) like the LM task, so the training
-loop resumes it exactly. Options: teacher, student, tokens, kl_weight (1.0), block_size (the
-student's context, at most 256).
+loop resumes it exactly. Options: teacher, student, tokens, kl_weight (1.0), lm_weight (1.0; 0:
+pure distillation, which cannot adapt the student to the corpus beyond the teacher), block_size
+(the student's context, at most 256).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from qkvlab.errors import UserError
 from qkvlab.tasks.base import Task
 from qkvlab.tasks.lm import VAL_SEED, step_generator
 
-OPTIONS = ("teacher", "student", "tokens", "kl_weight", "block_size")
+OPTIONS = ("teacher", "student", "tokens", "kl_weight", "lm_weight", "block_size")
 DEFAULT_BLOCK = 256
 
 
@@ -47,13 +48,17 @@ class DistillTask(Task):
         student: str | None = None,
         tokens: str | None = None,
         kl_weight: float = 1.0,
+        lm_weight: float = 1.0,
         block_size: int | None = None,
     ):
         for key, value in (("teacher", teacher), ("student", student), ("tokens", tokens)):
             if not value:
                 raise UserError(f"the distill task needs the option {key} (a path)")
-        if not (isinstance(kl_weight, (int, float)) and kl_weight >= 0):
-            raise UserError(f"kl_weight={kl_weight!r} must be a number >= 0")
+        for key, value in (("kl_weight", kl_weight), ("lm_weight", lm_weight)):
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise UserError(f"{key}={value!r} must be a number >= 0")
+        if kl_weight == 0 and lm_weight == 0:
+            raise UserError("kl_weight and lm_weight are both 0: nothing to train on")
         if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
             raise UserError(f"block_size={block_size!r} must be a positive integer")
         from safetensors.torch import load_file
@@ -61,7 +66,7 @@ class DistillTask(Task):
         from qkvlab.io import read_config
 
         self.teacher_path, self.student_path, self.tokens_path = str(teacher), str(student), str(tokens)
-        self.kl_weight, self._block_size = float(kl_weight), block_size
+        self.kl_weight, self.lm_weight, self._block_size = float(kl_weight), float(lm_weight), block_size
         if not Path(self.tokens_path).is_file():
             raise UserError(f"{self.tokens_path}: no such token file")
         data = load_file(self.tokens_path)
@@ -97,10 +102,10 @@ class DistillTask(Task):
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits, lm = model(inputs, targets)
         if self.kl_weight == 0:
-            return lm
+            return self.lm_weight * lm
         with torch.no_grad():
             teacher_logits, _ = self.teacher(inputs.device)(inputs)
-        return lm + self.kl_weight * kl_teacher_student(teacher_logits, logits)
+        return self.lm_weight * lm + self.kl_weight * kl_teacher_student(teacher_logits, logits)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
@@ -125,6 +130,7 @@ class DistillTask(Task):
             "student": self.student_path,
             "tokens": self.tokens_path,
             "kl_weight": self.kl_weight,
+            "lm_weight": self.lm_weight,
             "block_size": self.block,
         }
 
