@@ -205,3 +205,13 @@ def test_kl_and_distill_options():
         get_task("distill", teacher="a", student="b", tokens="c", kl_weight=0, lm_weight=0)
     with pytest.raises(UserError, match="needs the option teacher"):
         get_task("distill", student="b", tokens="c")
+
+
+def test_command_settings(capsys, tmp_path):
+    assert main(["retrofit", "a", str(tmp_path / "b"), "--layers", "0", "--cache-budget", "0.5"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["retrofit", "a", str(tmp_path / "b"), "--steps", "-1"]) == 2
+    assert "steps=-1" in capsys.readouterr().err
+    assert main(["retrofit", "a", str(tmp_path / "b"), "--kv-heads", "1", "--print-config", "json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["kv_heads"] == 1 and body["to"] == "Q-K=V" and not (tmp_path / "b").exists()

@@ -33,9 +33,12 @@ import torch
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import role_weights
+from qkvlab.devices import DEVICE_HELP, check_device, check_dtype
 from qkvlab.errors import UserError
 from qkvlab.model import GPT
+from qkvlab.settings import setting
 from qkvlab.spec import format_layers, parse_scheme, select_layers
+from qkvlab.train.config import TRAIN_DTYPES
 
 TARGETS = ("Q-K-V", "Q-K=V")  # what a fit can reach: a learned query and key; values shared or not
 POOLS = ("fit", "mean")
@@ -344,27 +347,55 @@ def fit(
 # ---- the whole procedure ------------------------------------------------------------------------------
 @dataclass
 class RetrofitOptions:
-    to: str = "Q-K=V"
-    kv_heads: int | None = None
-    layers: str | None = None  # a layer selection: "every4", "0,5,7", "-4:" (docs/schemes.md)
-    cache_budget: float | None = None
-    pool: str = "fit"
-    data: Any = None  # a corpus source as the LM task takes it (None: Shakespeare)
-    heldout_fraction: float = 0.1
-    calib_tokens: int = 2048
-    eval_tokens: int = 8192
-    block_size: int | None = None  # None: min(context, 256)
-    steps: int = 200  # uptraining steps; 0: fit only
-    batch_size: int = 8
-    lr: float = 3e-4
-    warmup_steps: int = 20
-    kl_weight: float = 1.0
-    lm_weight: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 10
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "auto"
+    to: str = setting("Q-K=V", help="target scheme: Q-K=V, or Q-K-V with --kv-heads (plain GQA/MQA)", metavar="SCHEME")
+    kv_heads: int | None = setting(None, help="key/value heads after pooling (GQA; 1: MQA; default: unchanged)")
+    layers: str | None = setting(
+        None,
+        help="layers to convert: 'every4', '0,5,7', '-4:' (default: all, or as --cache-budget picks)",
+        metavar="SEL",
+    )
+    cache_budget: float | None = setting(
+        None, help="convert the best-fitting layers (R^2) until the KV cache is at most this fraction", metavar="F"
+    )
+    pool: str = setting("fit", help="value heads: least-squares fit folded into out_proj, or plain mean", choices=POOLS)
+    data: str | None = setting(
+        None, help="text: a path, 'shakespeare[:genres]', 'hf:NAME?split=..' (default Shakespeare)", metavar="SOURCE"
+    )
+    heldout_fraction: float = setting(0.1, help="last fraction of every document held out for perplexity")
+    calib_tokens: int = setting(2048, help="calibration tokens for the fit")
+    eval_tokens: int = setting(8192, help="held-out tokens scored for perplexity")
+    block_size: int | None = setting(None, help="window length (default min(context, 256))", metavar="T")
+    steps: int = setting(200, help="uptraining steps (0: fit only)")
+    batch_size: int = setting(8, help="uptraining sequences per step")
+    lr: float = setting(3e-4, help="uptraining peak learning rate (cosine to lr/10)")
+    warmup_steps: int = setting(20, help="uptraining warmup steps")
+    kl_weight: float = setting(1.0, help="weight of KL(teacher || student) on logits, temperature 1")
+    lm_weight: float = setting(1.0, help="weight of the LM loss (0: pure distillation)")
+    eval_every: int = setting(50, help="uptraining steps between evaluations and checkpoints")
+    eval_batches: int = setting(10, help="validation batches per uptraining evaluation")
+    seed: int = setting(0, help="uptraining batch order")
+    device: str = setting("auto", help=f"device for calibration and uptraining: {DEVICE_HELP}", metavar="DEVICE")
+    dtype: str = setting(
+        "auto",
+        help="uptraining autocast dtype (auto: bf16 on CUDA, fp32 elsewhere)",
+        choices=("auto", *TRAIN_DTYPES, "float32", "bfloat16"),
+    )
+
+    def validate(self) -> RetrofitOptions:
+        for name in ("calib_tokens", "eval_tokens", "batch_size", "eval_every", "eval_batches"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.steps < 0 or self.warmup_steps < 0:
+            raise UserError(f"steps={self.steps} and warmup_steps={self.warmup_steps} must be >= 0")
+        if not 0 < self.heldout_fraction < 1:
+            raise UserError(f"heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        if self.layers is not None and self.cache_budget is not None:
+            raise UserError("give --layers or --cache-budget, not both (the budget chooses the layers)")
+        if self.pool not in POOLS:
+            raise UserError(f"pool={self.pool!r} is not allowed; use one of {', '.join(POOLS)}")
+        check_dtype(self.dtype, TRAIN_DTYPES)
+        check_device(self.device)
+        return self
 
 
 def _owned(out: Path) -> bool:
@@ -386,10 +417,12 @@ def retrofit(
             )
         if not _owned(out):
             raise UserError(f"{out} was not written by qkvlab retrofit; choose another OUT (nothing was changed)")
-    if opts.steps < 0 or opts.batch_size <= 0 or opts.calib_tokens <= 0 or opts.eval_tokens <= 0:
-        raise UserError("steps must be >= 0 and batch_size, calib_tokens, eval_tokens positive")
+    opts.validate()
+    from qkvlab.devices import resolve_device
+
+    device = resolve_device(opts.device, torch.cuda.is_available())
     src = load_source(source)
-    model, cfg = src.model.float(), src.cfg
+    model, cfg = src.model.float().to(device), src.cfg
     block = opts.block_size or min(cfg.context, 256)
     out.mkdir(parents=True, exist_ok=True)
     train_ids, held_ids = corpus_tokens(src, opts.data, opts.heldout_fraction)
@@ -411,6 +444,7 @@ def retrofit(
         calib_tokens=opts.calib_tokens,
         block=block,
     )
+    res.model.to(device)
     for lf in res.layers:
         mark = "converted" if lf.layer in res.converted else "kept"
         say(
@@ -449,7 +483,7 @@ def retrofit(
             log_tensorboard=False,
         )
         result = train(tc, out / "uptrain", resume=resume, progress=progress)
-        final, _, _ = load_model(out / "uptrain", dtype=torch.float32)
+        final, _, _ = load_model(out / "uptrain", device=device, dtype=torch.float32)
         ppl_up = ppl(final)
         train_info = {"steps": result.step, "tokens": result.tokens, "last": result.metrics}
         say(f"uptrained ({result.step} steps): held-out ppl {ppl_up:.4g}")
