@@ -36,6 +36,8 @@ def test_layer_patterns(text, expected):
     table = parse_layers(text, n_layer=4, n_head=4, attn="Q-K-V", kv_heads=None)
     assert [s for s, _ in table] == expected
     assert parse_layers(format_layers(table), n_layer=4, n_head=4, attn="Q-K-V", kv_heads=None) == table
+    short = format_layers(table, ("Q-K-V", None))  # overrides of the base, e.g. "Q-K=V@1,3"
+    assert "@" in short and parse_layers(short, n_layer=4, n_head=4, attn="Q-K-V", kv_heads=None) == table
 
 
 def test_kv_heads_per_layer():

@@ -293,6 +293,18 @@ def parse_layers(
     return tuple(table)
 
 
-def format_layers(table: tuple[tuple[str, int | None], ...]) -> str:
-    """The explicit '|' list form of a per-layer table."""
-    return "|".join(s if kv is None else f"{s}/{kv}" for s, kv in table)
+def format_layers(table: tuple[tuple[str, int | None], ...], base: tuple[str, int | None] | None = None) -> str:
+    """A per-layer table as notation: overrides of `base` ("Q-K=V/3@0,1,16"), or the '|' list."""
+
+    def entry(scheme: str, kv: int | None) -> str:
+        return scheme if kv is None else f"{scheme}/{kv}"
+
+    if base is None:
+        return "|".join(entry(*t) for t in table)
+    groups: dict[tuple[str, int | None], list[int]] = {}
+    for i, t in enumerate(table):
+        if t != base:
+            groups.setdefault(t, []).append(i)
+    if not groups:
+        raise ValueError("every layer has the base scheme: no per-layer notation needed")
+    return "; ".join(f"{entry(*t)}@{','.join(map(str, idx))}" for t, idx in groups.items())

@@ -307,7 +307,7 @@ def _target_cfg(cfg: ModelConfig, dst: ProjectionSpec, *, untie: bool, table=Non
     if table is not None and len(set(table)) == 1:
         (attn, kv), layers = table[0], None
     elif table is not None:
-        attn, kv, layers = cfg.attn, cfg.kv_heads, format_layers(tuple(table))
+        attn, kv, layers = cfg.attn, cfg.kv_heads, format_layers(tuple(table), (cfg.attn, cfg.kv_heads))
     out = cfg.replace(
         attn=attn,
         kv_heads=kv,

@@ -320,7 +320,7 @@ def fit(
     out_cfg = cfg.replace(
         attn=table[0][0] if uniform else cfg.attn,
         kv_heads=table[0][1] if uniform else cfg.kv_heads,
-        layers=None if uniform else format_layers(tuple(table)),
+        layers=None if uniform else format_layers(tuple(table), (cfg.attn, cfg.kv_heads)),
         attn_scale=cfg.scale,
         mlp_hidden=cfg.hidden,
         match_params=None,
