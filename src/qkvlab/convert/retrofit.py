@@ -406,28 +406,39 @@ def _owned(out: Path) -> bool:
 def retrofit(
     source: str | Path, out: str | Path, opts: RetrofitOptions, *, resume: bool = False, progress: bool = True
 ) -> dict[str, Any]:
-    """Fit, uptrain and report into OUT (the final model folder). Returns the report dict."""
-    from qkvlab.io import load_model, write_model_files
+    """Fit, uptrain and report into OUT (the final model folder). Returns the report dict.
+    OUT is claimed and locked for the run (qkvlab.folders): missing, empty, or with resume=True a
+    folder an earlier retrofit wrote; anything else is refused before writing."""
+    from qkvlab.folders import claimed, inspect
 
+    opts.validate()
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
+    found = inspect(out)
+    if found.kind not in ("missing", "empty"):
         if not resume:
             raise UserError(
-                f"{out} exists and is not empty; pass --resume to continue a retrofit there, or another OUT"
+                f"{out} holds {found.what}; pass --resume to continue a retrofit there, or choose another OUT"
             )
         if not _owned(out):
-            raise UserError(f"{out} was not written by qkvlab retrofit; choose another OUT (nothing was changed)")
-    opts.validate()
+            raise UserError(
+                f"{out} holds {found.what}, not written by qkvlab retrofit; choose another OUT (nothing was changed)"
+            )
+    with claimed(out, accept=("model", "other", "run"), advice={}, flag="OUT") as claim:
+        return _retrofit(source, out, opts, claim, resume=resume, progress=progress)
+
+
+def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, progress: bool) -> dict[str, Any]:
     from qkvlab.devices import resolve_device
+    from qkvlab.io import atomic_write, json_text, load_model, write_model_files
 
     device = resolve_device(opts.device, torch.cuda.is_available())
     src = load_source(source)
     model, cfg = src.model.float().to(device), src.cfg
     block = opts.block_size or min(cfg.context, 256)
-    out.mkdir(parents=True, exist_ok=True)
     train_ids, held_ids = corpus_tokens(src, opts.data, opts.heldout_fraction)
     tokens = out / TOKENS_FILE
     write_tokens(tokens, train_ids, held_ids)
+    claim.keep = True  # from here OUT is a retrofit folder that --resume continues
     say = print if progress else (lambda *a, **k: None)
     ppl = lambda m: perplexity(m, held_ids, block=block, max_tokens=opts.eval_tokens)  # noqa: E731
     ppl_original = ppl(model)
@@ -510,9 +521,7 @@ def retrofit(
     write_model_files(out, final, res.cfg, {**meta, "retrofit_report": REPORT})
     if src.tokenizer_dir is not None:
         shutil.copytree(src.tokenizer_dir, out / "tokenizer", dirs_exist_ok=True)
-    from qkvlab.io import atomic_write_text
-
-    atomic_write_text(out / REPORT, json.dumps(report, indent=2) + "\n")
+    atomic_write(out / REPORT, json_text(report, indent=2))
     return report
 
 

@@ -39,6 +39,7 @@ def kl_teacher_student(teacher_logits: torch.Tensor, student_logits: torch.Tenso
 
 class DistillTask(Task):
     name = "distill"
+    model_kind = "gpt"
     metric = "val_loss"
     higher_is_better = False
 
