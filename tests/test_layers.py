@@ -109,18 +109,23 @@ def test_per_layer_saves_what_it_should():
 
 # ---- cached decoding equals the full forward -----------------------------------------------------
 @pytest.mark.parametrize("kw", MIXED)
-@pytest.mark.parametrize("prefill", [1, 5])
-def test_cached_decode_equals_forward_float64(kw, prefill):
+@pytest.mark.parametrize("prefill,static", [(1, False), (5, False), (5, True)])
+def test_cached_decode_equals_forward_float64(kw, prefill, static):
+    from qkvlab.generate import decode_step
+
     c = cfg(**kw)
     torch.manual_seed(0)
     model = GPT(c).double().eval()
     idx = torch.randint(0, c.vocab_size, (2, 11))
     with torch.no_grad():
         full, _ = model(idx)
-        cache = KVCache(c, 2, 11, dtype=torch.float64)
+        cache = KVCache(c, 2, 11, dtype=torch.float64, static=static)
         outs = [model(idx[:, :prefill], cache=cache)[0]]
         for t in range(prefill, 11):
-            outs.append(model(idx[:, t : t + 1], cache=cache)[0])
+            if static:  # the static-shape decode step (fixed-size cache reads, mask from the slots)
+                outs.append(decode_step(model, cache, idx[:, t], torch.full((2,), t))[:, None])
+            else:
+                outs.append(model(idx[:, t : t + 1], cache=cache)[0])
     assert (torch.cat(outs, 1) - full).abs().max().item() <= 1e-12
 
 
