@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from qkvlab.accounting import analytic_params, counted_params
 from qkvlab.analysis.similarity import cosine, effective_rank, energy_rank, similarity
 from qkvlab.cli import main
 from qkvlab.config import ModelConfig
@@ -95,11 +96,24 @@ def test_theorems_exact_float64(kw, target, layer, zero):
             return sum(b.attn.in_proj.weight.numel() for b in m.trunk.blocks)
 
         assert n_attn(res.model) < n_attn(model)
-    else:  # mixed layers: same scheme, layer L's projection exactly the identity
-        assert res.cfg.spec == cfg.spec
-        w, b = role_weights(res.model.trunk.blocks[layer], res.cfg.spec)[role]
-        assert torch.equal(w, torch.eye(cfg.d_model, dtype=w.dtype))
-        assert b is None or not b.any()
+    else:  # mixed layers: layer L alone gets the target scheme, its W (and bias) gone
+        table = res.cfg.layer_table()
+        assert [t[0] for t in table] == [target if i == layer else cfg.spec.name for i in range(cfg.n_layer)]
+        assert res.model.trunk.blocks[layer].attn.spec.is_identity(role)
+        width = role_width(cfg, role)
+        removed = width * cfg.d_model + (width if cfg.bias else 0)
+        assert counted_params(res.model).total == counted_params(model).total - removed + untied(model, res.model)
+        assert analytic_params(res.cfg).total == counted_params(res.model).total
+
+
+def role_width(cfg, role):
+    return (cfg.n_head if role == "q" else cfg.n_kv_heads) * cfg.head_dim
+
+
+def untied(before, after) -> int:
+    """Parameters a conversion adds by untying the head (E A + c != W A^-T)."""
+    was = before.lm_head.weight is before.tok_emb.weight
+    return after.lm_head.weight.numel() if was and after.lm_head.weight is not after.tok_emb.weight else 0
 
 
 def test_float32_within_1e4_and_cache_decode():

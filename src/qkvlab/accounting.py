@@ -31,8 +31,17 @@ def _norm_params(cfg: ModelConfig) -> int:
     return cfg.d_model if cfg.norm == "rmsnorm" else 0
 
 
+def _attention_configs(cfg: ModelConfig) -> list[ModelConfig]:
+    """Per-layer configs for attention figures only (the MLP width is left unresolved: resolving
+    match_params itself counts parameters)."""
+    if cfg.layers is None:
+        return [cfg] * cfg.n_layer
+    return [cfg.replace(attn=a, kv_heads=kv, layers=None, match_params=None) for a, kv in cfg.layer_table()]
+
+
 def projection_width(cfg: ModelConfig) -> int:
-    """Output width of the fused input projection (all distinct learned projections)."""
+    """Output width of the fused input projection (all distinct learned projections) of a one-scheme
+    config (per-layer models: pass cfg.layer_config(i))."""
     spec = cfg.spec
     return sum(
         (cfg.n_head if spec.projection_is_query_shaped(i) else cfg.n_kv_heads) * cfg.head_dim
@@ -41,6 +50,7 @@ def projection_width(cfg: ModelConfig) -> int:
 
 
 def attention_params(cfg: ModelConfig) -> int:
+    """One layer's attention parameters (one-scheme config; per-layer models: cfg.layer_config(i))."""
     width, inner = projection_width(cfg), cfg.n_head * cfg.head_dim
     n = cfg.d_model * width + inner * cfg.d_model
     if cfg.bias:
@@ -61,21 +71,22 @@ def mlp_params(cfg: ModelConfig, hidden: int) -> int:
 def analytic_params(cfg: ModelConfig, hidden: int | None = None) -> ParamCounts:
     hidden = cfg.hidden if hidden is None else hidden
     n_blocks = 1 if cfg.share_layers else cfg.n_layer
-    block = 2 * _norm_params(cfg) + attention_params(cfg) + mlp_params(cfg, hidden)
+    attention = sum(attention_params(lc) for lc in _attention_configs(cfg)[:n_blocks])
+    blocks = n_blocks * (2 * _norm_params(cfg) + mlp_params(cfg, hidden)) + attention
     embedding = cfg.vocab_size * cfg.d_model
     if cfg.pos == "learned":
         embedding += cfg.context * cfg.d_model
     if not cfg.tie_embeddings:
         embedding += cfg.vocab_size * cfg.d_model
     final_norm = _norm_params(cfg) if cfg.norm_position == "pre" else 0  # post-norm blocks end normalised
-    total = embedding + n_blocks * block + final_norm
-    return ParamCounts(total=total, embedding=embedding, attention=n_blocks * attention_params(cfg))
+    total = embedding + blocks + final_norm
+    return ParamCounts(total=total, embedding=embedding, attention=attention)
 
 
 def matched_mlp_hidden(cfg: ModelConfig) -> int:
     """MLP width that makes this model's parameter count equal to the same config with the
     reference scheme `cfg.match_params` (Paper A's identity_larger_mlp: 3456 at d=768)."""
-    reference = cfg.replace(attn=cfg.match_params, match_params=None)
+    reference = cfg.replace(attn=cfg.match_params, match_params=None, layers=None)
     target = analytic_params(reference).total
     f0 = analytic_params(cfg, hidden=0).total
     slope = analytic_params(cfg, hidden=1).total - f0
@@ -101,9 +112,11 @@ def counted_params(model: nn.Module) -> ParamCounts:
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
     """Distinct key/value tensors per layer x kv heads x head dim x bytes (every layer caches,
-    shared weights or not)."""
-    n_tensors = len(cfg.spec.cached_sources())
-    return cfg.n_layer * n_tensors * cfg.n_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype_name(dtype)]
+    shared weights or not), summed over layers (per-layer schemes and kv heads)."""
+    return sum(
+        len(lc.spec.cached_sources()) * lc.n_kv_heads * lc.head_dim * DTYPE_BYTES[dtype_name(dtype)]
+        for lc in _attention_configs(cfg)
+    )
 
 
 def flops_per_token(cfg: ModelConfig, context: int | None = None) -> int:
@@ -115,8 +128,9 @@ def flops_per_token(cfg: ModelConfig, context: int | None = None) -> int:
     T = cfg.context if context is None else context
     inner = cfg.n_head * cfg.head_dim
     mlp_mats = 3 if cfg.mlp == "swiglu" else 2
-    per_layer = cfg.d_model * projection_width(cfg) + inner * cfg.d_model + mlp_mats * cfg.d_model * cfg.hidden
-    matmul_weights = cfg.n_layer * per_layer + cfg.vocab_size * cfg.d_model
+    per_layer = inner * cfg.d_model + mlp_mats * cfg.d_model * cfg.hidden
+    projections = sum(cfg.d_model * projection_width(lc) for lc in _attention_configs(cfg))
+    matmul_weights = cfg.n_layer * per_layer + projections + cfg.vocab_size * cfg.d_model
     forward = 2 * matmul_weights + cfg.n_layer * 4 * inner * T
     return 3 * forward
 
@@ -129,6 +143,7 @@ def report(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None)
     per_token = kv_cache_bytes_per_token(cfg, dtype)
     return {
         "scheme": cfg.spec.name,
+        "layers": None if cfg.layers is None else [f"{lc.spec.name}/{lc.n_kv_heads}" for lc in _attention_configs(cfg)],
         "n_layer": cfg.n_layer,
         "n_head": cfg.n_head,
         "kv_heads": cfg.n_kv_heads,

@@ -35,7 +35,7 @@ class KVCache:
         static: bool = False,
     ):
         self.max_len, self.static = max_len, static
-        layer_cfgs = [cfg] * cfg.n_layer  # one config per layer (all alike until layers get their own)
+        layer_cfgs = cfg.layer_configs()  # each layer's own scheme and kv heads
         self.layers = [LayerCache(self, c, batch_size, max_len, device, dtype) for c in layer_cfgs]
         self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # filled and real

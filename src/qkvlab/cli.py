@@ -23,6 +23,7 @@ COMMANDS = {
     "train": "train a model on a corpus or task",
     "compare": "train every attention scheme and tabulate the results",
     "convert": "exact weight conversion between schemes (Paper A's theorems); HF import/export",
+    "retrofit": "turn a trained model into K=V / GQA / MQA: fit on real text, then uptrain by distillation",
     "similarity": "Q/K/V similarity: activation CKA on text, weight cosine, effective rank",
     "generate": "generate text from a trained model with a KV cache",
     "bench": "throughput, cache bytes and capacity per scheme",

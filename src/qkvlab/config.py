@@ -10,7 +10,7 @@ from typing import Any
 from qkvlab.errors import UserError
 from qkvlab.positions import PLUS_ENCODINGS
 from qkvlab.settings import setting
-from qkvlab.spec import ProjectionSpec, parse_scheme, validate_heads
+from qkvlab.spec import ProjectionSpec, parse_layers, parse_scheme, validate_heads
 
 NORMS = ("layernorm", "rmsnorm", "none")
 POSITIONS = ("learned", "rope", "sinusoidal", "none")
@@ -27,6 +27,11 @@ class ModelConfig:
     d_model: int = setting(128, help="residual stream width")
     d_head: int | None = setting(None, help="width of one head (default d_model / n_head)")
     kv_heads: int | None = setting(None, help="key/value heads (default n_head: MHA; g: GQA-g; 1: MQA)")
+    layers: str | None = setting(
+        None,
+        help="per-layer schemes/kv heads over attn and kv_heads, e.g. 'Q-K=V@every4', 'Q-K=V/MQA@-4:' (docs/schemes.md)",
+        metavar="PATTERN",
+    )
     attn_scale: float | None = setting(
         None, help="score scale (default 1/sqrt(d_head), 1/(2 sqrt(d_head)) with an identity Q or K)", metavar="S"
     )
@@ -69,6 +74,36 @@ class ModelConfig:
     @property
     def spec(self) -> ProjectionSpec:
         return parse_scheme(self.attn)
+
+    @property
+    def per_layer(self) -> bool:
+        return self.layers is not None
+
+    def layer_table(self) -> tuple[tuple[str, int | None], ...]:
+        """(scheme, kv_heads) of every layer."""
+        if self.layers is None:
+            return ((self.attn, self.kv_heads),) * self.n_layer
+        return parse_layers(
+            self.layers, n_layer=self.n_layer, n_head=self.n_head, attn=self.attn, kv_heads=self.kv_heads
+        )
+
+    def layer_config(self, i: int) -> ModelConfig:
+        """Layer i's config: this one with that layer's attn and kv_heads (itself for one-scheme
+        models). The MLP width stays the model's (match_params is resolved once, model-wide)."""
+        if self.layers is None:
+            return self
+        attn, kv = self.layer_table()[i]
+        return dataclasses.replace(self, attn=attn, kv_heads=kv, layers=None, mlp_hidden=self.hidden, match_params=None)
+
+    def layer_configs(self) -> list[ModelConfig]:
+        if self.layers is None:
+            return [self] * self.n_layer
+        return [self.layer_config(i) for i in range(self.n_layer)]
+
+    @property
+    def scheme_label(self) -> str:
+        """The scheme for humans: 'Q-K-V', or with per-layer schemes 'Q-K-V [Q-K=V@every4]'."""
+        return self.spec.name if self.layers is None else f"{self.spec.name} [{self.layers}]"
 
     @property
     def head_dim(self) -> int:
@@ -115,6 +150,19 @@ class ModelConfig:
         if self.d_head is None and self.d_model % self.n_head:
             raise UserError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; set d_head explicitly")
         validate_heads(spec, d_model=self.d_model, n_head=self.n_head, d_head=self.head_dim, kv_heads=self.n_kv_heads)
+        if self.layers is not None:
+            if self.share_layers:
+                raise UserError(
+                    f"layers={self.layers!r} with share_layers=True: one shared block cannot have per-layer schemes"
+                )
+            for i, (attn, kv) in enumerate(self.layer_table()):
+                lspec, lkv = parse_scheme(attn), kv if kv is not None else self.n_head
+                try:
+                    validate_heads(lspec, d_model=self.d_model, n_head=self.n_head, d_head=self.head_dim, kv_heads=lkv)
+                except UserError as e:
+                    raise UserError(f"layers={self.layers!r}, layer {i}: {e}") from None
+                if lspec.plus and (self.plus_channels < 2 or self.plus_channels % 2):
+                    raise UserError(f"plus_channels={self.plus_channels} must be an even number >= 2")
         if self.pos == "rope" and self.head_dim % 2:
             raise UserError(f"pos=rope needs an even d_head, got {self.head_dim}")
         if spec.plus and (self.plus_channels < 2 or self.plus_channels % 2):

@@ -197,3 +197,114 @@ def validate_heads(spec: ProjectionSpec, *, d_model: int, n_head: int, d_head: i
                     f"{scheme}: one projection serves the query ({n_head} heads) and the {others}, so "
                     f"kv_heads must equal n_head={n_head}, got {kv_heads}"
                 )
+
+
+# ---- per-layer schemes -------------------------------------------------------------------------
+# ModelConfig.layers gives layers their own scheme and kv heads over the base (attn, kv_heads):
+#   overrides  "ENTRY@SEL; ENTRY@SEL"     later overrides win, unnamed layers keep the base
+#   list       "ENTRY|ENTRY|...|ENTRY"    one entry per layer
+# ENTRY is SCHEME[/KV] (KV: a kv-head count, MQA = 1, MHA = n_head; an empty SCHEME keeps the
+# base scheme, e.g. "/MQA@-4:"). SEL is a comma list of layer indices (negative: from the end),
+# slices "a:b[:s]" as in Python, and "everyK" (layers K-1, 2K-1, ...: every K-th layer counting
+# from 1, as Gemma places its global layers). Examples: "Q-K=V@every4", "Q-K=V@0,5,7",
+# "Q-K=V/MQA@-4:", "Q-K-V|Q-K=V|Q-K=V/1|Q-K-V".
+_INT = re.compile(r"^-?\d+$")
+_SLICE = re.compile(r"^(-?\d*):(-?\d*)(?::(\d*))?$")
+_EVERY = re.compile(r"^every(\d+)$")
+
+
+def _layer_entry(text: str, entry: str, n_head: int) -> tuple[str | None, int | None, bool]:
+    """'Q-K=V/2' -> ('Q-K=V', 2, True); an empty scheme -> None; no '/' -> kv unchanged (False)."""
+    scheme, slash, kv = entry.partition("/")
+    scheme = scheme.strip() or None
+    if scheme is not None:
+        scheme = parse_scheme(scheme).name
+    if not slash:
+        return scheme, None, False
+    kv = kv.strip().upper()
+    if kv == "MQA":
+        return scheme, 1, True
+    if kv == "MHA":
+        return scheme, n_head, True
+    if not kv.isdigit() or int(kv) <= 0:
+        raise UserError(f"layers {text!r}: kv heads {kv!r} must be a positive integer, MQA or MHA")
+    return scheme, int(kv), True
+
+
+def select_layers(sel: str, n_layer: int, text: str | None = None) -> list[int]:
+    """The layers a selection SEL names ('every4', '0,5,7', '-4:'), in order, without repeats."""
+    text = sel if text is None else text
+    out: list[int] = []
+    for item in sel.split(","):
+        item = item.strip()
+        if _INT.match(item):
+            i = int(item)
+            if not -n_layer <= i < n_layer:
+                raise UserError(f"layers {text!r}: layer {i} is out of range for n_layer={n_layer}")
+            out.append(i % n_layer)
+        elif m := _SLICE.match(item):
+            a, b, s = (int(g) if g else None for g in m.groups())
+            if s == 0:
+                raise UserError(f"layers {text!r}: slice {item!r} has step 0")
+            out.extend(range(n_layer)[slice(a, b, s)])
+        elif m := _EVERY.match(item):
+            k = int(m.group(1))
+            if k <= 0:
+                raise UserError(f"layers {text!r}: every{k} needs a positive K")
+            out.extend(range(k - 1, n_layer, k))
+        else:
+            raise UserError(f"layers {text!r}: selection {item!r} is not a layer index, a slice a:b[:s] or everyK")
+    if not out:
+        raise UserError(f"layers {text!r}: selection {sel!r} names no layer of {n_layer}")
+    return list(dict.fromkeys(out))
+
+
+def parse_layers(
+    text: str, *, n_layer: int, n_head: int, attn: str, kv_heads: int | None
+) -> tuple[tuple[str, int | None], ...]:
+    """The per-layer (scheme, kv_heads) table of a ModelConfig.layers string (notation above)."""
+    if not isinstance(text, str) or not text.strip():
+        raise UserError(f"layers {text!r} is empty; use e.g. 'Q-K=V@every4' or 'Q-K-V|Q-K=V'")
+    base = (parse_scheme(attn).name, kv_heads)
+    table = [base] * n_layer
+    body = text.strip()
+    if "@" not in body:
+        entries = body.split("|")
+        if len(entries) != n_layer:
+            raise UserError(
+                f"layers {text!r} lists {len(entries)} layers, the model has n_layer={n_layer} "
+                "(give one ENTRY per layer joined by '|', or overrides ENTRY@SEL)"
+            )
+        for i, entry in enumerate(entries):
+            scheme, kv, has_kv = _layer_entry(text, entry, n_head)
+            table[i] = (scheme or base[0], kv if has_kv else base[1])
+        return tuple(table)
+    if "|" in body:
+        raise UserError(f"layers {text!r} mixes a '|' list with '@' overrides; use one form")
+    for part in body.split(";"):
+        entry, at, sel = part.partition("@")
+        if not at or not sel.strip():
+            raise UserError(f"layers {text!r}: override {part.strip()!r} must be ENTRY@SEL, e.g. Q-K=V@every4")
+        scheme, kv, has_kv = _layer_entry(text, entry, n_head)
+        if scheme is None and not has_kv:
+            raise UserError(f"layers {text!r}: override {part.strip()!r} names neither a scheme nor kv heads")
+        for i in select_layers(sel, n_layer, text):
+            table[i] = (scheme or table[i][0], kv if has_kv else table[i][1])
+    return tuple(table)
+
+
+def format_layers(table: tuple[tuple[str, int | None], ...], base: tuple[str, int | None] | None = None) -> str:
+    """A per-layer table as notation: overrides of `base` ("Q-K=V/3@0,1,16"), or the '|' list."""
+
+    def entry(scheme: str, kv: int | None) -> str:
+        return scheme if kv is None else f"{scheme}/{kv}"
+
+    if base is None:
+        return "|".join(entry(*t) for t in table)
+    groups: dict[tuple[str, int | None], list[int]] = {}
+    for i, t in enumerate(table):
+        if t != base:
+            groups.setdefault(t, []).append(i)
+    if not groups:
+        raise ValueError("every layer has the base scheme: no per-layer notation needed")
+    return "; ".join(f"{entry(*t)}@{','.join(map(str, idx))}" for t, idx in groups.items())

@@ -91,7 +91,7 @@ def _run(args, src: Path) -> int:
             raise CheckFailed(
                 f"import differs from transformers: max_rel_logit_diff={rel_d:.3g} > {TOLERANCE[torch.float32]:g}"
             )
-        worst = max(worst, _step(f"import {hf.config.model_type} -> {cfg.spec.name}", abs_d, rel_d))
+        worst = max(worst, _step(f"import {hf.config.model_type} -> {cfg.scheme_label}", abs_d, rel_d))
         del hf
         stored = torch.float32
     else:
@@ -105,8 +105,10 @@ def _run(args, src: Path) -> int:
         for note in res.notes:
             print(note)
         notes += res.notes
-        abs_d, rel_d = check(model, res.model, dtype, f"{cfg.spec.name} -> {res.cfg.spec.name}")
-        worst = max(worst, _step(f"convert {cfg.spec.name} -> {res.cfg.spec.name} ({str(dtype)[6:]})", abs_d, rel_d))
+        abs_d, rel_d = check(model, res.model, dtype, f"{cfg.scheme_label} -> {res.cfg.scheme_label}")
+        worst = max(
+            worst, _step(f"convert {cfg.scheme_label} -> {res.cfg.scheme_label} ({str(dtype)[6:]})", abs_d, rel_d)
+        )
         model, cfg = res.model, res.cfg
     with atomic_dir(args.output, replace=args.overwrite) as tmp:
         if args.to_hf:
@@ -120,7 +122,7 @@ def _run(args, src: Path) -> int:
             tol = max(TOLERANCE[dtype], 1e-6 if args.to_hf == "llama" else 0.0)  # HF computes rotary in float32
             if not rel_d <= tol:
                 raise CheckFailed(f"exported {args.to_hf} checkpoint differs: max_rel_logit_diff={rel_d:.3g} > {tol:g}")
-            worst = max(worst, _step(f"export {cfg.spec.name} -> {type(back).__name__}", abs_d, rel_d))
+            worst = max(worst, _step(f"export {cfg.scheme_label} -> {type(back).__name__}", abs_d, rel_d))
         else:
             meta = {"converted_from": str(src), "conversion": notes}
             write_model_files(tmp, model, cfg, meta)

@@ -78,6 +78,7 @@ def run(args) -> int:
     rows = [
         ("scheme", f"{info['scheme']}" + (f"  ({meaning})" if meaning else "")),
         ("layers x heads x d_head", f"{cfg.n_layer} x {cfg.n_head} x {cfg.head_dim} (kv_heads {cfg.n_kv_heads})"),
+        *([("per-layer scheme/kv_heads", " ".join(info["layers"]))] if info["layers"] else []),
         ("d_model / MLP hidden", f"{cfg.d_model} / {cfg.hidden}"),
         ("attention scale", f"{cfg.scale:.6g}"),
         ("params total", f"{info['params_total']:,} ({human(info['params_total'])})"),

@@ -292,8 +292,8 @@ def _from_llama(hf) -> tuple[GPT, ModelConfig]:
 
 # ---- export ---------------------------------------------------------------------------------
 def _check_exportable(cfg: ModelConfig, fmt: str) -> None:
-    why = f"cannot export {cfg.spec.name} to {fmt}"
-    if cfg.spec.plus:
+    why = f"cannot export {cfg.scheme_label} to {fmt}"
+    if any(lc.spec.plus for lc in cfg.layer_configs()):
         raise UserError(f"{why}: the '+' schemes' learned 2D score term has no place in a standard transformers class")
     if not cfg.mlp_skip:
         raise UserError(f"{why}: mlp_skip=False (no skip around the MLP) is not a standard block")
@@ -316,7 +316,7 @@ def _check_exportable(cfg: ModelConfig, fmt: str) -> None:
 
 def _explicit_roles(block, cfg: ModelConfig, dtype, device) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """Per role an explicit (weight, bias); the score scale folded into the query so the class's
-    fixed 1/sqrt(d_h) reproduces it."""
+    fixed 1/sqrt(d_h) reproduces it. cfg: the block's layer config."""
     out = {}
     for r, wb in role_weights(block, cfg.spec).items():
         if wb is None:
@@ -337,7 +337,10 @@ def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
     _check_exportable(cfg, fmt)
     dtype, device = model.tok_emb.weight.dtype, model.tok_emb.weight.device  # every tensor made here goes there
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    nh, kv, hd, d = cfg.n_head, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+    nh, hd, d = cfg.n_head, cfg.head_dim, cfg.d_model
+    # One num_key_value_heads for all layers: layers with fewer kv heads repeat theirs (exact: query
+    # head h reads kv head h // (nh / kv) either way).
+    kv = math.lcm(*(lc.n_kv_heads for lc in cfg.layer_configs()))
     st: dict[str, torch.Tensor] = {}
 
     def bias_or_zero(b, n):
@@ -368,13 +371,13 @@ def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
         st["transformer.ln_f.bias"] = bias_or_zero(sd.get("trunk.norm.bias"), d)
         for i in range(cfg.n_layer):
             blk, p, h = model.trunk.layer(i), f"trunk.blocks.{0 if cfg.share_layers else i}.", f"transformer.h.{i}."
-            roles = _explicit_roles(blk, cfg, dtype, device)
-            rep = nh // kv
+            roles = _explicit_roles(blk, cfg.layer_config(i), dtype, device)
             ws, bs = [], []
             for r in ROLES:  # GPT-2 has no GQA: repeat each key/value head for its query heads
                 w, b = roles[r]
                 n_heads_r = w.shape[0] // hd
                 if n_heads_r != nh:
+                    rep = nh // n_heads_r
                     w = w.view(n_heads_r, hd, d).repeat_interleave(rep, 0).reshape(nh * hd, d)
                     b = None if b is None else b.view(n_heads_r, hd).repeat_interleave(rep, 0).reshape(-1)
                 ws.append(w)
@@ -416,9 +419,13 @@ def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
         st["model.norm.weight"] = sd["trunk.norm.weight"]
         for i in range(cfg.n_layer):
             blk, p, h = model.trunk.layer(i), f"trunk.blocks.{0 if cfg.share_layers else i}.", f"model.layers.{i}."
-            roles = _explicit_roles(blk, cfg, dtype, device)
+            roles = _explicit_roles(blk, cfg.layer_config(i), dtype, device)
             for r in ROLES:
                 w, b = roles[r]
+                n_heads_r = w.shape[0] // hd
+                if r != "q" and n_heads_r != kv:
+                    w = w.view(n_heads_r, hd, d).repeat_interleave(kv // n_heads_r, 0).reshape(kv * hd, d)
+                    b = None if b is None else b.view(n_heads_r, hd).repeat_interleave(kv // n_heads_r, 0).reshape(-1)
                 st[h + f"self_attn.{r}_proj.weight"] = w.clone()  # K=V: two copies of one tensor
                 if cfg.bias:
                     st[h + f"self_attn.{r}_proj.bias"] = bias_or_zero(b, w.shape[0]).clone()

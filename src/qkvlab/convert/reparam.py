@@ -32,7 +32,7 @@ import torch
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 from qkvlab.model import GPT
-from qkvlab.spec import ROLES, ProjectionSpec, parse_scheme
+from qkvlab.spec import ROLES, ProjectionSpec, format_layers, parse_scheme
 
 ROLE_NAMES = {"q": "query", "k": "key", "v": "value"}
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -120,15 +120,26 @@ def convert(
 ) -> Result:
     """Return an equivalent model of scheme `target` (or, with `layer` in a model whose other layers
     keep the role, the same scheme with that layer's W_Q exactly the identity)."""
-    src, dst = cfg.spec, parse_scheme(target)
-    kind, role = role_change(src, dst)
+    dst = parse_scheme(target)
     if layer is not None and not 0 <= layer < cfg.n_layer:
         raise UserError(f"--layer {layer} is out of range; this model has layers 0..{cfg.n_layer - 1}")
+    # Each converted layer's own scheme must reach dst by one role switch (one-scheme models: all alike).
+    specs = [lc.spec for lc in cfg.layer_configs()]
+    changes = {role_change(specs[i], dst) for i in ([layer] if layer is not None else range(cfg.n_layer))}
+    if len(changes) > 1:
+        raise UserError(f"-> {dst.name}: the layers' schemes need different role changes; convert them with --layer")
+    (kind, role) = changes.pop()
+    scales = {lc.scale for lc in cfg.layer_configs()}
+    if len(scales) > 1:
+        raise UserError(
+            "the layers' default score scales differ (identity and learned query/key layers); set attn_scale to "
+            "convert, since the result pins one attn_scale for every layer"
+        )
     m = _float64_copy(model)
     if kind == "insert":
         if layer is not None:
             raise UserError("--layer applies to removing a projection; inserting one is done in every layer")
-        out_cfg = _target_cfg(cfg, dst, untie=False)
+        out_cfg = _target_cfg(cfg, dst, untie=False, table=[(dst.name, kv) for _, kv in cfg.layer_table()])
         return _rebuild(
             m,
             out_cfg,
@@ -140,7 +151,7 @@ def convert(
 
 
 def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int | None, max_cond: float, dtype):
-    src, name = cfg.spec, f"W_{role.upper()}"
+    name = f"W_{role.upper()}"
     if cfg.norm != "none":
         raise UserError(
             f"norm={cfg.norm}: a normalization layer does not commute with a general change of basis, so "
@@ -151,10 +162,11 @@ def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int
             f"pos=sinusoidal: fixed input positions cannot follow the residual stream's change of basis, so {name} "
             "cannot be removed exactly (use pos learned, rope or none)"
         )
-    d, width = cfg.d_model, (cfg.n_head if role == "q" else cfg.n_kv_heads) * cfg.head_dim
-    if role != "q" and cfg.n_kv_heads != cfg.n_head:
+    kv = min(lc.n_kv_heads for lc in cfg.layer_configs())
+    d, width = cfg.d_model, (cfg.n_head if role == "q" else kv) * cfg.head_dim
+    if role != "q" and kv != cfg.n_head:
         raise UserError(
-            f"an identity {ROLE_NAMES[role]} needs kv_heads == n_head; this model has GQA (kv_heads={cfg.n_kv_heads}, "
+            f"an identity {ROLE_NAMES[role]} needs kv_heads == n_head; this model has GQA (kv_heads={kv}, "
             f"n_head={cfg.n_head}), so {name} is {width}x{d}, not square"
         )
     if width != d:
@@ -172,6 +184,13 @@ def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int
             f"layer's {name} can be removed exactly; pass --layer L (theorem a), or use a model without the MLP skip "
             "(theorem b) or with shared layers (theorem c)"
         )
+    if cfg.mlp_skip and not cfg.share_layers:
+        fixed = [i for i, b in enumerate(m.trunk.blocks) if b.attn.spec.identity_role is not None and i != layer]
+        if fixed:
+            raise UserError(
+                f"layer {fixed[0]} already has an identity role, which reads the residual stream as it is; with a skip "
+                f"around the MLP one change of basis serves every layer, so no other layer's {name} can be removed exactly"
+            )
     todo = list(range(len(m.trunk.blocks))) if cfg.share_layers else ([layer] if layer is not None else list(range(n)))
     # Which layers end with the identity role: all of them in the result's config, or just one.
     whole = cfg.share_layers or len(todo) == n
@@ -183,7 +202,7 @@ def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int
         with torch.no_grad():
             for l in todo:
                 blk = m.trunk.blocks[l]
-                _, b_v = role_weights(blk, src)["v"]
+                _, b_v = role_weights(blk, blk.attn.spec)["v"]
                 blk.attn.out_proj.bias += blk.attn.out_proj.weight @ b_v
 
     eye = torch.eye(d, dtype=torch.float64)
@@ -191,7 +210,7 @@ def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int
     theta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     notes = []
     for l in todo:
-        w, b = role_weights(m.trunk.blocks[l], src)[role]
+        w, b = role_weights(m.trunk.blocks[l], m.trunk.blocks[l].attn.spec)[role]
         cond = torch.linalg.cond(w).item()
         if not math.isfinite(cond) or cond > max_cond:
             raise UserError(
@@ -241,24 +260,23 @@ def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int
             add = zero if cfg.mlp_skip else c_next
             st[p + "mlp.down.bias"] = A_next.T @ st[p + "mlp.down.bias"] + add
     m.load_state_dict(st, strict=True) if not cfg.tie_embeddings else _load_untied(m, st)
-    # The removed role's rows are now exactly I (and its bias 0): write them so, or drop them.
-    rows_per_block = []
+    # The removed role's rows are now exactly I (and its bias 0): drop them in the converted layers.
+    table = list(cfg.layer_table())
+    for i in theta if not cfg.share_layers else range(n):
+        table[i] = (dst.name, table[i][1])
+    fused = []
     for i, block in enumerate(m.trunk.blocks):
-        rows = {r: wb for r, wb in role_weights(block, src).items()}
-        w, b = rows[role]
+        rows = role_weights(block, block.attn.spec)
         if i in theta:
+            w, b = rows[role]
             rows[role] = (eye.clone(), None if b is None else torch.zeros_like(b))
-        rows_per_block.append(rows)
+        fused.append(_fuse(parse_scheme(table[i][0]), rows))
+    out_cfg = _target_cfg(cfg, dst, untie=True, table=table)
     if whole:
-        out_cfg = _target_cfg(cfg, dst, untie=True)
-        fused = [_fuse(dst, rows) for rows in rows_per_block]
-        notes.append(f"{name} removed in every layer: scheme {src.name} -> {dst.name}")
+        notes.append(f"{name} removed in every layer: scheme {cfg.scheme_label} -> {out_cfg.scheme_label}")
     else:
-        out_cfg = cfg.replace(tie_embeddings=False, attn_scale=cfg.scale, mlp_hidden=cfg.hidden, match_params=None)
-        fused = [_fuse(src, rows) for rows in rows_per_block]
         notes.append(
-            f"layer {todo[0]}'s {name} is now exactly the identity; a config holds one scheme for all layers, so the "
-            f"model stays {src.name} with explicit weights"
+            f"layer {todo[0]}'s {name} removed: layers={out_cfg.layers!r} ({d * width} fewer parameters in that layer)"
         )
     return _rebuild(m, out_cfg, fused, dtype, notes)
 
@@ -272,7 +290,7 @@ def _load_untied(m: GPT, st: dict[str, torch.Tensor]) -> None:
 def _insert_rows(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str):
     fused = []
     for block in m.trunk.blocks:
-        rows = role_weights(block, cfg.spec)
+        rows = role_weights(block, block.attn.spec)
         bias = cfg.bias
         rows[role] = (
             torch.eye(cfg.d_model, dtype=torch.float64),
@@ -282,11 +300,18 @@ def _insert_rows(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str):
     return fused
 
 
-def _target_cfg(cfg: ModelConfig, dst: ProjectionSpec, *, untie: bool) -> ModelConfig:
-    """Same architecture, new scheme; the score scale and MLP width pinned to the source's (an
-    identity role changes their defaults)."""
+def _target_cfg(cfg: ModelConfig, dst: ProjectionSpec, *, untie: bool, table=None) -> ModelConfig:
+    """Same architecture, new scheme (or, with `table`, these per-layer (scheme, kv_heads)); the score
+    scale and MLP width pinned to the source's (an identity role changes their defaults)."""
+    attn, kv, layers = dst.name, cfg.kv_heads, cfg.layers
+    if table is not None and len(set(table)) == 1:
+        (attn, kv), layers = table[0], None
+    elif table is not None:
+        attn, kv, layers = cfg.attn, cfg.kv_heads, format_layers(tuple(table), (cfg.attn, cfg.kv_heads))
     out = cfg.replace(
-        attn=dst.name,
+        attn=attn,
+        kv_heads=kv,
+        layers=layers,
         attn_scale=cfg.scale,
         mlp_hidden=cfg.hidden,
         match_params=None,

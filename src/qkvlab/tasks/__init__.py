@@ -10,6 +10,7 @@ from qkvlab.tasks.base import Task
 
 TASK_MODULES: dict[str, str] = {
     "lm": "qkvlab.tasks.lm",
+    "distill": "qkvlab.tasks.distill",
     **{t: "qkvlab.tasks.synthetic" for t in ("reverse", "sort", "sub", "swap", "copy")},
     **{
         d: "qkvlab.tasks.vision"

@@ -1,0 +1,143 @@
+"""Distillation: a student (a model folder, e.g. a retrofitted one) learns from a frozen teacher.
+
+loss = lm_weight * LM cross-entropy + kl_weight * KL(teacher || student), per token, temperature 1.
+The student starts from its folder's weights (not a fresh init); the teacher is a qkvlab model
+folder or a Hugging Face GPT-2/Llama folder or .gguf (imported through convert/hf.py). Batches are
+random windows of a token file (safetensors with int64 tensors "train" and "val", as written by
+`qkvlab.convert.retrofit.write_tokens`) drawn from (seed, step) like the LM task, so the training
+loop resumes it exactly. Options: teacher, student, tokens, kl_weight (1.0), lm_weight (1.0; 0:
+pure distillation, which cannot adapt the student to the corpus beyond the teacher), block_size
+(the student's context, at most 256).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qkvlab.config import ModelConfig
+from qkvlab.data.prepare import fixed_val_batches, get_batch
+from qkvlab.errors import UserError
+from qkvlab.tasks.base import Task
+from qkvlab.tasks.lm import VAL_SEED, step_generator
+
+OPTIONS = ("teacher", "student", "tokens", "kl_weight", "lm_weight", "block_size")
+DEFAULT_BLOCK = 256
+
+
+def kl_teacher_student(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(p_teacher || p_student), (B, T, V) logits, computed in float32."""
+    t = F.log_softmax(teacher_logits.float(), -1)
+    s = F.log_softmax(student_logits.float(), -1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+class DistillTask(Task):
+    name = "distill"
+    model_kind = "gpt"
+    metric = "val_loss"
+    higher_is_better = False
+
+    def __init__(
+        self,
+        teacher: str | None = None,
+        student: str | None = None,
+        tokens: str | None = None,
+        kl_weight: float = 1.0,
+        lm_weight: float = 1.0,
+        block_size: int | None = None,
+    ):
+        for key, value in (("teacher", teacher), ("student", student), ("tokens", tokens)):
+            if not value:
+                raise UserError(f"the distill task needs the option {key} (a path)")
+        for key, value in (("kl_weight", kl_weight), ("lm_weight", lm_weight)):
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise UserError(f"{key}={value!r} must be a number >= 0")
+        if kl_weight == 0 and lm_weight == 0:
+            raise UserError("kl_weight and lm_weight are both 0: nothing to train on")
+        if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
+            raise UserError(f"block_size={block_size!r} must be a positive integer")
+        from safetensors.torch import load_file
+
+        from qkvlab.io import read_config
+
+        self.teacher_path, self.student_path, self.tokens_path = str(teacher), str(student), str(tokens)
+        self.kl_weight, self.lm_weight, self._block_size = float(kl_weight), float(lm_weight), block_size
+        if not Path(self.tokens_path).is_file():
+            raise UserError(f"{self.tokens_path}: no such token file")
+        data = load_file(self.tokens_path)
+        self.train_ids, self.val_ids = data["train"].numpy(), data["val"].numpy()
+        self.student_cfg, _ = read_config(self.student_path)
+        self._teacher: nn.Module | None = None
+        self._val: dict[tuple[int, int, int], list] = {}
+
+    @property
+    def block(self) -> int:
+        return self._block_size or min(self.student_cfg.context, DEFAULT_BLOCK)
+
+    def adapt_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The student's own config: its weights are the starting point."""
+        return self.student_cfg
+
+    def build_model(self, cfg: ModelConfig) -> nn.Module:
+        from qkvlab.io import load_model
+
+        model, _, _ = load_model(self.student_path, dtype=torch.float32)
+        return model
+
+    def teacher(self, device: torch.device) -> nn.Module:
+        if self._teacher is None:
+            from qkvlab.convert.retrofit import load_source
+
+            self._teacher = load_source(self.teacher_path).model.float().eval().requires_grad_(False)
+        return self._teacher.to(device)
+
+    def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return get_batch(self.train_ids, batch_size, self.block, step_generator(seed, step))
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, lm = model(inputs, targets)
+        if self.kl_weight == 0:
+            return self.lm_weight * lm
+        with torch.no_grad():
+            teacher_logits, _ = self.teacher(inputs.device)(inputs)
+        return self.lm_weight * lm + self.kl_weight * kl_teacher_student(teacher_logits, logits)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
+        n = max_batches or 10
+        key = (n, batch_size, self.block)
+        if key not in self._val:
+            self._val[key] = fixed_val_batches(self.val_ids, n, batch_size, self.block, seed=VAL_SEED)
+        device = next(model.parameters()).device
+        total = kl = 0.0
+        for x, y in self._val[key]:
+            x, y = x.to(device), y.to(device)
+            logits, loss = model(x, y)
+            total += float(loss)
+            kl += float(kl_teacher_student(self.teacher(device)(x)[0], logits))
+        val_loss = total / n
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0)), "val_kl": kl / n}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "task": self.name,
+            "teacher": self.teacher_path,
+            "student": self.student_path,
+            "tokens": self.tokens_path,
+            "kl_weight": self.kl_weight,
+            "lm_weight": self.lm_weight,
+            "block_size": self.block,
+        }
+
+
+def make_task(name: str = "distill", **options: Any) -> DistillTask:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise UserError(f"unknown distill task option {unknown[0]!r}; allowed: {', '.join(OPTIONS)}")
+    return DistillTask(**options)

@@ -1,0 +1,217 @@
+"""qkvlab retrofit: the fit keeps what it claims exactly, layer choice by budget, distillation task,
+and the whole command end to end on a tiny model trained here."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from qkvlab.accounting import kv_cache_bytes_per_token
+from qkvlab.cache import KVCache
+from qkvlab.cli import main
+from qkvlab.config import ModelConfig
+from qkvlab.convert.reparam import logit_diff, role_weights
+from qkvlab.convert.retrofit import fit
+from qkvlab.errors import UserError
+from qkvlab.model import GPT
+
+
+def model_with(seed=0, **kw) -> tuple[GPT, ModelConfig]:
+    base = dict(n_layer=3, n_head=4, d_model=32, vocab_size=40, context=32, pos="rope", norm="rmsnorm")
+    base.update(kw)
+    cfg = ModelConfig(**base).validate()
+    torch.manual_seed(seed)
+    model = GPT(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, p.shape[1] ** -0.5)
+    return model, cfg
+
+
+def calib(n=512, vocab=40, seed=1):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_values_linear_in_keys_fit_exactly():
+    """If every value head is a linear map of its key head, K=V plus the folded map is exact."""
+    model, cfg = model_with(bias=True, kv_heads=2)
+    hd = cfg.head_dim
+    with torch.no_grad():
+        for blk in model.trunk.blocks:
+            (wk, bk), (wv, bv) = role_weights(blk, blk.attn.spec)["k"], role_weights(blk, blk.attn.spec)["v"]
+            for g in range(cfg.n_kv_heads):
+                M = torch.randn(hd, hd, dtype=torch.float64) / hd**0.5
+                c = torch.randn(hd, dtype=torch.float64)
+                rows = slice(g * hd, (g + 1) * hd)
+                wv[rows] = M.T @ wk[rows]  # v = k M + c (row vectors)
+                bv[rows] = bk[rows] @ M + c
+    res = fit(model, cfg, calib(), to="Q-K=V", block=32)
+    assert res.cfg.spec.name == "Q-K=V" and res.converted == [0, 1, 2]
+    assert all(lf.r2 > 1 - 1e-12 for lf in res.layers)
+    assert logit_diff(model, res.model, cfg.vocab_size, cfg.context)[1] <= 1e-9
+    # the keys were kept: the same tensors, so rotary stays exact
+    for a, b in zip(model.trunk.blocks, res.model.trunk.blocks):
+        assert torch.equal(role_weights(a, a.attn.spec)["k"][0], role_weights(b, b.attn.spec)["k"][0])
+
+
+def test_mean_pooling_of_equal_heads_is_exact():
+    """GQA pooling (the GQA paper's mean) of kv heads that are already equal within each group."""
+    model, cfg = model_with()
+    hd = cfg.head_dim
+    with torch.no_grad():
+        for blk in model.trunk.blocks:
+            for r in ("k", "v"):
+                w, _ = role_weights(blk, blk.attn.spec)[r]
+                for g in (1, 3):
+                    w[g * hd : (g + 1) * hd] = w[(g - 1) * hd : g * hd]
+    for pool in ("mean", "fit"):
+        res = fit(model, cfg, calib(), to="Q-K-V", kv_heads=2, pool=pool, block=32)
+        assert res.cfg.n_kv_heads == 2
+        assert logit_diff(model, res.model, cfg.vocab_size, cfg.context)[1] <= 1e-9  # the fit: a 1e-10 ridge
+
+
+def test_layer_selection_and_mqa_cache():
+    model, cfg = model_with()
+    res = fit(model, cfg, calib(), to="Q-K=V", kv_heads=1, layers="-1", block=32)
+    assert [lc.spec.name for lc in res.cfg.layer_configs()] == ["Q-K-V", "Q-K-V", "Q-K=V"]
+    assert [lc.n_kv_heads for lc in res.cfg.layer_configs()] == [4, 4, 1]
+    per_layer = cfg.n_head * cfg.head_dim * 2 * 2  # K and V, bf16
+    assert kv_cache_bytes_per_token(res.cfg) == 2 * per_layer + cfg.head_dim * 2
+    assert (
+        KVCache(res.cfg, 1, 5, dtype=torch.float32).bytes_allocated() == kv_cache_bytes_per_token(res.cfg, "fp32") * 5
+    )
+    # cached decoding of the retrofitted (mixed) model equals its full forward
+    idx = calib(12).view(1, 12)
+    m = res.model
+    with torch.no_grad():
+        full, _ = m(idx)
+        cache = KVCache(res.cfg, 1, 12, dtype=torch.float64)
+        steps = [m(idx[:, :4], cache=cache)[0]] + [m(idx[:, t : t + 1], cache=cache)[0] for t in range(4, 12)]
+    assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-12
+
+
+def test_cache_budget_picks_best_fitting_layers():
+    model, cfg = model_with(n_layer=4)
+    res = fit(model, cfg, calib(), to="Q-K=V", cache_budget=0.75, block=32)
+    r2 = {lf.layer: lf.r2 for lf in res.layers}
+    assert len(res.converted) == 2
+    assert min(r2[i] for i in res.converted) >= max(r2[i] for i in r2 if i not in res.converted)
+    assert kv_cache_bytes_per_token(res.cfg) <= 0.75 * kv_cache_bytes_per_token(cfg)
+    with pytest.raises(UserError, match="cache-budget 0.2"):
+        fit(model, cfg, calib(), to="Q-K=V", cache_budget=0.2, block=32)
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(to="Id-K-V"), "retrofit fits"),
+        (dict(to="Q-K=V", kv_heads=3), "must divide n_head"),
+        (dict(to="Q-K=V", cache_budget=1.5), "fraction"),
+        (dict(to="Q-K=V", layers="7"), "out of range"),
+        (dict(to="Q-K=V", pool="max"), "pool='max'"),
+    ],
+)
+def test_refusals_one_line(kw, needle):
+    model, cfg = model_with()
+    with pytest.raises(UserError) as e:
+        fit(model, cfg, calib(), block=32, **kw)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- end to end: train a tiny model here, retrofit it with uptraining ---------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from qkvlab.data.text import load_shakespeare
+    from qkvlab.train.config import train_preset
+    from qkvlab.train.loop import train
+
+    root = tmp_path_factory.mktemp("retrofit")
+    (root / "plays.txt").write_text("".join(d.text for d in load_shakespeare()[:2])[:120_000])
+    old, threads = os.environ.get("QKVLAB_CACHE"), torch.get_num_threads()
+    os.environ["QKVLAB_CACHE"] = str(root / "cache")
+    torch.set_num_threads(1)
+    tc = train_preset(
+        "tiny",
+        task_options={"data": str(root / "plays.txt"), "tokenizer": "char", "block_size": 32},
+        model={"context": 32, "pos": "rope"},
+        batch_size=16,
+        max_steps=120,
+        eval_every=120,
+        eval_batches=2,
+        lr=3e-3,
+        log_tensorboard=False,
+    )
+    train(tc, root / "teacher", progress=False)
+    yield root
+    torch.set_num_threads(threads)
+    if old is None:
+        os.environ.pop("QKVLAB_CACHE", None)
+    else:
+        os.environ["QKVLAB_CACHE"] = old
+
+
+def test_retrofit_command_end_to_end(trained, capsys):
+    out = trained / "rf"
+    argv = ["retrofit", str(trained / "teacher"), str(out), "--to", "Q-K=V", "--data", str(trained / "plays.txt")]
+    argv += ["--steps", "40", "--batch-size", "16", "--lr", "2e-3", "--eval-every", "40", "--quiet"]
+    argv += ["--calib-tokens", "1024", "--eval-tokens", "4096"]
+    assert main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    report = json.loads((out / "retrofit.json").read_text())
+    assert last.startswith("ppl_original=") and last.endswith(f"cache_ratio={report['cache_ratio']:.4g}")
+    assert report["cache_ratio"] == 0.5 and report["converted_layers"] == [0, 1]
+    assert report["ppl_uptrained"] < report["ppl_fit"]
+    # OUT is a model folder with the retrofitted scheme; the run folder is resumable and finished
+    from qkvlab.io import load_model
+
+    model, cfg, _ = load_model(out)
+    assert cfg.spec.name == "Q-K=V" and (out / "tokenizer").is_dir()
+    assert (out / "uptrain" / "metrics.jsonl").is_file() and (out / "uptrain" / "checkpoint").is_dir()
+    # a second run without --resume refuses to touch OUT; with --resume it finds the run finished
+    assert main(argv) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert main(argv + ["--resume"]) == 0
+    again = json.loads((out / "retrofit.json").read_text())
+    assert again["ppl_uptrained"] == pytest.approx(report["ppl_uptrained"], rel=1e-6)
+
+
+def test_retrofit_refuses_foreign_out(trained, capsys):
+    foreign = trained / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    argv = ["retrofit", str(trained / "teacher"), str(foreign), "--steps", "0", "--resume", "--quiet"]
+    assert main(argv) == 2
+    assert "not written by qkvlab retrofit" in capsys.readouterr().err
+    assert (foreign / "notes.txt").read_text() == "keep me" and len(list(foreign.iterdir())) == 1
+
+
+def test_kl_and_distill_options():
+    import torch.nn.functional as F
+
+    from qkvlab.tasks import get_task
+    from qkvlab.tasks.distill import kl_teacher_student
+
+    t, s = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    assert kl_teacher_student(t, t).item() == pytest.approx(0.0, abs=1e-6)
+    ref = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1).mean()
+    assert kl_teacher_student(t, s).item() == pytest.approx(ref.item(), rel=1e-5)
+    with pytest.raises(UserError, match="unknown distill task option 'temp'"):
+        get_task("distill", teacher="a", student="b", tokens="c", temp=2)
+    with pytest.raises(UserError, match="both 0"):
+        get_task("distill", teacher="a", student="b", tokens="c", kl_weight=0, lm_weight=0)
+    with pytest.raises(UserError, match="needs the option teacher"):
+        get_task("distill", student="b", tokens="c")
+
+
+def test_command_settings(capsys, tmp_path):
+    assert main(["retrofit", "a", str(tmp_path / "b"), "--layers", "0", "--cache-budget", "0.5"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["retrofit", "a", str(tmp_path / "b"), "--steps", "-1"]) == 2
+    assert "steps=-1" in capsys.readouterr().err
+    assert main(["retrofit", "a", str(tmp_path / "b"), "--kv-heads", "1", "--print-config", "json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["kv_heads"] == 1 and body["to"] == "Q-K=V" and not (tmp_path / "b").exists()
