@@ -23,6 +23,9 @@ The same line is fitted against log10(C). The extrapolation holds tokens per par
 sweep's ratio, not the papers' (see results.md). The verdict per variant compares the prediction
 interval at the paper's size with the paper's figure ± EXTRAPOLATION_MARGIN_PCT percentage points:
 reproduced when the interval lies inside, contradicted when it lies outside, else inconclusive.
+
+Over 400 lines: reading, fitting, tables and plots of one analysis; split, each part would
+need the others' row types.
 """
 
 from __future__ import annotations

@@ -68,13 +68,9 @@ def text_ids(tok, text_file: str | None, n_tokens: int, context: int, vocab_size
     if n_tokens < 2:
         raise UserError(f"--tokens={n_tokens} must be an integer >= 2")
     if text_file is not None:
-        path = Path(text_file)
-        if not path.is_file():
-            raise UserError(f"--text {text_file}: no such file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise UserError(f"--text {text_file}: not UTF-8 text") from None
+        from qkvlab.io import read_user_text
+
+        text = read_user_text(text_file, f"--text {text_file}")
     else:
         from qkvlab.data.text import load_corpus
 

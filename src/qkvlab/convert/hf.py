@@ -12,6 +12,9 @@ explicit: an identity role becomes W = (s * sqrt(d_h)) * I under the class's fix
 scale (s is qkvlab's score scale, folded into the query), shared roles become duplicated weights,
 GQA becomes Llama's num_key_value_heads (GPT-2 has none: key/value heads are repeated). The memory
 savings of the reduced schemes are lost in the export; they need qkvlab's own runtime.
+
+Over 400 lines: two architectures (GPT-2, Llama) in both directions, each a flat weight map
+that reads best in one place.
 """
 
 from __future__ import annotations

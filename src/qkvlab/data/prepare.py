@@ -25,6 +25,9 @@ tokenizer and split; the content hash (meta.json's corpus_sha256) is computed on
 So training finds a prepared corpus without reading it, and ranks of a multi-process run never
 tokenize: they load it or stop with one line naming `qkvlab prepare`. An interrupted prepare resumes
 from progress.json (same inputs, same folder).
+
+Over 400 lines: streaming readers for five source kinds, the resumable writer and the
+cache lookup, which must agree on one folder format.
 """
 
 from __future__ import annotations

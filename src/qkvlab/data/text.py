@@ -94,10 +94,9 @@ def load_shakespeare(genres: Sequence[str] | None = None) -> list[Document]:
 
 
 def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{str(path)!r} is not UTF-8 text") from None
+    from qkvlab.io import read_user_text
+
+    return read_user_text(path)
 
 
 def list_text_files(

@@ -372,15 +372,10 @@ def train_preset(name: str, **overrides: Any) -> TrainConfig:
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """A YAML (.yaml/.yml) or TOML (.toml) file -> mapping; parse errors are one line."""
+    from qkvlab.io import read_user_text
+
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such config file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text") from None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read it ({e.strerror})") from None
+    text = read_user_text(path, f"{path} (config file)")
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):

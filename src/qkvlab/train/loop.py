@@ -8,6 +8,9 @@ uninterrupted one (CPU, same world size); only the timing fields tokens_per_s an
 
 Reading order: `train` -> `_train` (the loop, top to bottom) -> the step, evaluation, checkpoint
 and logging functions it calls. What is fixed for a run is a `Run`; what changes is a `State`.
+
+Over 400 lines because the one loop owns resume, divergence and checkpoint-safety rules that
+must stay next to the step they protect; each is a named function.
 """
 
 from __future__ import annotations
