@@ -345,3 +345,28 @@ def test_compare_print_config_and_config_file(tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text("varients: Q-K-V\n")
     assert main(["compare", "--config", str(tmp_path / "bad.yaml"), "--dry-run"]) == 2
     assert "'varients'" in capsys.readouterr().err
+
+
+def test_paper_recipe_is_the_full_grid_default_and_named():
+    from qkvlab.compare import CompareConfig, plan
+    from qkvlab.errors import UserError
+
+    paper = plan(CompareConfig(task="reverse", variants="Q-K-V", seeds=1, recipe="paper")).runs[0].cfg
+    assert (paper.max_steps, paper.batch_size, paper.weight_decay, paper.grad_clip) == (780, 128, 0.0, 5.0)
+    m = paper.model
+    assert (m.norm_position, m.pos, m.mlp, m.head, m.dropout, m.hidden) == (
+        "post",
+        "sinusoidal",
+        "relu",
+        "norm_mlp",
+        0.1,
+        2 * m.d_model,
+    )
+    cpu = plan(CompareConfig(task="reverse", variants="Q-K-V", seeds=1)).runs[0].cfg
+    assert (cpu.max_steps, cpu.model.norm_position) == (400, "pre")  # the CPU recipe unless asked
+    grid = plan(CompareConfig(task="reverse", variants="Q-K-V", seeds=1, full_grid=True)).runs
+    assert {r.cfg.max_steps for r in grid} == {780} and {r.cfg.model.d_model for r in grid} == {32, 64, 256}
+    seg = plan(CompareConfig(task="segmentation", variants="Q-K-V", seeds=1, full_grid=True)).runs[0].cfg
+    assert seg.model.norm_position == "pre"  # no paper recipe: the CPU one on the paper's grid
+    with pytest.raises(UserError, match="no paper recipe for 'segmentation'"):
+        plan(CompareConfig(task="segmentation", variants="Q-K-V", seeds=1, recipe="paper"))

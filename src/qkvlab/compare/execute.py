@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
-from qkvlab.compare.recipes import CPU_RECIPES
+from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
 from qkvlab.errors import UserError
 from qkvlab.folders import claim_folder, inspect
 
@@ -214,7 +214,12 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
         "train": {
             "preset": "scaling sweep"
             if cfg.sweep
-            else cfg.preset or f"compare default ({CPU_RECIPES[plan.family]['preset']} + CPU recipe)",
+            else cfg.preset
+            or (
+                f"the paper's recipe (PAPER_RECIPE of qkvlab.tasks.{plan.family})"
+                if recipe_name(cfg.recipe, cfg.full_grid, plan.family) == "paper"
+                else f"compare default ({CPU_RECIPES[plan.family]['preset']} + CPU recipe)"
+            ),
             **{k: v for k, v in runs[0].cfg.to_dict().items() if k not in ("model", "task_options")},
         },
         "model": runs[0].cfg.model.to_dict(),

@@ -10,7 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkvlab.compare.recipes import ANOMALY_GRID, CPU_RECIPES, DEFAULT_LM_VARIANTS, FULL_GRID_STEPS
+from qkvlab.compare.recipes import (
+    ANOMALY_GRID,
+    CPU_RECIPES,
+    DEFAULT_LM_VARIANTS,
+    FULL_GRID_STEPS,
+    RECIPES,
+    paper_recipe,
+    recipe_name,
+)
 from qkvlab.config import PRESETS
 from qkvlab.errors import UserError
 from qkvlab.settings import setting
@@ -42,6 +50,12 @@ class CompareConfig:
     lr: float | None = setting(None, help="peak learning rate, min_lr = lr / 10 (default: the recipe's)")
     eval_every: int | None = setting(None, help="steps between evaluations (default: the recipe's)")
     full_grid: bool = setting(False, help="the paper's grid for the task family (long)")
+    recipe: str | None = setting(
+        None,
+        choices=RECIPES,
+        help="cpu: the CPU-sized recipe (compare/recipes.py); paper: the papers' own recipe where the task "
+        "module defines one (synthetic, vision, anomaly: PAPER_RECIPE); default: paper with --full-grid where one exists, else cpu",
+    )
     data: str | None = setting(
         None, help="lm corpus: a text file or folder, or hf:NAME (default Shakespeare)", metavar="PATH"
     )
@@ -210,12 +224,15 @@ def split_overrides(point: dict[str, Any]) -> tuple[dict, dict, dict]:
 
 
 def base_train_config(cfg: CompareConfig, family: str, task: str, point: dict[str, Any]):
-    """The TrainConfig of one grid point before the variant: preset recipe (or the CPU recipe),
-    grid point, then the settings' overrides."""
+    """The TrainConfig of one grid point before the variant: preset recipe (or the CPU or paper
+    recipe), grid point, then the settings' overrides; and whether the recipe fixed the weight decay
+    (else each variant gets its scheme's default)."""
     from qkvlab.config import preset as model_preset
     from qkvlab.train.config import TRAIN_PRESETS, TrainConfig
 
     recipe = CPU_RECIPES[family]
+    if cfg.preset is None and recipe_name(cfg.recipe, cfg.full_grid, family) == "paper":
+        recipe = paper_recipe(family, task, point)  # the paper's own optimiser, schedule, model and steps
     name = cfg.preset or recipe["preset"]
     body = dict(TRAIN_PRESETS[name])
     model_name = body.pop("model")
@@ -224,7 +241,7 @@ def base_train_config(cfg: CompareConfig, family: str, task: str, point: dict[st
         body.update(recipe["train"])
     g_model, g_train, g_task = split_overrides(point)
     body.update(g_train)
-    if cfg.full_grid and cfg.max_steps is None and "max_steps" not in g_train:
+    if cfg.full_grid and cfg.max_steps is None and "max_steps" not in g_train and "max_steps" not in recipe["train"]:
         body["max_steps"] = FULL_GRID_STEPS.get(family, body["max_steps"])
     for key in ("max_steps", "batch_size", "lr", "eval_every"):
         if getattr(cfg, key) is not None:
@@ -253,7 +270,7 @@ def base_train_config(cfg: CompareConfig, family: str, task: str, point: dict[st
     overrides.update(cfg.model)
     model = model_preset(model_name, **overrides)
     body.update(task=task, task_options=task_options, model=model, device=cfg.device, log_tensorboard=False)
-    return TrainConfig.from_dict(body)
+    return TrainConfig.from_dict(body), body.get("weight_decay") is not None
 
 
 def plan(cfg: CompareConfig) -> Plan:
@@ -276,11 +293,12 @@ def plan(cfg: CompareConfig) -> Plan:
     runs: list[PlannedRun] = []
     for task in tasks:
         for point in points:
-            base = base_train_config(cfg, family, task, point)
+            base, fixed_decay = base_train_config(cfg, family, task, point)
             label = point_label(point)
             for v in variants:
                 model = v.apply(base.model)
-                decay = default_weight_decay(model)  # the recipe's: 2**-5 with an identity role
+                # a recipe's own decay (Paper B's Adam: 0) holds; else 2**-5 with an identity role, 0.1 without
+                decay = base.weight_decay if fixed_decay else default_weight_decay(model)
                 for seed in range(n_seeds):
                     train_cfg = dataclasses.replace(base, model=model, seed=seed, weight_decay=decay)
                     run = PlannedRun(task, v, seed, label, train_cfg, out)

@@ -3,7 +3,12 @@ grids. Measured wall times and results: docs/results/README.md."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
+
+from qkvlab.errors import UserError
+
+RECIPES = ("cpu", "paper")
 
 DEFAULT_LM_VARIANTS = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=K=V", "Id-K=V", "Q-K=V/MQA")
 
@@ -68,3 +73,33 @@ CPU_RECIPES: dict[str, dict[str, Any]] = {
 # anomaly reference setup; segmentation (details not public) reuses the vision grid.
 ANOMALY_GRID = dict(d_model=(256,), n_layer=(4,), n_head=(4,), seeds=3)
 FULL_GRID_STEPS = {"synthetic": 4000, "vision": 4000, "anomaly": 4000, "segmentation": 4000}
+
+# Task families whose module defines the paper's recipe (PAPER_RECIPE + paper_recipe(task, point)).
+PAPER_RECIPE_MODULES = {
+    "synthetic": "qkvlab.tasks.synthetic",
+    "vision": "qkvlab.tasks.vision",
+    "anomaly": "qkvlab.tasks.anomaly",
+}
+
+
+def paper_recipe(family: str, task: str, point: dict[str, Any]) -> dict[str, Any]:
+    """The paper's recipe for one task at one grid point, in CPU_RECIPES' shape (preset, train, model,
+    task_options); the task module's paper_recipe gives the TrainConfig overrides."""
+    if family not in PAPER_RECIPE_MODULES:
+        allowed = ", ".join(PAPER_RECIPE_MODULES)
+        raise UserError(
+            f"--recipe paper: no paper recipe for {family!r} (the papers give one for {allowed}); use --recipe cpu"
+        )
+    module = importlib.import_module(PAPER_RECIPE_MODULES[family])
+    cpu = CPU_RECIPES[family]
+    overrides = dict(module.paper_recipe(task, {**cpu["model"], "lr": cpu["train"]["lr"], **point}))
+    model = overrides.pop("model", {})
+    task_options = overrides.pop("task_options", {})
+    return dict(preset="tiny", train=overrides, model=model, task_options=task_options)
+
+
+def recipe_name(requested: str | None, full_grid: bool, family: str) -> str:
+    """`requested` (cpu or paper), else the paper's recipe on the paper's grid where one exists."""
+    if requested is not None:
+        return requested
+    return "paper" if full_grid and family in PAPER_RECIPE_MODULES else "cpu"

@@ -39,7 +39,15 @@ PAPER_RECIPE = dict(
     train=dict(warmup_steps=0, weight_decay=0.01, betas=(0.9, 0.999), grad_clip=0.0),
     epochs={"mnist": 20, "fashion-mnist": 20, "cifar10": 40, "cifar100": 50},
     batch_size={"mnist": 200, "fashion-mnist": 200, "cifar10": 128, "cifar100": 128},
-    n_train={"mnist": 60_000, "fashion-mnist": 60_000, "cifar10": 45_000, "cifar100": 45_000},
+    # digits and mnist5k are qkvlab's small offline sets (not the paper's): their training-set sizes
+    n_train={
+        "mnist": 60_000,
+        "fashion-mnist": 60_000,
+        "cifar10": 45_000,
+        "cifar100": 45_000,
+        "digits": 1_617,
+        "mnist5k": 4_500,
+    },
 )
 
 
