@@ -262,8 +262,9 @@ def test_vision_paper_recipe_and_grid():
     assert cfg.model.scale == pytest.approx(1 / 16)  # d_model^-1/2, not d_head^-1/2
     assert (cfg.max_steps, cfg.batch_size, cfg.lr, cfg.final_lr, cfg.weight_decay) == (40 * 351, 128, 1e-4, 1e-4, 0.01)
     assert paper_recipe("mnist", {"d_model": 64, "lr": 1e-3})["max_steps"] == 20 * 300
-    with pytest.raises(UserError, match="n_train"):
-        paper_recipe("digits", {"d_model": 64, "lr": 1e-3})
+    with pytest.raises(UserError, match="n_train"):  # a dataset without a known training-set size
+        paper_recipe("tinyimagenet", {"d_model": 64, "lr": 1e-3})
+    assert paper_recipe("tinyimagenet", {"d_model": 64, "lr": 1e-3, "n_train": 12_800})["max_steps"] == 50 * 100
     from qkvlab.tasks import anomaly
 
     a = train_preset("tiny", **{**anomaly.paper_recipe(), "task": "anomaly", "task_options": {}})
