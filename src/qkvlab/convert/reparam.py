@@ -36,7 +36,6 @@ from qkvlab.spec import ROLES, ProjectionSpec, format_layers, parse_scheme
 
 ROLE_NAMES = {"q": "query", "k": "key", "v": "value"}
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
 DEFAULT_MAX_COND = 1e6
 
 
