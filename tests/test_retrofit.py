@@ -211,7 +211,7 @@ def test_command_settings(capsys, tmp_path):
     assert main(["retrofit", "a", str(tmp_path / "b"), "--layers", "0", "--cache-budget", "0.5"]) == 2
     assert "not both" in capsys.readouterr().err
     assert main(["retrofit", "a", str(tmp_path / "b"), "--steps", "-1"]) == 2
-    assert "steps=-1" in capsys.readouterr().err
+    assert "--steps: -1 must be >= 0" in capsys.readouterr().err
     assert main(["retrofit", "a", str(tmp_path / "b"), "--kv-heads", "1", "--print-config", "json"]) == 0
     body = json.loads(capsys.readouterr().out)
     assert body["kv_heads"] == 1 and body["to"] == "Q-K=V" and not (tmp_path / "b").exists()

@@ -472,14 +472,15 @@ def test_compare_refuses_a_file_and_a_training_run(tmp_path, finished_run):
     "argv, needle",
     [
         (["init", "--preset", "tiny", "--out", "."], "names no new folder"),
-        (["init", "--preset", "tiny", "--out", ""], "names no"),
+        (["init", "--preset", "tiny", "--out", ""], "--out: '' is empty"),
         (["init", "--preset", "tiny", "--out", "/proc/qkvlab-model"], "/proc/qkvlab-model"),
-        (["init", "--preset", "tiny", "--seed", "-1", "--out", "{tmp}/s"], "--seed -1"),
+        (["init", "--preset", "tiny", "--seed", "-1", "--out", "{tmp}/s"], "--seed: -1 must be >= 0"),
         (["init", "--preset", "tiny", "--context", "99999999999", "--out", "{tmp}/c"], "GB"),
         (["bench", "--preset", "tiny", "--json", "/proc/qkvlab/b.json"], "--json"),
         (["bench", "--preset", "tiny", "--json", "{tmp}"], "is a folder"),
-        (["bench", "--preset", "tiny", "--memory-budget", "1e400GB"], "--memory-budget"),
-        (["bench", "--preset", "tiny", "--memory-budget", "nanGB"], "--memory-budget"),
+        (["bench", "--preset", "tiny", "--memory-budget", "1e400GB"], "--memory-budget '1e400GB' is not a finite size"),
+        (["bench", "--preset", "tiny", "--memory-budget", "nanGB"], "--memory-budget 'nanGB' is not a finite size"),
+        (["bench", "--preset", "tiny", "--context", "100000000000", "--no-hf"], "GB"),
     ],
 )
 def test_bad_paths_and_sizes_are_one_line(tmp_path, capsys, argv, needle):
@@ -489,6 +490,58 @@ def test_bad_paths_and_sizes_are_one_line(tmp_path, capsys, argv, needle):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and needle in err, err
     assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_bench_refuses_an_unwritable_json_before_measuring(tmp_path, capsys, monkeypatch):
+    import qkvlab.bench
+    from qkvlab.cli import main
+
+    monkeypatch.setattr(qkvlab.bench, "run", lambda *a, **k: pytest.fail("measured before refusing"))
+    for target in ("/proc/qkvlab-bench.json", "/proc/self/qkvlab-bench.json"):  # root passes os.access here
+        assert main(["bench", "--preset", "tiny", "--json", target]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--json {target}" in err, err
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--to", "Id-K-V"], "retrofit fits Q-K-V or Q-K=V"),
+        (["--to", "Q=K"], "Q=K"),
+        (["--layers", "99"], "layer 99 is out of range for n_layer=2"),
+        (["--layers=-5:"], "slice '-5:' reaches past the model's 2 layers"),
+        (["--kv-heads", "3"], "--kv-heads 3 must divide n_head=4"),
+    ],
+)
+def test_retrofit_refuses_before_loading_the_model(tmp_path, capsys, monkeypatch, flags, needle):
+    import qkvlab.convert.retrofit as rf
+    from qkvlab.cli import main
+
+    save_model(tmp_path / "m", GPT(preset("tiny")), preset("tiny"))  # 2 layers, 4 heads
+    monkeypatch.setattr(rf, "load_source", lambda *a, **k: pytest.fail("loaded the model before refusing"))
+    monkeypatch.setattr(rf, "perplexity", lambda *a, **k: pytest.fail("measured perplexity before refusing"))
+    assert main(["retrofit", str(tmp_path / "m"), str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_similarity_says_an_exported_folder_has_no_tokenizer(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from qkvlab.cli import main
+
+    save_model(tmp_path / "m", GPT(preset("tiny")), preset("tiny"))
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "hf"), "--to-hf", "gpt2"]) == 0
+    capsys.readouterr()
+    assert main(["similarity", str(tmp_path / "hf"), "--json"]) == 0  # weights only, and why
+    out = capsys.readouterr()
+    assert "has no tokenizer" in out.err and json.loads(out.out)["cka"] is None
+    (tmp_path / "t.txt").write_text("some text to read\n")
+    assert main(["similarity", str(tmp_path / "hf"), "--text", str(tmp_path / "t.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no tokenizer for --text" in err, err
+    assert main(["similarity", str(tmp_path / "hf"), "--tokenizer", "bytes", "--json"]) == 0  # the way through
+    assert json.loads(capsys.readouterr().out)["cka"] is not None
 
 
 def test_generate_similarity_export_refuse_hostile_or_broken_models(tmp_path, capsys):

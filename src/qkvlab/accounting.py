@@ -7,11 +7,13 @@ against the real modules' tensors for many configs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn as nn
 
-from qkvlab.config import ModelConfig
+from qkvlab.config import DEFAULT_PRESET, PRESETS, ModelConfig
 from qkvlab.devices import DTYPE_BYTES, dtype_name
+from qkvlab.settings import setting
 
 
 @dataclass(frozen=True)
@@ -235,3 +237,30 @@ def memory_estimate(
         params=params, grads=grads, optimizer=optimizer, comm_buffers=comm, activations=activations, logits=logits
     )
     return {**parts, "total": sum(parts.values())}
+
+
+@dataclass
+class InfoConfig:
+    """What `qkvlab info` reports on: a model (a folder's, a `--config` file's or a preset, with the
+    model options over it) and the figures asked for (`report`, `memory_estimate`)."""
+
+    folder: str | None = setting(
+        None,
+        help="a model folder or a training run folder (its config; options below override it)",
+        positional=True,
+        metavar="RUN_OR_MODEL_DIR",
+    )
+    variant: str | None = setting(
+        None, help="apply a compare variant, e.g. Q-K=V/MQA, Id-K-V/mlp, Q-K-V/width=Id-K-V", metavar="VARIANT"
+    )
+    dtype: str = setting("bf16", help="cache dtype", choices=DTYPE_BYTES)
+    cache_tokens: int | None = setting(
+        None, help="tokens held in the KV cache figure (default: the model's --context)", metavar="T", minimum=1
+    )
+    memory: bool = setting(False, help="estimate a training step's memory per GPU")
+    batch: int = setting(8, help="micro-batch per GPU (--memory)", metavar="B", minimum=1)
+    world: int = setting(1, help="GPUs (ranks) in all (--memory)", metavar="W", minimum=1)
+    sharding: str = setting("ddp", help="ddp (replicated) or fsdp (--memory)", choices=SHARDINGS)
+    json: bool = setting(False, help="print one JSON object")
+    preset: str | None = setting(None, help=f"start from a model preset (default {DEFAULT_PRESET})", choices=PRESETS)
+    model: dict[str, Any] = setting(help="model options", default_factory=dict, group=ModelConfig)

@@ -26,17 +26,17 @@ import torch
 
 from qkvlab.accounting import analytic_params, flops_per_token, kv_cache_bytes_per_token
 from qkvlab.cache import KVCache
-from qkvlab.config import PRESETS, ModelConfig, preset
+from qkvlab.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
 from qkvlab.devices import DEVICE_HELP, DTYPE_BYTES, check_device, dtype_name, pick_device, torch_dtype
 from qkvlab.errors import UserError
+from qkvlab.limits import check_fits, check_model, check_training
 from qkvlab.model import GPT
-from qkvlab.settings import setting
+from qkvlab.settings import byte_size, check, setting
 from qkvlab.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
 from qkvlab.speed import copy_rate as measured_copy_rate
 from qkvlab.variants import parse_variants
 
 DEFAULT_VARIANTS = "Q-K-V,Id-K-V,Q-K=V,Q=K=V,Id-K=V,Q-K=V/MQA"
-SIZE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 @dataclass
@@ -49,15 +49,15 @@ class BenchConfig:
         metavar="LIST",
         flags=("--schemes",),
     )
-    preset: str = setting("small", help="model preset", choices=PRESETS, cli=False)
-    model: dict[str, Any] = setting(help="model overrides (model options)", default_factory=dict, cli=False)
-    batch: int = setting(16, help="sequences in the cache-bytes figure")
-    decode_batches: tuple[int, ...] = setting((1, 16), help="decode batch sizes", metavar="LIST")
-    prompt_len: int = setting(16, help="prompt tokens per decoded sequence")
-    new_tokens: int = setting(32, help="tokens decoded per sequence")
-    rounds: int = setting(3, help="alternating timing rounds (the best is reported)")
-    train_batch: int = setting(4, help="sequences per training step")
-    train_steps: int = setting(3, help="timed training steps (the best is reported)")
+    preset: str = setting(DEFAULT_PRESET, help="model preset", choices=PRESETS)
+    model: dict[str, Any] = setting(help="model options", default_factory=dict, group=ModelConfig)
+    batch: int = setting(16, help="sequences in the cache-bytes figure", minimum=1)
+    decode_batches: tuple[int, ...] = setting((1, 16), help="decode batch sizes", metavar="LIST", minimum=1)
+    prompt_len: int = setting(16, help="prompt tokens per decoded sequence", minimum=1)
+    new_tokens: int = setting(32, help="tokens decoded per sequence", minimum=1)
+    rounds: int = setting(3, help="alternating timing rounds (the best is reported)", minimum=1)
+    train_batch: int = setting(4, help="sequences per training step", minimum=1)
+    train_steps: int = setting(3, help="timed training steps (the best is reported)", minimum=1)
     memory_budget: str | None = setting(
         None, help="capacity budget, e.g. 24GB or 80GiB (default: this device's memory)", metavar="SIZE"
     )
@@ -70,13 +70,14 @@ class BenchConfig:
     compile: bool = setting(False, help="decode with the static step under torch.compile (compiled once per shape)")
     hf: bool = setting(True, help="time transformers' generate on the same weights")
     train: bool = setting(True, help="measure training throughput")
-    threads: int | None = setting(None, help="torch CPU threads (default: torch's)")
+    threads: int | None = setting(None, help="torch CPU threads (default: torch's)", minimum=1)
     seed: int = setting(0, help="seed of the weights and prompts")
     json: str | None = setting(None, help="also write the results as JSON to FILE", metavar="FILE")
     compare_dir: str | None = setting(None, help="a qkvlab compare output: plot cache bytes vs quality", metavar="DIR")
     plot: str = setting("cache_vs_quality.png", help="where the plot goes", metavar="FILE")
 
     def validate(self) -> BenchConfig:
+        check(self)  # types, choices and bounds of every field; below: the rules across fields
         for key in ("attn", "kv_heads", "match_params"):
             if self.model.get(key) is not None:
                 raise UserError(
@@ -85,13 +86,8 @@ class BenchConfig:
         if ":" in self.variants:
             raise UserError(f"--variants {self.variants!r}: write key/value heads as /MQA or /GQA-g, e.g. Q-K=V/MQA")
         parse_variants(self.variants)
-        for name in ("batch", "prompt_len", "new_tokens", "rounds", "train_batch", "train_steps"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise UserError(f"{name}={getattr(self, name)!r} must be a positive integer")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise UserError(f"threads={self.threads!r} must be a positive integer")
-        if not self.decode_batches or min(self.decode_batches) < 1:
-            raise UserError(f"decode_batches={self.decode_batches!r}: positive integers")
+        if not self.decode_batches:
+            raise UserError("decode_batches=(): give at least one batch size")
         check_device(self.device)
         dtype_name(self.dtype)
         self.budget_bytes  # noqa: B018 (checks the size)
@@ -107,17 +103,7 @@ class BenchConfig:
 
     @property
     def budget_bytes(self) -> int | None:
-        if self.memory_budget is None:
-            return None
-        t = self.memory_budget.strip().upper()
-        num = t.rstrip("KMGTIB")
-        try:
-            value = float(num) * SIZE_UNITS[t[len(num) :]]
-        except (ValueError, KeyError):
-            raise UserError(f"--memory-budget {self.memory_budget!r}: write a size like 24GB, 80GiB or 512MB") from None
-        if not value > 0 or value == float("inf"):
-            raise UserError(f"--memory-budget {self.memory_budget!r} must be positive")
-        return int(value)
+        return None if self.memory_budget is None else byte_size(self.memory_budget, "--memory-budget")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -311,6 +297,18 @@ def bench_variant(
     return out
 
 
+def check_fits_bench(name: str, cfg: ModelConfig, opts: BenchConfig, device, dname: str) -> None:
+    """The variant's weights, its largest KV cache and (if timed) a training step fit `device`."""
+    check_model(cfg, f"bench {name}", device, DTYPE_BYTES[dname])
+    rows = max(opts.batch, *opts.decode_batches)
+    cache = kv_cache_bytes_per_token(cfg, dname) * rows * cfg.context
+    check_fits(
+        cache, f"bench {name}: a KV cache of {rows} x {cfg.context:,} tokens", "lower --context or --batch", device
+    )
+    if opts.train:
+        check_training(cfg, micro_batch=opts.train_batch, seq_len=cfg.context, device=device)
+
+
 def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
     """Measure every variant of `cfg`; a JSON-able dict (device, dtype, matmul rate, per variant)."""
     cfg.validate()
@@ -318,6 +316,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device)
     dname = dtype_name(cfg.dtype, device_type=device.type)
+    for name, m in variant_configs(cfg):  # before anything is allocated
+        check_fits_bench(name, m, cfg, device, dname)
     peak = matmul_flops_per_s(device, torch_dtype(dname))
     rate = measured_copy_rate(device)
     log(f"matmul rate on {device} ({dname}): {peak / 1e9:.1f} GFLOP/s; copy rate {rate / 1e9:.1f} GB/s")

@@ -1,7 +1,9 @@
 """The `qkvlab` command: parses options and calls the library.
 
 Each subcommand lives in ``qkvlab/commands/<name>.py`` with ``add_arguments(parser)`` and
-``run(args) -> int``. User errors print one line on stderr and exit 2.
+``run(args) -> int``; its options are generated from config dataclasses by qkvlab.settings (no
+option is declared by hand here or there but --help and --version). User errors print one line on
+stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from qkvlab.config import PRESETS, ModelConfig, preset
 from qkvlab.errors import UserError
-from qkvlab.settings import add_options, config_to_text, nonempty, options_from_args, positive_int
 
 COMMANDS = {
     "info": "parameters, KV-cache bytes and FLOPs of a model config",
@@ -29,73 +29,12 @@ COMMANDS = {
     "bench": "throughput, cache bytes and capacity per scheme",
 }
 
-DEFAULT_PRESET = "small"
-
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports errors as one line and exit status 2."""
 
     def error(self, message: str):  # noqa: D401
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-_positive_int = positive_int  # commands' integer options share the settings' parsers
-
-
-def add_model_options(p: argparse.ArgumentParser, *, with_preset_default: bool = True) -> None:
-    """--preset plus one option per ModelConfig field (generated from its metadata)."""
-    g = p.add_argument_group("model options")
-    g.add_argument(
-        "--preset",
-        choices=list(PRESETS),
-        default=None,
-        help=f"start from a model preset (default: {DEFAULT_PRESET})" if with_preset_default else "start from a preset",
-    )
-    add_options(g, ModelConfig, defaults_in_help=False)  # the preset decides the defaults
-
-
-def add_config_options(p: argparse.ArgumentParser, what: str = "settings") -> None:
-    """--config FILE and --print-config, for every command that runs something."""
-    p.add_argument("--config", metavar="FILE", type=nonempty, help=f"{what} file (.yaml/.yml/.toml/.json)")
-    p.add_argument(
-        "--print-config",
-        nargs="?",
-        const="yaml",
-        choices=("yaml", "json"),
-        help="print the resolved settings (YAML, or JSON) and exit",
-    )
-
-
-def print_config(args: argparse.Namespace, body: dict) -> bool:
-    """Print `body` if --print-config was given; True when the command should stop there."""
-    fmt = getattr(args, "print_config", None)
-    if fmt is None:
-        return False
-    print(config_to_text(body, fmt))
-    return True
-
-
-def model_overrides(args: argparse.Namespace) -> dict:
-    return options_from_args(args, ModelConfig)
-
-
-def model_config_file(path: str) -> ModelConfig:
-    """A model config file: ModelConfig keys (optionally a `preset`), or a mapping with a `model`
-    section (a training config or a saved config.json)."""
-    from qkvlab.train.config import model_from_mapping, read_config_file
-
-    body = read_config_file(path)
-    return model_from_mapping(body.get("model", body) if isinstance(body.get("model"), dict) else body)
-
-
-def model_config_from_args(args: argparse.Namespace, base: ModelConfig | None = None) -> ModelConfig:
-    """Preset (or `base`, or --config FILE) with the command-line overrides applied, validated."""
-    if base is None and getattr(args, "config", None):
-        base = model_config_file(args.config)
-    overrides = model_overrides(args)
-    if base is not None and args.preset is None:
-        return ModelConfig.from_dict({**base.to_dict(), **overrides})
-    return preset(args.preset or DEFAULT_PRESET, **overrides)
 
 
 def find_model_dir(path: str) -> Path:  # shared by generate and info

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from qkvlab.errors import UserError
 from qkvlab.positions import PLUS_ENCODINGS
-from qkvlab.settings import setting
+from qkvlab.settings import check, read_config_file, setting
 from qkvlab.spec import ProjectionSpec, parse_layers, parse_scheme, validate_heads
 
 NORMS = ("layernorm", "rmsnorm", "none")
@@ -22,18 +22,21 @@ OUTPUT_HEADS = ("linear", "mlp", "norm_mlp")
 @dataclass
 class ModelConfig:
     attn: str = setting("Q-K-V", help="projection scheme, e.g. Q-K-V, Id-K-V, Q-K=V, '(Q=K-V)+'", metavar="SCHEME")
-    n_layer: int = setting(4, help="transformer blocks")
-    n_head: int = setting(4, help="query heads")
-    d_model: int = setting(128, help="residual stream width")
-    d_head: int | None = setting(None, help="width of one head (default d_model / n_head)")
-    kv_heads: int | None = setting(None, help="key/value heads (default n_head: MHA; g: GQA-g; 1: MQA)")
+    n_layer: int = setting(4, help="transformer blocks", minimum=1)
+    n_head: int = setting(4, help="query heads", minimum=1)
+    d_model: int = setting(128, help="residual stream width", minimum=1)
+    d_head: int | None = setting(None, help="width of one head (default d_model / n_head)", minimum=1)
+    kv_heads: int | None = setting(None, help="key/value heads (default n_head: MHA; g: GQA-g; 1: MQA)", minimum=1)
     layers: str | None = setting(
         None,
         help="per-layer schemes/kv heads over attn and kv_heads, e.g. 'Q-K=V@every4', 'Q-K=V/MQA@-4:' (docs/schemes.md)",
         metavar="PATTERN",
     )
     attn_scale: float | None = setting(
-        None, help="score scale (default 1/sqrt(d_head), 1/(2 sqrt(d_head)) with an identity Q or K)", metavar="S"
+        None,
+        help="score scale (default 1/sqrt(d_head), 1/(2 sqrt(d_head)) with an identity Q or K)",
+        metavar="S",
+        positive=True,
     )
     plus_channels: int = setting(10, help="channels m of the 2D positional score term ('+' schemes)")
     plus_encoding: str = setting(
@@ -43,7 +46,7 @@ class ModelConfig:
     )
     mlp: str = setting("gelu", help="MLP activation", choices=MLPS)
     mlp_hidden: int | None = setting(
-        None, help="MLP width (default 4 * d_model; with --match-params: the reference model's width)"
+        None, help="MLP width (default 4 * d_model; with --match-params: the reference model's width)", minimum=1
     )
     match_params: str | None = setting(
         None, help="re-spend saved attention params on the MLP to match SCHEME's count", metavar="SCHEME"
@@ -57,10 +60,10 @@ class ModelConfig:
     share_layers: bool = setting(False, help="one block's weights for every layer (ALBERT-style)")
     pos: str = setting("learned", help="input positions (sinusoidal: fixed, added to the input)", choices=POSITIONS)
     rope_theta: float = setting(10000.0, help="rotary base (pos=rope)")
-    vocab_size: int = setting(256, help="vocabulary size (tasks fit it to their data)")
-    context: int = setting(256, help="longest sequence (positions)")
+    vocab_size: int = setting(256, help="vocabulary size (tasks fit it to their data)", minimum=1)
+    context: int = setting(256, help="longest sequence (positions)", minimum=1)
     bias: bool = setting(False, help="biases in linear layers")
-    dropout: float = setting(0.0, help="dropout probability")
+    dropout: float = setting(0.0, help="dropout probability, in [0, 1)", minimum=0)
     tie_embeddings: bool = setting(True, help="output head shares the token embedding")
     causal: bool = setting(True, help="causal attention (set by the task)", cli=False)
     init_std: float = setting(0.02, help="std of the normal initialisation")
@@ -131,22 +134,8 @@ class ModelConfig:
         return self.mlp_hidden if self.mlp_hidden is not None else 4 * self.d_model
 
     def validate(self) -> ModelConfig:
+        check(self)  # types, choices and bounds of every field; below: the rules across fields
         spec = self.spec  # raises on a bad scheme
-        for name, allowed in (
-            ("norm", NORMS),
-            ("pos", POSITIONS),
-            ("mlp", MLPS),
-            ("norm_position", NORM_POSITIONS),
-            ("head", OUTPUT_HEADS),
-            ("plus_encoding", PLUS_ENCODINGS),
-        ):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise UserError(f"{name}={value!r} is not allowed; use one of {', '.join(allowed)}")
-        for name in ("n_layer", "n_head", "d_model", "vocab_size", "context"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise UserError(f"{name}={value!r} must be a positive integer")
         if self.d_head is None and self.d_model % self.n_head:
             raise UserError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; set d_head explicitly")
         validate_heads(spec, d_model=self.d_model, n_head=self.n_head, d_head=self.head_dim, kv_heads=self.n_kv_heads)
@@ -167,22 +156,12 @@ class ModelConfig:
             raise UserError(f"pos=rope needs an even d_head, got {self.head_dim}")
         if spec.plus and (self.plus_channels < 2 or self.plus_channels % 2):
             raise UserError(f"plus_channels={self.plus_channels} must be an even number >= 2")
-        for name in ("attn_scale", "norm_eps", "rope_theta", "dropout", "init_std"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            ):
-                raise UserError(f"{name}={value!r} must be a finite number")
         if self.norm_position == "post" and not self.mlp_skip:
             raise UserError(
                 "norm_position=post needs the MLP skip (mlp_skip=True); a post-norm block without it is undefined"
             )
-        if not 0.0 <= self.dropout < 1.0:
+        if not self.dropout < 1.0:
             raise UserError(f"dropout={self.dropout} must be in [0, 1)")
-        if self.attn_scale is not None and not self.attn_scale > 0:
-            raise UserError(f"attn_scale={self.attn_scale} must be positive")
-        if self.mlp_hidden is not None and self.mlp_hidden <= 0:
-            raise UserError(f"mlp_hidden={self.mlp_hidden} must be a positive integer")
         if self.match_params is not None:
             parse_scheme(self.match_params)
             if self.hidden <= 0:
@@ -229,3 +208,41 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     fields = dict(PRESETS[name])
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return ModelConfig.from_dict(fields)
+
+
+DEFAULT_PRESET = "small"  # what a command builds when neither a preset nor a model folder is named
+
+
+def model_from_mapping(model: Mapping[str, Any], base: ModelConfig | None = None) -> ModelConfig:
+    """ModelConfig keys, optionally with a `preset` to start from (else `base`, else the defaults)."""
+    model = dict(model)
+    name = model.pop("preset", None)
+    if name is not None:
+        return preset(name, **model)
+    return ModelConfig.from_dict({**(base.to_dict() if base else {}), **model})
+
+
+def model_config_file(path: str) -> ModelConfig:
+    """A model config file: ModelConfig keys (optionally a `preset`), or a mapping with a `model`
+    section (a training config or a saved config.json)."""
+    body = read_config_file(path)
+    return model_from_mapping(body["model"] if isinstance(body.get("model"), dict) else body)
+
+
+def choose_model(name: str | None, overrides: Mapping[str, Any], base: ModelConfig | None = None) -> ModelConfig:
+    """The model a command describes: preset `name` with the overrides; without a preset, `base`
+    (a model folder's or a file's config) with them; else the default preset with them."""
+    if base is not None and name is None:
+        return ModelConfig.from_dict({**base.to_dict(), **overrides})
+    return preset(name or DEFAULT_PRESET, **overrides)
+
+
+@dataclass
+class InitConfig:
+    """What `qkvlab init` writes: a random model of the chosen config (`--config FILE`: a model config)."""
+
+    out: str = setting(help="model folder to write", metavar="DIR")
+    seed: int = setting(0, help="seed of the random weights", minimum=0)
+    overwrite: bool = setting(False, help="replace DIR if it already holds a model")
+    preset: str | None = setting(None, help=f"start from a model preset (default {DEFAULT_PRESET})", choices=PRESETS)
+    model: dict[str, Any] = setting(help="model options", default_factory=dict, group=ModelConfig)

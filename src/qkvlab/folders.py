@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,8 +108,12 @@ def check_file_target(path: str | Path, flag: str, *, same_kind: Callable[[Path]
     parent = path.parent
     if not parent.is_dir():
         raise UserError(f"{flag} {path}: {parent} is not an existing folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {path}: {parent} is not writable")
+    try:  # a real file, not os.access: root passes access checks on read-only mounts and /proc
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write in {parent} ({e.strerror})") from None
     if path.exists() and not (same_kind and same_kind(path)):
         raise UserError(
             f"{flag} {path} already exists and is not an earlier output of this command; choose another path"

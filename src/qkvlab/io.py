@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from qkvlab import __version__
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
+from qkvlab.settings import read_user_text  # noqa: F401 (one reader of the files a user names)
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
@@ -131,21 +132,6 @@ def atomic_dir(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
 
 
 # ---- strict JSON ----------------------------------------------------------------------------------
-def read_user_text(path: str | Path, label: str | None = None) -> str:
-    """A text file the user named, as str; a missing, unreadable or non-UTF-8 file is one line
-    starting with `label` (default: the path)."""
-    path = Path(path)
-    label = label or str(path)
-    if not path.is_file():
-        raise UserError(f"{label}: no such file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{label}: not UTF-8 text") from None
-    except OSError as e:
-        raise UserError(f"{label}: cannot read it ({e.strerror})") from None
-
-
 def json_text(obj: Any, *, indent: int | None = None) -> str:
     """The one way qkvlab serialises JSON: strict (no NaN/Infinity tokens, which JSON readers
     reject), non-finite floats written as null, newline-terminated. Metrics rows also say which

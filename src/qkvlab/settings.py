@@ -1,24 +1,37 @@
-"""Settings declared once, on the config dataclasses; the command line is generated from them.
+"""Settings declared once, on the config dataclasses; the command line, config files and validation
+are generated from them.
 
-A field made with `setting(...)` carries its help text, allowed values (`choices`), extra flag
-spellings (`flags`) and whether it may change when a run resumes (`resumable`). `add_options`
-turns a dataclass's fields into argparse options and `options_from_args` reads them back as a
-mapping of the fields the user set (None: not given, so the config file or preset decides).
+A field made with `setting(...)` carries its help text, allowed values (`choices`), bounds
+(`minimum`, `maximum`, `positive`), its flag (`flag`, default from the name) and other spellings
+(`flags`), whether it is a positional
+argument, and whether it may change when a run resumes (`resumable`). A `dict` field with
+`group=SomeConfig` gathers that class's options (e.g. the model options) into a mapping.
+
+- `add_options(parser, cls)`: one argparse option per field; every default is None, so only what the
+  user typed overrides a config file or preset.
+- `load(cls, file, args)`: config file, then the command line over it, unknown keys refused, then
+  `check` and the class's own `validate()` (which calls `check` first and adds the cross-field rules).
+- `check(obj)`: types, choices and bounds of every field, from its annotation and metadata.
 
 A short generator over `dataclasses.fields` rather than tyro or jsonargparse: the configs are flat
-(plus one nested ModelConfig, exposed as its own option group), the flag names must stay what the
+(plus nested model options, exposed as their own option group), the flag names must stay what the
 docs and saved scripts use (`--no-mlp-skip`, `--tensorboard`, `--steps`), errors must be qkvlab's
-one-line exit-2 kind, and no dependency is added.
+one-line exit-2 kind, and no dependency is added. Torch-free: the bottom floor.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import json
 import math
 import typing
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
+
+from qkvlab.errors import UserError
 
 MISSING = dataclasses.MISSING
 
@@ -29,22 +42,41 @@ def setting(
     help: str,
     choices: Iterable[str] | None = None,
     resumable: bool = False,
+    flag: str | None = None,
     flags: tuple[str, ...] = (),
     metavar: str | None = None,
     cli: bool = True,
     default_factory: Any = MISSING,
+    positional: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    positive: bool = False,
+    const: Any = None,
+    group: type | None = None,
 ) -> Any:
-    """A dataclass field with its command-line description (see the module doc)."""
+    """A dataclass field with its command-line description (see the module doc). No default: the
+    value is required. `positional`: an argument without a flag; `const`: the value of the bare
+    flag (`--compile` = `--compile default`); bounds apply to numbers and to each item of a tuple."""
     meta = {
         "help": help,
         "choices": tuple(choices) if choices is not None else None,
         "resumable": resumable,
+        "flag": flag,
         "flags": flags,
         "metavar": metavar,
         "cli": cli,
+        "positional": positional,
+        "required": default is MISSING and default_factory is MISSING,
+        "minimum": minimum,
+        "maximum": maximum,
+        "positive": positive,
+        "const": const,
+        "group": group,
     }
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
+    if meta["required"]:
+        default = None  # argparse requires it; from Python, `check` does
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -112,6 +144,25 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+BYTE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def byte_size(text: str, flag: str) -> int:
+    """'24GB', '80GiB', '512MB', '1e9' -> bytes; anything else (nan, inf, 0, -1GB) is one line."""
+    t = str(text).strip().upper()
+    num = t.rstrip("KMGTIB")
+    try:
+        value = float(num) * BYTE_UNITS[t[len(num) :]]
+    except (ValueError, KeyError):
+        raise UserError(f"{flag} {text!r}: write a size like 24GB, 80GiB or 512MB") from None
+    if not math.isfinite(value):
+        raise UserError(f"{flag} {text!r} is not a finite size; write one like 24GB, 80GiB or 512MB")
+    if value <= 0:
+        raise UserError(f"{flag} {text!r} must be positive")
+    return int(value)
+
+
+# ---- what a field's annotation means ----------------------------------------------------------
 def _base_type(hint: Any) -> tuple[Any, bool]:
     """(type without None, whether None is allowed) of a field's annotation."""
     args = typing.get_args(hint)
@@ -121,21 +172,58 @@ def _base_type(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def _parser_for(hint: Any):
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _item_type(kind: Any) -> Any:
+    return typing.get_args(kind)[0] if typing.get_origin(kind) is tuple else None
+
+
+def _bound_problem(value: Any, m: Mapping[str, Any]) -> str | None:
+    """What is wrong with a number against the field's bounds (None: nothing)."""
+    whole = isinstance(value, int)
+    if m.get("positive") and not value > 0:
+        return "must be positive"
+    lo, hi = m.get("minimum"), m.get("maximum")
+    if lo is not None and value < lo:
+        return "must be a positive integer" if whole and lo == 1 and hi is None else f"must be >= {lo}"
+    if hi is not None and value > hi:
+        return f"must be <= {hi}"
+    return None
+
+
+def _bounded(parse, m: Mapping[str, Any]):
+    """`parse` followed by the field's bounds (each item of a tuple)."""
+
+    def parse_bounded(text: str):
+        value = parse(text)
+        for v in value if isinstance(value, tuple) else (value,):
+            problem = _bound_problem(v, m)
+            if problem:
+                raise argparse.ArgumentTypeError(f"{v} {problem}")
+        return value
+
+    return parse_bounded
+
+
+def _parser_for(hint: Any, m: Mapping[str, Any]):
     kind, _ = _base_type(hint)
-    origin = typing.get_origin(kind)
-    if kind is bool:
-        return None
     if kind is int:
-        return integer
+        return _bounded(integer, m)
     if kind is float:
-        return finite_float
+        return _bounded(finite_float, m)
     if kind is str:
         return nonempty
-    if origin is tuple:
-        inner = typing.get_args(kind)[0]
-        return float_list if inner is float else int_list
-    return None  # dicts and nested configs: not a flag
+    item = _item_type(kind)
+    if item is str or typing.get_origin(kind) is dict or kind is dict:
+        return nonempty  # repeatable: TEXT for tuples of text, KEY=VALUE for mappings
+    if item is float:
+        return _bounded(float_list, m)
+    if item is int:
+        return _bounded(int_list, m)
+    return None  # nested configs: not a flag
 
 
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
@@ -154,51 +242,230 @@ def add_options(
     """One option per field of `cls` (in declaration order); every default is None so that only
     what the user typed overrides a config file or preset. `show_defaults` overrides the default
     printed in help (e.g. a command's own recipe); `defaults_in_help=False` prints none (a preset
-    decides them)."""
-    hints = typing.get_type_hints(cls)
+    decides them). A field with `group=` adds that class's options under its own title."""
     only = set(only) if only is not None else None
     exclude = set(exclude)
-    group = parser.add_argument_group(title) if title else parser
-    base = defaults(cls)
-    shown = {**base, **(show_defaults or {})}
+    target = parser.add_argument_group(title) if title else parser
+    shown = {**defaults(cls), **(show_defaults or {})}
     for f in dataclasses.fields(cls):
         m = f.metadata
         if not m.get("cli", False) or f.name in exclude or (only is not None and f.name not in only):
             continue
-        flag = "--" + f.name.replace("_", "-")
-        names = (flag, *m["flags"]) if flag not in m["flags"] else m["flags"]
-        help_text = m["help"]
-        d = shown.get(f.name)
-        if defaults_in_help and d is not None and not isinstance(d, (dict, list)) and "default" not in help_text:
-            help_text += f" (default {','.join(map(str, d)) if isinstance(d, tuple) else d})"
-        kind, _ = _base_type(hints[f.name])
-        if kind is bool:
-            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        if m["group"] is not None:
+            add_options(parser, m["group"], title=m["help"], defaults_in_help=False)
             continue
-        parse = _parser_for(hints[f.name])
-        if parse is None:
-            continue
-        group.add_argument(
-            *names,
-            dest=f.name,
-            type=parse,
-            default=None,
-            choices=m["choices"],
-            metavar=m["metavar"] or (None if m["choices"] else _METAVARS.get(kind, "VALUE")),
-            help=help_text,
-        )
+        _add_one(target, f, _hints(cls)[f.name], shown.get(f.name), defaults_in_help)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(_show, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _add_one(group, f: dataclasses.Field, hint: Any, shown: Any, defaults_in_help: bool) -> None:
+    m = f.metadata
+    help_text = m["help"]
+    if defaults_in_help and shown not in (None, False) and not isinstance(shown, (dict, list)):
+        if "default" not in help_text:
+            help_text += f" (default {_show(shown)})"
+    kind, _ = _base_type(hint)
+    names = (m["flag"] or "--" + f.name.replace("_", "-"), *m["flags"])
+    if kind is bool:
+        group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        return
+    parse = _parser_for(hint, m)
+    if parse is None:
+        return
+    metavar = m["metavar"] or (None if m["choices"] else _METAVARS.get(kind, "VALUE"))
+    if m["positional"]:
+        nargs = None if m["required"] else "?"
+        group.add_argument(f.name, nargs=nargs, type=parse, metavar=metavar, help=help_text)
+        return
+    repeat = _item_type(kind) is str or kind is dict or typing.get_origin(kind) is dict
+    extra: dict[str, Any] = {"action": "append"} if repeat else {"required": True} if m["required"] else {}
+    if m["const"] is not None:
+        extra = {"nargs": "?", "const": m["const"]}
+    group.add_argument(
+        *names, dest=f.name, type=parse, default=None, choices=m["choices"], metavar=metavar, help=help_text, **extra
+    )
 
 
 def options_from_args(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The fields of `cls` the user set on the command line."""
+    """The fields of `cls` the user set on the command line (a group field: the mapping of its
+    class's options the user set; repeated TEXT: a tuple; repeated KEY=VALUE: a mapping)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("group") is not None:
+            inner = options_from_args(args, f.metadata["group"])
+            if inner:
+                out[f.name] = inner
+            continue
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            kind, _ = _base_type(_hints(cls)[f.name])
+            value = parse_key_values(value) if kind is dict or typing.get_origin(kind) is dict else tuple(value)
+        out[f.name] = value
+    return out
+
+
+# ---- config files -----------------------------------------------------------------------------
+def add_config_options(p: argparse.ArgumentParser, what: str = "settings") -> None:
+    """--config FILE and --print-config, for every command that runs something."""
+    p.add_argument("--config", metavar="FILE", type=nonempty, help=f"{what} file (.yaml/.yml/.toml/.json)")
+    p.add_argument(
+        "--print-config",
+        nargs="?",
+        const="yaml",
+        choices=("yaml", "json"),
+        help="print the resolved settings (YAML, or JSON) and exit",
+    )
+
+
+def print_config(args: argparse.Namespace, body: Mapping[str, Any]) -> bool:
+    """Print `body` if --print-config was given; True when the command should stop there."""
+    fmt = getattr(args, "print_config", None)
+    if fmt is None:
+        return False
+    print(config_to_text(body, fmt))
+    return True
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML (.yaml/.yml), TOML (.toml) or JSON file -> mapping; parse errors are one line."""
+    path = Path(path)
+    text = read_user_text(path, f"{path} (config file)")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10: tomli is the same parser
+                import tomli as tomllib
+
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise UserError(f"{path}: config files must be .yaml, .yml, .toml or .json")
+    except UserError:
+        raise
+    except Exception as e:  # yaml/toml/json each raise their own types; the user needs one line
+        first = " ".join(str(e).split())
+        raise UserError(f"{path}: cannot parse ({first})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of settings at the top level")
+    return data
+
+
+def read_user_text(path: str | Path, label: str | None = None) -> str:
+    """A text file the user named, as str; a missing, unreadable or non-UTF-8 file is one line
+    starting with `label` (default: the path)."""
+    path = Path(path)
+    label = label or str(path)
+    if not path.is_file():
+        raise UserError(f"{label}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{label}: not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"{label}: cannot read it ({e.strerror})") from None
+
+
+def load(cls: type, file: str | Path | None = None, args: argparse.Namespace | None = None, **fixed: Any):
+    """`cls` from a config file, the command line over it and `fixed` over both; mappings (the model
+    options, task options) merge key by key. An unknown key is one line naming the allowed ones;
+    the result is validated (`validate()` if the class has one, else `check`)."""
+    body = read_config_file(file) if file else {}
     names = [f.name for f in dataclasses.fields(cls)]
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    unknown = sorted(set(body) - set(names))
+    if unknown:
+        what = cls.__name__.removesuffix("Config").removesuffix("Options").lower()
+        raise UserError(f"{file}: unknown {what} setting {unknown[0]!r}; allowed: {', '.join(sorted(names))}")
+    for source in (options_from_args(args, cls) if args is not None else {}, fixed):
+        for k, v in source.items():
+            merge = isinstance(v, Mapping) and isinstance(body.get(k), Mapping)
+            body[k] = {**body[k], **v} if merge else v
+    try:
+        obj = cls(**_coerce(cls, body))
+    except TypeError as e:
+        raise UserError(f"bad {cls.__name__} settings: {e}") from None
+    return obj.validate() if hasattr(obj, "validate") else check(obj)
+
+
+def _coerce(cls: type, body: dict[str, Any]) -> dict[str, Any]:
+    """Lists from a file become the tuples the fields declare."""
+    hints = _hints(cls)
+    for k, v in body.items():
+        if isinstance(v, list) and typing.get_origin(_base_type(hints.get(k))[0]) is tuple:
+            body[k] = tuple(v)
+    return body
+
+
+# ---- validation from the declarations ----------------------------------------------------------
+def _type_problem(value: Any, kind: Any) -> str | None:
+    """What is wrong with `value` for the type `kind` (None: nothing)."""
+    if kind is bool:
+        return None if isinstance(value, bool) else "must be true or false"
+    if kind is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok else "must be a finite number"
+    if kind is str:
+        if not isinstance(value, str):
+            return "must be text"
+        return None if value.strip() else "is empty; give a value"
+    if kind is dict or typing.get_origin(kind) is dict:
+        return None if isinstance(value, Mapping) else "must be a mapping"
+    if typing.get_origin(kind) is tuple:
+        items = typing.get_args(kind)
+        if not isinstance(value, (tuple, list)):
+            return "must be a list"
+        if items[-1] is not Ellipsis and len(value) != len(items):
+            return f"must be a list of {len(items)} values"
+        return next((_type_problem(v, items[0]) for v in value if _type_problem(v, items[0])), None)
+    if dataclasses.is_dataclass(kind):
+        return None if isinstance(value, kind) else f"must be a {kind.__name__}"
+    return None
+
+
+def check(obj: Any) -> Any:
+    """Every declared field of `obj` against its type, choices and bounds; a problem is a one-line
+    UserError `name=value must be ...`. Returns `obj`."""
+    for f in dataclasses.fields(obj):
+        m = f.metadata
+        if "help" not in m:
+            continue
+        value = getattr(obj, f.name)
+        kind, optional = _base_type(_hints(type(obj))[f.name])
+        if value is None:
+            if m["required"]:
+                raise UserError(f"{f.name} is required")
+            if optional:
+                continue
+        problem = _type_problem(value, kind)
+        if problem is None and m["choices"] is not None and value not in m["choices"]:
+            raise UserError(f"{f.name}={value!r} is not allowed; use one of {', '.join(map(str, m['choices']))}")
+        if problem is None and isinstance(value, (int, float, tuple, list)) and not isinstance(value, bool):
+            items = value if isinstance(value, (tuple, list)) else (value,)
+            problem = next((p for v in items if (p := _bound_problem(v, m))), None)
+        if problem:
+            raise UserError(f"{f.name}={value!r} {problem}")
+    return obj
 
 
 def config_to_text(body: Mapping[str, Any], fmt: str = "yaml") -> str:
     """A resolved config as YAML (default) or JSON, for --print-config."""
-    import json
-
     if fmt == "json":
         return json.dumps(body, indent=2)
     import yaml
@@ -210,8 +477,6 @@ def parse_key_values(items: Iterable[str], flag: str = "--task-option") -> dict[
     """KEY=VALUE strings -> mapping; VALUE read as YAML (numbers, true/false, null, [lists]), and a
     number YAML leaves as text (1e-3) becomes a float."""
     import yaml
-
-    from qkvlab.errors import UserError
 
     out: dict[str, Any] = {}
     for item in items:

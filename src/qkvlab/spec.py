@@ -246,6 +246,8 @@ def select_layers(sel: str, n_layer: int, text: str | None = None) -> list[int]:
             a, b, s = (int(g) if g else None for g in m.groups())
             if s == 0:
                 raise UserError(f"layers {text!r}: slice {item!r} has step 0")
+            if any(x is not None and not -n_layer <= x <= n_layer for x in (a, b)):  # Python would clamp silently
+                raise UserError(f"layers {text!r}: slice {item!r} reaches past the model's {n_layer} layers")
             out.extend(range(n_layer)[slice(a, b, s)])
         elif m := _EVERY.match(item):
             k = int(m.group(1))

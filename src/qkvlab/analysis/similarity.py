@@ -28,9 +28,12 @@ different cosines; the figure describes the weights training arrived at, not the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from qkvlab.convert.reparam import role_weights
+from qkvlab.settings import setting
 from qkvlab.spec import ROLES
 
 PAIRS = (("k", "v"), ("q", "k"), ("q", "v"))
@@ -40,6 +43,21 @@ PAIR_KEYS = tuple(f"{a}_{b}" for a, b in PAIRS)  # "k_v", "q_k", "q_v"
 PAPER_B_CKA = {"k_v": 0.73, "q_k": 0.42, "q_v": 0.31}
 PAPER_B_300M = {"cos_k_v": 0.0, "cka_k_v": 0.70}
 PAPER_B_RANK = "687 / 702 of 1024 (roles not stated)"
+
+
+@dataclass
+class SimilarityConfig:
+    """What `qkvlab similarity` reads: the model, and the text its activations are measured on."""
+
+    model: str = setting(
+        help="qkvlab model folder, Hugging Face folder, or .gguf file", positional=True, metavar="MODEL"
+    )
+    text: str | None = setting(
+        None, help="UTF-8 text for the activation CKA (default: the default corpus)", metavar="FILE"
+    )
+    tokens: int = setting(1024, help="tokens of text to run", minimum=2)
+    tokenizer: str | None = setting(None, help="tokenizer when a qkvlab folder records none", metavar="gpt2|bytes|DIR")
+    json: bool = setting(False, help="print one JSON object")
 
 
 def linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -9,35 +9,14 @@ import sys
 from pathlib import Path
 
 from qkvlab.bench import BenchConfig
-from qkvlab.cli import DEFAULT_PRESET, add_config_options, add_model_options, model_overrides, print_config
 from qkvlab.errors import UserError
 from qkvlab.folders import check_file_target
-from qkvlab.settings import add_options, options_from_args
+from qkvlab.settings import add_config_options, add_options, load, print_config
 
 
 def add_arguments(p) -> None:
     add_config_options(p, "bench settings")
     add_options(p, BenchConfig)
-    add_model_options(p)
-
-
-def config_from_args(args) -> BenchConfig:
-    from qkvlab.train.config import read_config_file
-
-    body = read_config_file(args.config) if args.config else {}
-    names = set(BenchConfig.__dataclass_fields__)
-    unknown = sorted(set(body) - names)
-    if unknown:
-        raise UserError(f"{args.config}: unknown bench setting {unknown[0]!r}; allowed: {', '.join(sorted(names))}")
-    body.update(options_from_args(args, BenchConfig))
-    body["preset"] = args.preset or body.get("preset", DEFAULT_PRESET)
-    body["model"] = {**body.get("model", {}), **model_overrides(args)}
-    if isinstance(body.get("decode_batches"), list):
-        body["decode_batches"] = tuple(body["decode_batches"])
-    try:
-        return BenchConfig(**body).validate()
-    except TypeError as e:
-        raise UserError(f"bad bench settings: {e}") from None
 
 
 def _fmt(x, spec=".1f") -> str:
@@ -54,7 +33,7 @@ def _is_bench_json(path: Path) -> bool:
 def run(args) -> int:
     from qkvlab.bench import run as run_bench
 
-    cfg = config_from_args(args)
+    cfg = load(BenchConfig, args.config, args)
     if print_config(args, cfg.to_dict()):
         return 0
     if cfg.compare_dir and not (Path(cfg.compare_dir) / "results.csv").is_file():  # before minutes of measuring

@@ -25,53 +25,22 @@ from __future__ import annotations
 
 import sys
 
-from qkvlab.cli import add_config_options, add_model_options, model_overrides, print_config
 from qkvlab.compare import CompareConfig, plan
 from qkvlab.compare import run as run_plan
-from qkvlab.errors import UserError
-from qkvlab.settings import add_options, options_from_args, parse_key_values
+from qkvlab.settings import add_config_options, add_options, load, print_config
 
 
 def add_arguments(p) -> None:
     add_config_options(p, "compare settings")
     add_options(p, CompareConfig)
-    p.add_argument(
-        "--task-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a task option (repeatable; VALUE read as YAML), e.g. length=64, root=/data/cifar10",
-    )
-    p.add_argument("--dry-run", action="store_true", help="print the plan, train nothing")
-    add_model_options(p, with_preset_default=False)
-
-
-def config_from_args(args) -> CompareConfig:
-    """--config FILE, then the command line over it."""
-    from qkvlab.train.config import read_config_file
-
-    body = read_config_file(args.config) if args.config else {}
-    names = {f for f in CompareConfig.__dataclass_fields__}
-    unknown = sorted(set(body) - names)
-    if unknown:
-        raise UserError(f"{args.config}: unknown compare setting {unknown[0]!r}; allowed: {', '.join(sorted(names))}")
-    body.update(options_from_args(args, CompareConfig))
-    if args.preset is not None:
-        body["preset"] = args.preset
-    body["task_options"] = {**body.get("task_options", {}), **parse_key_values(args.task_option)}
-    body["model"] = {**body.get("model", {}), **model_overrides(args)}
-    try:
-        return CompareConfig(**body).validate()
-    except TypeError as e:
-        raise UserError(f"bad compare settings: {e}") from None
 
 
 def run(args) -> int:
-    cfg = config_from_args(args)
+    cfg = load(CompareConfig, args.config, args)
     if print_config(args, cfg.to_dict()):
         return 0
     p = plan(cfg)
-    if args.dry_run:
+    if cfg.dry_run:
         for line in p.describe():
             print(line)
         return 0

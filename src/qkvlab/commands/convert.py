@@ -13,41 +13,23 @@ Nothing is written unless every check passed.
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from qkvlab.convert.reparam import DEFAULT_MAX_COND, TOLERANCE, CheckFailed, check, convert, logit_diff
+from qkvlab.convert.config import ConvertConfig
+from qkvlab.convert.reparam import TOLERANCE, CheckFailed, check, convert, logit_diff
 from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.folders import check_model_target
 from qkvlab.io import load_model
+from qkvlab.settings import add_config_options, add_options, load, print_config
 
 
 def add_arguments(p) -> None:
-    p.add_argument(
-        "input", metavar="IN", help="qkvlab model folder (or, with --from-hf, a transformers folder or .gguf)"
-    )
-    p.add_argument("output", metavar="OUT", help="folder to write (a new or empty one, or a model with --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it already holds a model")
-    p.add_argument(
-        "--to", metavar="SCHEME", help="target scheme, e.g. Id-K-V (remove W_Q), Q-Id-V (remove W_K), Q-K-V (insert)"
-    )
-    p.add_argument("--layer", type=int, metavar="L", help="remove the projection of layer L only (theorem a)")
-    p.add_argument("--from-hf", action="store_true", help="IN is a Hugging Face GPT-2/Llama folder or a .gguf file")
-    p.add_argument("--to-hf", choices=["gpt2", "llama"], help="write a transformers checkpoint of this class")
-    p.add_argument(
-        "--dtype",
-        choices=["fp64", "fp32", "float64", "float32"],
-        help="dtype of the result (default: the input's, fp32 or fp64)",
-    )
-    p.add_argument(
-        "--max-cond",
-        type=float,
-        default=DEFAULT_MAX_COND,
-        metavar="X",
-        help=f"refuse a W_Q/W_K whose condition number exceeds X (default {DEFAULT_MAX_COND:g})",
-    )
+    add_config_options(p, "convert settings")
+    add_options(p, ConvertConfig)
 
 
 def _step(name: str, abs_d: float, rel_d: float) -> float:
@@ -56,32 +38,29 @@ def _step(name: str, abs_d: float, rel_d: float) -> float:
 
 
 def run(args) -> int:
-    if not (args.to or args.from_hf or args.to_hf):
-        raise UserError("nothing to do: give --to SCHEME, --from-hf or --to-hf gpt2|llama")
-    if args.layer is not None and not args.to:
-        raise UserError("--layer needs --to SCHEME")
-    if not args.max_cond > 0:
-        raise UserError(f"--max-cond {args.max_cond} must be positive")
-    src = Path(args.input)
-    if src.resolve() == Path(args.output).resolve() and args.to_hf:
+    cfg = load(ConvertConfig, args.config, args)
+    if print_config(args, asdict(cfg)):
+        return 0
+    src = Path(cfg.input)
+    if src.resolve() == Path(cfg.output).resolve() and cfg.to_hf:
         raise UserError("OUT must differ from IN when exporting")
-    check_model_target(args.output, overwrite=args.overwrite, flag="OUT")  # before any work
-    if args.from_hf or args.to_hf:
+    check_model_target(cfg.output, overwrite=cfg.overwrite, flag="OUT")  # before any work
+    if cfg.from_hf or cfg.to_hf:
         from qkvlab.convert.hf import quiet
 
         quiet()
     try:
-        return _run(args, src)
+        return _run(cfg, src)
     except CheckFailed as e:
         print(f"qkvlab convert: check failed: {e}", file=sys.stderr)
         return 1
 
 
-def _run(args, src: Path) -> int:
+def _run(opts: ConvertConfig, src: Path) -> int:
     from qkvlab.io import atomic_dir, write_model_files
 
     worst = 0.0
-    if args.from_hf:
+    if opts.from_hf:
         from qkvlab.convert.hf import from_hf, load_hf
 
         hf = load_hf(src)
@@ -97,11 +76,11 @@ def _run(args, src: Path) -> int:
     else:
         model, cfg, _ = load_model(src)
         stored = model.tok_emb.weight.dtype
-    dtype = torch_dtype(args.dtype) if args.dtype else stored
+    dtype = torch_dtype(opts.dtype) if opts.dtype else stored
     model = model.to(dtype)
     notes: list[str] = []
-    if args.to:
-        res = convert(model, cfg, args.to, layer=args.layer, max_cond=args.max_cond, dtype=dtype)
+    if opts.to:
+        res = convert(model, cfg, opts.to, layer=opts.layer, max_cond=opts.max_cond, dtype=dtype)
         for note in res.notes:
             print(note)
         notes += res.notes
@@ -110,18 +89,18 @@ def _run(args, src: Path) -> int:
             worst, _step(f"convert {cfg.scheme_label} -> {res.cfg.scheme_label} ({str(dtype)[6:]})", abs_d, rel_d)
         )
         model, cfg = res.model, res.cfg
-    with atomic_dir(args.output, replace=args.overwrite) as tmp:
-        if args.to_hf:
+    with atomic_dir(opts.output, replace=opts.overwrite) as tmp:
+        if opts.to_hf:
             from transformers import AutoModelForCausalLM
 
             from qkvlab.convert.hf import save_hf, to_hf
 
-            save_hf(to_hf(model, cfg, args.to_hf), tmp)
+            save_hf(to_hf(model, cfg, opts.to_hf), tmp)
             back = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, use_safetensors=True).eval()
             abs_d, rel_d = logit_diff(model, back, cfg.vocab_size, cfg.context)
-            tol = max(TOLERANCE[dtype], 1e-6 if args.to_hf == "llama" else 0.0)  # HF computes rotary in float32
+            tol = max(TOLERANCE[dtype], 1e-6 if opts.to_hf == "llama" else 0.0)  # HF computes rotary in float32
             if not rel_d <= tol:
-                raise CheckFailed(f"exported {args.to_hf} checkpoint differs: max_rel_logit_diff={rel_d:.3g} > {tol:g}")
+                raise CheckFailed(f"exported {opts.to_hf} checkpoint differs: max_rel_logit_diff={rel_d:.3g} > {tol:g}")
             worst = max(worst, _step(f"export {cfg.scheme_label} -> {type(back).__name__}", abs_d, rel_d))
         else:
             meta = {"converted_from": str(src), "conversion": notes}
@@ -130,6 +109,6 @@ def _run(args, src: Path) -> int:
             abs_d, rel_d = logit_diff(model, back, cfg.vocab_size, cfg.context)
             if not rel_d <= TOLERANCE[dtype]:
                 raise CheckFailed(f"the written model differs from the converted one: max_rel_logit_diff={rel_d:.3g}")
-    print(f"wrote {args.output}")
+    print(f"wrote {opts.output}")
     print(f"max_rel_logit_diff={worst:.3g}")
     return 0

@@ -11,43 +11,17 @@ from __future__ import annotations
 
 import json
 
-from qkvlab.accounting import SHARDINGS, memory_estimate, report
+from qkvlab.accounting import InfoConfig, memory_estimate, report
 from qkvlab.analysis.report import human
-from qkvlab.cli import add_config_options, add_model_options, find_model_dir, model_config_from_args, print_config
-from qkvlab.devices import DTYPE_BYTES
-from qkvlab.settings import nonempty, positive_int
+from qkvlab.cli import find_model_dir
+from qkvlab.config import choose_model, model_config_file
+from qkvlab.settings import add_config_options, add_options, load, print_config
 from qkvlab.spec import KNOWN_SCHEMES
 
 
 def add_arguments(p) -> None:
     add_config_options(p, "model config (ModelConfig keys, or a config.json)")
-    p.add_argument(
-        "folder",
-        nargs="?",
-        type=nonempty,
-        metavar="RUN_OR_MODEL_DIR",
-        help="a model folder or a training run folder (its config; options below override it)",
-    )
-    p.add_argument(
-        "--variant",
-        type=nonempty,
-        metavar="VARIANT",
-        help="apply a compare variant, e.g. Q-K=V/MQA, Id-K-V/mlp, Q-K-V/width=Id-K-V",
-    )
-    p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="cache dtype (default bf16)")
-    p.add_argument(
-        "--cache-tokens",
-        type=positive_int,
-        metavar="T",
-        help="tokens held in the KV cache figure (default: the model's --context)",
-    )
-    g = p.add_argument_group("training memory per GPU (--memory)")
-    g.add_argument("--memory", action="store_true", help="estimate a training step's memory per GPU")
-    g.add_argument("--batch", type=positive_int, default=8, metavar="B", help="micro-batch per GPU (default 8)")
-    g.add_argument("--world", type=positive_int, default=1, metavar="W", help="GPUs (ranks) in all (default 1)")
-    g.add_argument("--sharding", choices=SHARDINGS, default="ddp", help="ddp (replicated, default) or fsdp")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_options(p)
+    add_options(p, InfoConfig)
 
 
 def folder_config(path: str):
@@ -59,19 +33,20 @@ def folder_config(path: str):
 
 
 def run(args) -> int:
-    base = folder_config(args.folder) if args.folder else None
-    cfg = model_config_from_args(args, base)
-    if args.variant:
+    opts = load(InfoConfig, None, args)
+    base = folder_config(opts.folder) if opts.folder else model_config_file(args.config) if args.config else None
+    cfg = choose_model(opts.preset, opts.model, base)
+    if opts.variant:
         from qkvlab.variants import parse_variant
 
-        cfg = parse_variant(args.variant).apply(cfg)
+        cfg = parse_variant(opts.variant).apply(cfg)
     if print_config(args, cfg.to_dict()):
         return 0
-    info = report(cfg, dtype=args.dtype, context=args.cache_tokens)
-    if args.memory:
-        mem = memory_estimate(cfg, micro_batch=args.batch, world=args.world, sharding=args.sharding, dtype=args.dtype)
-        info["memory_per_gpu"] = {"micro_batch": args.batch, "world": args.world, "sharding": args.sharding, **mem}
-    if args.json:
+    info = report(cfg, dtype=opts.dtype, context=opts.cache_tokens)
+    if opts.memory:
+        mem = memory_estimate(cfg, micro_batch=opts.batch, world=opts.world, sharding=opts.sharding, dtype=opts.dtype)
+        info["memory_per_gpu"] = {"micro_batch": opts.batch, "world": opts.world, "sharding": opts.sharding, **mem}
+    if opts.json:
         print(json.dumps(info))
         return 0
     meaning = KNOWN_SCHEMES.get(info["scheme"], "")
@@ -84,16 +59,16 @@ def run(args) -> int:
         ("params total", f"{info['params_total']:,} ({human(info['params_total'])})"),
         ("params non-embedding", f"{info['params_non_embedding']:,} ({human(info['params_non_embedding'])})"),
         ("params attention", f"{info['params_attention']:,} ({human(info['params_attention'])})"),
-        (f"KV cache / token ({args.dtype})", f"{info['kv_cache_bytes_per_token']:,} B"),
+        (f"KV cache / token ({opts.dtype})", f"{info['kv_cache_bytes_per_token']:,} B"),
         (
             f"KV cache @ {info['context']} tokens",
             f"{info['kv_cache_bytes']:,} B ({human(info['kv_cache_bytes'], 'B')})",
         ),
         ("train FLOPs / token", f"{info['flops_per_token']:,} ({human(info['flops_per_token'])})"),
     ]
-    if args.memory:
+    if opts.memory:
         m = info["memory_per_gpu"]
-        where = f"{args.sharding} x{args.world}, micro-batch {args.batch} x {cfg.context} tokens, {args.dtype}"
+        where = f"{opts.sharding} x{opts.world}, micro-batch {opts.batch} x {cfg.context} tokens, {opts.dtype}"
         rows.append((f"memory / GPU ({where})", ""))
         for key in ("params", "grads", "optimizer", "comm_buffers", "activations", "logits", "total"):
             rows.append((f"  {key.replace('_', ' ')}", f"{m[key] / 2**30:,.2f} GiB"))

@@ -10,28 +10,27 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from qkvlab.analysis.similarity import format_report, similarity
+from qkvlab.analysis.similarity import SimilarityConfig, format_report, similarity
 from qkvlab.errors import UserError
+from qkvlab.settings import add_config_options, add_options, load, print_config
 
 MAX_ROW = 1024  # tokens per sequence of the batch (at most the model's context)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", metavar="MODEL", help="qkvlab model folder, Hugging Face folder, or .gguf file")
-    p.add_argument("--text", metavar="FILE", help="UTF-8 text for the activation CKA (default: the default corpus)")
-    p.add_argument("--tokens", type=int, default=1024, metavar="N", help="tokens of text to run (default 1024)")
-    p.add_argument("--tokenizer", metavar="gpt2|bytes|DIR", help="tokenizer when a qkvlab folder records none")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_config_options(p, "similarity settings")
+    add_options(p, SimilarityConfig)
 
 
 def load_any(path: Path, tokenizer: str | None = None):
     """(GPT, ModelConfig, tokenizer or None) from a qkvlab folder (the tokenizer it records, or
-    `tokenizer`: gpt2, bytes or a folder), or imported from a transformers folder / GGUF (their own
-    tokenizer, when they ship one)."""
+    `tokenizer`: gpt2, bytes or a folder), or imported from a transformers folder / GGUF (`tokenizer`,
+    else their own tokenizer when they ship one)."""
     if not path.exists():
         raise UserError(f"{path}: no such file or folder")
     if path.is_dir():
@@ -45,22 +44,31 @@ def load_any(path: Path, tokenizer: str | None = None):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"{cfg_file}: not valid JSON ({e})") from None
         if isinstance(body, dict) and "model" in body:
-            from qkvlab.commands.generate import resolve_tokenizer
+            from qkvlab.data.tokenizer import resolve_tokenizer
             from qkvlab.io import load_model
 
             model, cfg, _ = load_model(path)
             return model, cfg, resolve_tokenizer(tokenizer, path, body)
-    from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet
+    from qkvlab.convert.hf import from_hf, load_hf, quiet
+    from qkvlab.data.tokenizer import resolve_tokenizer
 
     quiet()
     model, cfg = from_hf(load_hf(path))
+    return model, cfg, resolve_tokenizer(tokenizer, path, {}) if tokenizer else hf_tokenizer(path)
+
+
+def hf_tokenizer(path: Path):
+    """The tokenizer shipped beside a transformers folder or .gguf; None when there is none."""
     from transformers import AutoTokenizer
+
+    from qkvlab.convert.hf import gguf_cache_folder
 
     try:
         tok = AutoTokenizer.from_pretrained(gguf_cache_folder(path) if path.is_file() else path)
     except Exception:  # transformers raises many types for a folder without tokenizer files
-        tok = None
-    return model, cfg, tok
+        return None
+    # without tokenizer files some classes (GPT2Tokenizer) come back empty instead of raising
+    return tok if tok.vocab_size and tok.encode("the text") else None
 
 
 def text_ids(tok, text_file: str | None, n_tokens: int, context: int, vocab_size: int) -> torch.Tensor:
@@ -91,17 +99,25 @@ def text_ids(tok, text_file: str | None, n_tokens: int, context: int, vocab_size
 
 
 def run(args) -> int:
-    model, cfg, tok = load_any(Path(args.model), args.tokenizer)
+    cfg = load(SimilarityConfig, args.config, args)
+    if print_config(args, asdict(cfg)):
+        return 0
+    model, model_cfg, tok = load_any(Path(cfg.model), cfg.tokenizer)
     ids = None
     if tok is not None:
-        ids = text_ids(tok, args.text, args.tokens, cfg.context, cfg.vocab_size)
-    elif args.text is not None:
-        raise UserError(f"{args.model}: no tokenizer for --text; pass --tokenizer gpt2|bytes|DIR (qkvlab folders)")
+        ids = text_ids(tok, cfg.text, cfg.tokens, model_cfg.context, model_cfg.vocab_size)
+    elif cfg.text is not None:
+        raise UserError(
+            f"{cfg.model}: no tokenizer for --text (no tokenizer files, none recorded); pass --tokenizer gpt2|bytes|DIR"
+        )
     else:
-        print(f"no CKA: {args.model} records no tokenizer; pass --tokenizer gpt2|bytes|DIR", file=sys.stderr)
+        print(
+            f"no CKA: {cfg.model} has no tokenizer (no tokenizer files, none recorded); pass --tokenizer gpt2|bytes|DIR",
+            file=sys.stderr,
+        )
     model.eval().float()
-    rep = similarity(model, cfg, ids)
+    rep = similarity(model, model_cfg, ids)
     if rep["cka"] is not None:
-        rep["cka"]["text"] = args.text or "default corpus"
-    print(json.dumps(rep) if args.json else format_report(rep))
+        rep["cka"]["text"] = cfg.text or "default corpus"
+    print(json.dumps(rep) if cfg.json else format_report(rep))
     return 0

@@ -17,69 +17,40 @@ import os
 import sys
 from pathlib import Path
 
-from qkvlab.cli import DEFAULT_PRESET, add_config_options, add_model_options, model_overrides, print_config
+from qkvlab.config import DEFAULT_PRESET
 from qkvlab.errors import UserError
-from qkvlab.settings import add_options, nonempty, options_from_args, parse_key_values, positive_int
+from qkvlab.settings import add_config_options, add_options, load, options_from_args, print_config
+from qkvlab.train.config import TrainConfig, TrainRun
 
 
 def add_arguments(p) -> None:
-    p.add_argument(
-        "config_path", nargs="?", type=nonempty, metavar="CONFIG", help="training config file (same as --config)"
-    )
     add_config_options(p, "training config")
-    p.add_argument("--out", type=nonempty, metavar="DIR", help="run folder (metrics, checkpoint, final model)")
-    p.add_argument("--resume", action="store_true", help="continue from DIR's last complete checkpoint")
-    p.add_argument(
-        "--data",
-        type=nonempty,
-        metavar="SOURCE",
-        help="lm corpus: a path, 'shakespeare[:genres]' or 'hf:NAME?split=..'",
-    )
-    p.add_argument("--tokenizer", type=nonempty, metavar="SPEC", help="lm tokenizer: bpe:N, char or gpt2")
-    p.add_argument(
-        "--block-size", type=positive_int, metavar="T", help="lm training window (default: the model context)"
-    )
-    p.add_argument(
-        "--task-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any task option (VALUE read as YAML), repeatable",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    from qkvlab.train.config import TrainConfig
-
+    add_options(p, TrainRun)
     add_options(p, TrainConfig, title="training options (default: the preset's)", defaults_in_help=False)
-    add_model_options(p)
 
 
-def overrides_from_args(args) -> dict:
-    from qkvlab.train.config import TrainConfig
-
+def overrides_from_args(args, run: TrainRun) -> dict:
+    """What the command line sets over the config file or preset."""
     over: dict = options_from_args(args, TrainConfig)
-    if args.preset is not None:
-        over["preset"] = args.preset
-    opts = {k: getattr(args, k) for k in ("data", "tokenizer", "block_size") if getattr(args, k) is not None}
-    opts.update(parse_key_values(args.task_option))
-    if opts:
-        over["task_options"] = opts
-    model = model_overrides(args)
-    if model:
-        over["model"] = model
+    if run.preset is not None:
+        over["preset"] = run.preset
+    task_options = {**run.task_options(), **over.get("task_options", {})}
+    if task_options:
+        over["task_options"] = task_options
     return over
 
 
-def resolve(args):
+def resolve(args, run: TrainRun) -> TrainConfig:
     """The TrainConfig the command line describes."""
-    from qkvlab.train.config import TrainConfig, load_train_config, merge
+    from qkvlab.train.config import load_train_config, merge
     from qkvlab.train.loop import TRAIN_CONFIG
 
-    if args.config and args.config_path and args.config != args.config_path:
-        raise UserError(f"two config files given ({args.config_path} and --config {args.config}); give one")
-    path = args.config or args.config_path
-    overrides = overrides_from_args(args)
-    saved = Path(args.out) / TRAIN_CONFIG if args.out else None
-    if args.resume and path is None and "preset" not in overrides and saved is not None and saved.is_file():
+    if args.config and run.config_path and args.config != run.config_path:
+        raise UserError(f"two config files given ({run.config_path} and --config {args.config}); give one")
+    path = args.config or run.config_path
+    overrides = overrides_from_args(args, run)
+    saved = Path(run.out) / TRAIN_CONFIG if run.out else None
+    if run.resume and path is None and "preset" not in overrides and saved is not None and saved.is_file():
         # `qkvlab train --out DIR --resume` alone continues DIR's run with the config it started with
         return TrainConfig.from_dict(merge(json.loads(saved.read_text()), overrides))
     return load_train_config(path, overrides, default_preset=DEFAULT_PRESET)
@@ -88,13 +59,14 @@ def resolve(args):
 def run(args) -> int:
     from qkvlab.train.loop import TrainingDiverged, train
 
-    cfg = resolve(args)
+    run_opts = load(TrainRun, None, args)
+    cfg = resolve(args, run_opts)
     if print_config(args, cfg.to_dict()):
         return 0
-    if args.out is None:
+    if run_opts.out is None:
         raise UserError("--out DIR is required (the run folder)")
     try:
-        result = train(cfg, args.out, resume=args.resume, progress=not args.quiet)
+        result = train(cfg, run_opts.out, resume=run_opts.resume, progress=not run_opts.quiet)
     except TrainingDiverged as e:
         print(f"qkvlab train: error: {e}", file=sys.stderr)
         return 3
@@ -104,6 +76,6 @@ def run(args) -> int:
         score = " ".join(f"{k} {m[k]:.4f}" for k in keys if isinstance(m.get(k), float))
         print(
             f"{cfg.model.attn}: {result.step} steps, {result.tokens:,} tokens, {result.params:,} params, "
-            f"{score}, {result.tokens_per_s:,.0f} tokens/s -> {args.out}"
+            f"{score}, {result.tokens_per_s:,.0f} tokens/s -> {run_opts.out}"
         )
     return 0

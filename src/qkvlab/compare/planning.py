@@ -19,9 +19,9 @@ from qkvlab.compare.recipes import (
     paper_recipe,
     recipe_name,
 )
-from qkvlab.config import PRESETS
+from qkvlab.config import PRESETS, ModelConfig
 from qkvlab.errors import UserError
-from qkvlab.settings import setting
+from qkvlab.settings import check, setting
 from qkvlab.variants import Variant, parse_variants
 
 
@@ -42,13 +42,17 @@ class CompareConfig:
     )
     out: str | None = setting(None, help="compare folder (default runs/compare-<task>)", metavar="DIR")
     seeds: int | None = setting(
-        None, help="seeds 0..N-1 per variant (default: 3 for lm, synthetic, anomaly; 2 for vision, segmentation)"
+        None,
+        help="seeds 0..N-1 per variant (default: 3 for lm, synthetic, anomaly; 2 for vision, segmentation)",
+        minimum=1,
     )
-    preset: str | None = setting(None, help="training preset (default: the CPU recipe)", choices=PRESETS, cli=False)
-    max_steps: int | None = setting(None, help="optimizer steps per run (default: the recipe's)", flags=("--steps",))
-    batch_size: int | None = setting(None, help="global examples per step (default: the recipe's)")
-    lr: float | None = setting(None, help="peak learning rate, min_lr = lr / 10 (default: the recipe's)")
-    eval_every: int | None = setting(None, help="steps between evaluations (default: the recipe's)")
+    preset: str | None = setting(None, help="training preset (default: the CPU recipe)", choices=PRESETS)
+    max_steps: int | None = setting(
+        None, help="optimizer steps per run (default: the recipe's)", flags=("--steps",), minimum=1
+    )
+    batch_size: int | None = setting(None, help="global examples per step (default: the recipe's)", minimum=1)
+    lr: float | None = setting(None, help="peak learning rate, min_lr = lr / 10 (default: the recipe's)", positive=True)
+    eval_every: int | None = setting(None, help="steps between evaluations (default: the recipe's)", minimum=1)
     full_grid: bool = setting(False, help="the paper's grid for the task family (long)")
     recipe: str | None = setting(
         None,
@@ -61,11 +65,16 @@ class CompareConfig:
     )
     tokenizer: str | None = setting(None, help="lm tokenizer: bpe:N, char or gpt2", metavar="SPEC")
     task_options: dict[str, Any] = setting(
-        help="task options (--task-option KEY=VALUE)", default_factory=dict, cli=False
+        help="a task option (repeatable; VALUE read as YAML), e.g. length=64, root=/data/cifar10",
+        default_factory=dict,
+        flag="--task-option",
+        metavar="KEY=VALUE",
     )
-    model: dict[str, Any] = setting(help="model overrides (model options)", default_factory=dict, cli=False)
-    jobs: int | None = setting(None, help="runs trained at once on CPU, one thread each (default: CPU count, max 8)")
-    threads: int | None = setting(None, help="torch threads per job on CPU (default: CPU count / jobs)")
+    model: dict[str, Any] = setting(help="model options", default_factory=dict, group=ModelConfig)
+    jobs: int | None = setting(
+        None, help="runs trained at once on CPU, one thread each (default: CPU count, max 8)", minimum=1
+    )
+    threads: int | None = setting(None, help="torch threads per job on CPU (default: CPU count / jobs)", minimum=1)
     device: str = setting("auto", help="auto, cpu, cuda, cuda:N or mps", metavar="DEVICE")
     plots: bool = setting(True, help="write the plots")
     sweep: bool = setting(
@@ -80,24 +89,18 @@ class CompareConfig:
         metavar="LIST",
     )
     tokens_per_param: float | None = setting(
-        None, help="sweep: training tokens per non-embedding parameter of Q-K-V (default 5)", metavar="X"
+        None, help="sweep: training tokens per non-embedding parameter of Q-K-V (default 5)", metavar="X", positive=True
     )
+    dry_run: bool = setting(False, help="print the plan, train nothing")
 
     def validate(self) -> CompareConfig:
+        check(self)  # types, choices and bounds of every field; below: the rules across fields
         for key in ("attn", "kv_heads", "match_params"):
             if self.model.get(key) is not None:
                 raise UserError(
                     f"--{key.replace('_', '-')} sets one variant; compare takes --variants, "
                     "e.g. --variants Q-K-V,Q-K=V/MQA,Id-K-V/mlp"
                 )
-        for name in ("seeds", "max_steps", "batch_size", "eval_every", "jobs", "threads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise UserError(f"{name}={value!r} must be a positive integer")
-        if self.lr is not None and not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
-            raise UserError(f"lr={self.lr!r} must be a positive number")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise UserError(f"unknown preset {self.preset!r}; allowed: {', '.join(PRESETS)}")
         from qkvlab.devices import check_device
 
         check_device(self.device)

@@ -23,6 +23,7 @@ steps share the calibration activations.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -39,7 +40,7 @@ from qkvlab.convert.reparam import role_weights
 from qkvlab.devices import DEVICE_HELP, check_device, check_dtype
 from qkvlab.errors import UserError
 from qkvlab.model import GPT
-from qkvlab.settings import setting
+from qkvlab.settings import check, setting
 from qkvlab.spec import format_layers, parse_scheme, select_layers
 from qkvlab.train.config import TRAIN_DTYPES
 
@@ -247,6 +248,17 @@ def fit_layer(block, x: torch.Tensor, dst_scheme: str, dst_kv: int, pool: str, r
     return rows, (W_O, b_O), r2
 
 
+def check_target(to: str):
+    """The target scheme's spec, if a fit can reach it (before any model is read)."""
+    dst = parse_scheme(to)
+    if dst.name not in TARGETS:
+        raise UserError(
+            f"--to {to}: retrofit fits {' or '.join(TARGETS)} (with --kv-heads for GQA/MQA); an identity projection "
+            "is removed exactly by `qkvlab convert`, a shared query/key has no fit that keeps the keys"
+        )
+    return dst
+
+
 @dataclass
 class FitResult:
     model: GPT
@@ -271,12 +283,7 @@ def fit(
 ) -> FitResult:
     """The retrofitted model (in the source's dtype) and per-layer fit quality; see the module doc.
     inputs: the layers' calibration inputs from `attention_inputs` (computed here when None)."""
-    dst = parse_scheme(to)
-    if dst.name not in TARGETS:
-        raise UserError(
-            f"--to {to}: retrofit fits {' or '.join(TARGETS)} (with --kv-heads for GQA/MQA); an identity projection "
-            "is removed exactly by `qkvlab convert`, a shared query/key has no fit that keeps the keys"
-        )
+    dst = check_target(to)
     if pool not in POOLS:
         raise UserError(f"pool={pool!r} is not allowed; use one of {', '.join(POOLS)}")
     if kv_heads is not None and (kv_heads <= 0 or cfg.n_head % kv_heads):
@@ -351,32 +358,40 @@ def fit(
 @dataclass
 class RetrofitOptions:
     to: str = setting("Q-K=V", help="target scheme: Q-K=V, or Q-K-V with --kv-heads (plain GQA/MQA)", metavar="SCHEME")
-    kv_heads: int | None = setting(None, help="key/value heads after pooling (GQA; 1: MQA; default: unchanged)")
+    kv_heads: int | None = setting(
+        None, help="key/value heads after pooling (GQA; 1: MQA; default: unchanged)", minimum=1
+    )
     layers: str | None = setting(
         None,
         help="layers to convert: 'every4', '0,5,7', '-4:' (default: all, or as --cache-budget picks)",
         metavar="SEL",
     )
     cache_budget: float | None = setting(
-        None, help="convert the best-fitting layers (R^2) until the KV cache is at most this fraction", metavar="F"
+        None,
+        help="convert the best-fitting layers (R^2) until the KV cache is at most this fraction",
+        metavar="F",
+        positive=True,
+        maximum=1,
     )
     pool: str = setting("fit", help="value heads: least-squares fit folded into out_proj, or plain mean", choices=POOLS)
     data: str | None = setting(
         None, help="text: a path, 'shakespeare[:genres]', 'hf:NAME?split=..' (default Shakespeare)", metavar="SOURCE"
     )
-    heldout_fraction: float = setting(0.1, help="last fraction of every document held out for perplexity")
-    calib_tokens: int = setting(2048, help="calibration tokens for the fit")
-    eval_tokens: int = setting(8192, help="held-out tokens scored for perplexity")
-    block_size: int | None = setting(None, help="window length (default min(context, 256))", metavar="T")
-    steps: int = setting(200, help="uptraining steps (0: fit only)")
-    batch_size: int = setting(8, help="uptraining sequences per step")
-    lr: float = setting(3e-4, help="uptraining peak learning rate (cosine to lr/10)")
-    warmup_steps: int = setting(20, help="uptraining warmup steps")
-    kl_weight: float = setting(1.0, help="weight of KL(teacher || student) on logits, temperature 1")
-    lm_weight: float = setting(1.0, help="weight of the LM loss (0: pure distillation)")
-    eval_every: int = setting(50, help="uptraining steps between evaluations and checkpoints")
-    eval_batches: int = setting(10, help="validation batches per uptraining evaluation")
-    seed: int = setting(0, help="uptraining batch order")
+    heldout_fraction: float = setting(
+        0.1, help="last fraction of every document held out for perplexity, in (0, 1)", positive=True
+    )
+    calib_tokens: int = setting(2048, help="calibration tokens for the fit", minimum=1)
+    eval_tokens: int = setting(8192, help="held-out tokens scored for perplexity", minimum=1)
+    block_size: int | None = setting(None, help="window length (default min(context, 256))", metavar="T", minimum=1)
+    steps: int = setting(200, help="uptraining steps (0: fit only)", minimum=0)
+    batch_size: int = setting(8, help="uptraining sequences per step", minimum=1)
+    lr: float = setting(3e-4, help="uptraining peak learning rate (cosine to lr/10)", positive=True)
+    warmup_steps: int = setting(20, help="uptraining warmup steps", minimum=0)
+    kl_weight: float = setting(1.0, help="weight of KL(teacher || student) on logits, temperature 1", minimum=0)
+    lm_weight: float = setting(1.0, help="weight of the LM loss (0: pure distillation)", minimum=0)
+    eval_every: int = setting(50, help="uptraining steps between evaluations and checkpoints", minimum=1)
+    eval_batches: int = setting(10, help="validation batches per uptraining evaluation", minimum=1)
+    seed: int = setting(0, help="uptraining batch order", minimum=0)
     device: str = setting("auto", help=f"device for calibration and uptraining: {DEVICE_HELP}", metavar="DEVICE")
     dtype: str = setting(
         "auto",
@@ -385,20 +400,63 @@ class RetrofitOptions:
     )
 
     def validate(self) -> RetrofitOptions:
-        for name in ("calib_tokens", "eval_tokens", "batch_size", "eval_every", "eval_batches"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"{name}={getattr(self, name)} must be a positive integer")
-        if self.steps < 0 or self.warmup_steps < 0:
-            raise UserError(f"steps={self.steps} and warmup_steps={self.warmup_steps} must be >= 0")
-        if not 0 < self.heldout_fraction < 1:
+        check(self)  # types, choices and bounds of every field; below: the rules across fields
+        check_target(self.to)
+        if not self.heldout_fraction < 1:
             raise UserError(f"heldout_fraction={self.heldout_fraction} must be in (0, 1)")
         if self.layers is not None and self.cache_budget is not None:
             raise UserError("give --layers or --cache-budget, not both (the budget chooses the layers)")
-        if self.pool not in POOLS:
-            raise UserError(f"pool={self.pool!r} is not allowed; use one of {', '.join(POOLS)}")
         check_dtype(self.dtype, TRAIN_DTYPES)
         check_device(self.device)
         return self
+
+
+def check_layers(shape: tuple[int, int] | None, opts: RetrofitOptions) -> None:
+    """--layers and --kv-heads against the source's (n_layer, n_head), before any weight is read or
+    any perplexity measured."""
+    if shape is None:
+        return
+    n_layer, n_head = shape
+    if opts.layers is not None:
+        select_layers(opts.layers, n_layer)
+    if opts.kv_heads is not None and n_head % opts.kv_heads:
+        raise UserError(f"--kv-heads {opts.kv_heads} must divide n_head={n_head}")
+
+
+def source_shape(path: str | Path) -> tuple[int, int] | None:
+    """(n_layer, n_head) from the source's config alone; None where only the weights say (.gguf)."""
+    path = Path(path)
+    if path.is_dir() and _is_qkvlab(path):
+        from qkvlab.io import read_config
+
+        cfg = read_config(path)[0]
+        return cfg.n_layer, cfg.n_head
+    try:
+        body = json.loads((path / "config.json").read_text())
+        n_layer = body.get("num_hidden_layers", body.get("n_layer"))
+        n_head = body.get("num_attention_heads", body.get("n_head"))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (n_layer, n_head) if isinstance(n_layer, int) and isinstance(n_head, int) else None
+
+
+@dataclass
+class RetrofitConfig(RetrofitOptions):
+    """`qkvlab retrofit`'s command line: the method's options plus where from and where to."""
+
+    input: str = setting(
+        help="qkvlab model folder, or a Hugging Face GPT-2/Llama folder or .gguf", positional=True, metavar="IN"
+    )
+    output: str = setting(
+        help="folder to write (new or empty, or a retrofit to --resume)", positional=True, metavar="OUT"
+    )
+    resume: bool = setting(False, help="continue the uptraining in OUT")
+    json: bool = setting(False, help="print the report as JSON before the last line")
+    quiet: bool = setting(False, help="no progress output")
+
+    def options(self) -> RetrofitOptions:
+        """The method's part (what the report records)."""
+        return RetrofitOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RetrofitOptions)})
 
 
 def _owned(out: Path) -> bool:
@@ -415,6 +473,7 @@ def retrofit(
     from qkvlab.folders import claimed, inspect
 
     opts.validate()
+    check_layers(source_shape(source), opts)
     out = Path(out)
     found = inspect(out)
     if found.kind not in ("missing", "empty"):
@@ -436,6 +495,7 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
 
     device = resolve_device(opts.device, torch.cuda.is_available())
     src = load_source(source)
+    check_layers((src.cfg.n_layer, src.cfg.n_head), opts)  # a .gguf: known only now, still before any perplexity
     model, cfg = src.model.float().to(device), src.cfg
     block = opts.block_size or min(cfg.context, 256)
     train_ids, held_ids = corpus_tokens(src, opts.data, opts.heldout_fraction)

@@ -57,10 +57,18 @@ from qkvlab.data.text import (
     open_hf_dataset,
     parse_hf_source,
 )
-from qkvlab.data.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer, encode_batch, load_tokenizer
+from qkvlab.data.tokenizer import (
+    DEFAULT_TOKENIZER,
+    Tokenizer,
+    TokenizerSpec,
+    build_tokenizer,
+    encode_batch,
+    load_tokenizer,
+)
 from qkvlab.errors import UserError
 from qkvlab.folders import LOCK
 from qkvlab.io import atomic_write
+from qkvlab.settings import setting
 
 FORMAT_VERSION = 2
 SPLIT_RULES = ("document", "stream")
@@ -445,6 +453,25 @@ def prepare_key(source: CorpusSource, spec: TokenizerSpec, split: str, val_fract
         "val_fraction": val_fraction,
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class PrepareConfig:
+    """What `qkvlab prepare` reads: the arguments of `prepare`."""
+
+    data: str | None = setting(
+        None,
+        help="a text file or folder, .jsonl/.parquet ('text' per row), 'shakespeare[:genres]' or "
+        "'hf:NAME?split=..&text_field=..' (default: the Shakespeare plays)",
+        metavar="SOURCE",
+    )
+    tokenizer: str = setting(DEFAULT_TOKENIZER, help="bpe:N, char or gpt2", metavar="SPEC")
+    out: str | None = setting(None, help="output folder (default: the cache, where training looks)", metavar="DIR")
+    val_fraction: float = setting(0.1, help="validation share, in (0, 1)", metavar="F", positive=True, maximum=1)
+    split: str = setting("document", help="per document or stream tail", choices=SPLIT_RULES)
+    threads: int | None = setting(None, help="encoding threads (default: every CPU)", minimum=1)
+    force: bool = setting(False, help="prepare again even if a finished one exists")
+    quiet: bool = setting(False, help="no progress bar")
 
 
 def prepare(

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import tokenizers
 
 DEFAULT_BPE_VOCAB = 2048
+DEFAULT_TOKENIZER = f"bpe:{DEFAULT_BPE_VOCAB}"  # the lm task's and `qkvlab prepare`'s
 EOT_TOKEN = "<|endoftext|>"
 META_FILE = "qkvlab_tokenizer.json"
 BPE_FILE = "bpe.json"
@@ -324,3 +325,49 @@ def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Batch-encode with the tokenizer's fast path when it has one."""
     fast = getattr(tok, "encode_batch", None)
     return fast(texts) if fast is not None else [tok.encode(t) for t in texts]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255: works with any model of vocab >= 256, no files needed."""
+
+    name = spec = "bytes"
+    vocab_size = 256
+    eot_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+TOKENIZER_DIR = "tokenizer"  # a model folder's (or its run's) saved tokenizer
+
+
+def resolve_tokenizer(choice: str | None, model_dir: Path, body: dict) -> Tokenizer | None:
+    """The tokenizer of a model folder: `choice` (gpt2, bytes, or a folder holding a saved qkvlab
+    tokenizer) wins; else the folder's tokenizer/ (or its run's); else what its config records;
+    else None. `body`: the folder's config.json."""
+    if choice is not None:
+        if choice == "bytes":
+            return ByteTokenizer()
+        if choice == "gpt2":
+            return GPT2Tokenizer()
+        if Path(choice).is_dir():
+            return load_tokenizer(choice)
+        raise UserError(f"--tokenizer {choice!r}: use gpt2, bytes, or a folder holding a saved qkvlab tokenizer")
+    for folder in (model_dir / TOKENIZER_DIR, model_dir.parent / TOKENIZER_DIR):
+        if (folder / META_FILE).is_file():
+            return load_tokenizer(folder)
+    recorded = body.get("tokenizer")
+    if recorded is None:
+        train = body.get("train") if isinstance(body.get("train"), dict) else {}
+        recorded = (train.get("task_options") or {}).get("tokenizer")
+    if isinstance(recorded, str):
+        if recorded == "gpt2":
+            return GPT2Tokenizer()
+        if recorded == "bytes":
+            return ByteTokenizer()
+        if (model_dir / recorded).is_dir():
+            return load_tokenizer(model_dir / recorded)
+    return None

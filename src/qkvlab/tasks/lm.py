@@ -19,11 +19,11 @@ import torch.nn as nn
 
 from qkvlab.config import ModelConfig
 from qkvlab.data.prepare import PreparedData, fixed_val_batches, get_batch, prepare
+from qkvlab.data.tokenizer import DEFAULT_TOKENIZER
 from qkvlab.errors import UserError
 from qkvlab.tasks.base import Task
 
 OPTIONS = ("data", "tokenizer", "block_size", "val_fraction")
-DEFAULT_TOKENIZER = "bpe:2048"
 VAL_SEED = 1234  # the same validation windows for every run, whatever its training seed
 VOCAB_MULTIPLE = 64  # pad the embedding like nanoGPT (50257 -> 50304): faster matmuls, unused rows
 

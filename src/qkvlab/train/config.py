@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkvlab.config import PRESETS as MODEL_PRESETS
-from qkvlab.config import ModelConfig, preset
+from qkvlab.config import ModelConfig, model_from_mapping, preset
 from qkvlab.devices import check_device, check_dtype
 from qkvlab.errors import UserError
-from qkvlab.settings import resumable_fields, setting
+from qkvlab.settings import check, read_config_file, resumable_fields, setting
 
 TRAIN_DTYPES = ("fp32", "bf16")  # autocast dtypes; also spelled float32, bfloat16
 SHARDINGS = ("ddp", "fsdp")
@@ -35,33 +34,43 @@ def default_weight_decay(model: ModelConfig) -> float:
 class TrainConfig:
     task: str = setting("lm", help="task name (lm, reverse, mnist5k, ...)", metavar="NAME")
     task_options: dict[str, Any] = setting(
-        help="task options (--data, --tokenizer, --task-option KEY=VALUE)", default_factory=dict, cli=False
+        help="a task option (repeatable; VALUE read as YAML), e.g. length=64",
+        default_factory=dict,
+        flag="--task-option",
+        metavar="KEY=VALUE",
     )
-    model: ModelConfig = setting(help="the model (model options)", default_factory=ModelConfig, cli=False)
-    seed: int = setting(0, help="seed of the initial weights and the data order")
-    max_steps: int = setting(1000, help="optimizer steps (may grow on resume)", resumable=True)
-    batch_size: int = setting(32, help="global sequences (examples) per optimizer step, over all ranks")
-    grad_accum: int = setting(1, help="micro-batches per rank per step")
+    model: ModelConfig = setting(help="model options", default_factory=ModelConfig, group=ModelConfig)
+    seed: int = setting(0, help="seed of the initial weights and the data order", minimum=0)
+    max_steps: int = setting(1000, help="optimizer steps (may grow on resume)", resumable=True, minimum=1)
+    batch_size: int = setting(32, help="global sequences (examples) per optimizer step, over all ranks", minimum=1)
+    grad_accum: int = setting(1, help="micro-batches per rank per step", minimum=1)
     micro_batch_size: int | None = setting(
-        None, help="sequences per micro-batch; then grad_accum = batch_size / (world * micro): any world size"
+        None,
+        help="sequences per micro-batch; then grad_accum = batch_size / (world * micro): any world size",
+        minimum=1,
     )
-    lr: float = setting(1e-3, help="peak learning rate")
-    min_lr: float | None = setting(None, help="end of the cosine (default lr / 10)")
-    warmup_steps: int = setting(100, help="linear warmup steps")
+    lr: float = setting(1e-3, help="peak learning rate", positive=True)
+    min_lr: float | None = setting(None, help="end of the cosine (default lr / 10)", minimum=0)
+    warmup_steps: int = setting(100, help="linear warmup steps", minimum=0)
     lr_decay_steps: int | None = setting(
-        None, help="the cosine's horizon, nanoGPT's lr_decay_iters (default max_steps)", metavar="STEPS"
+        None, help="the cosine's horizon, nanoGPT's lr_decay_iters (default max_steps)", metavar="STEPS", minimum=1
     )
     weight_decay: float | None = setting(
         None,
         help=f"AdamW weight decay on weights with dim >= 2 (default {WEIGHT_DECAY}; "
         f"{IDENTITY_WEIGHT_DECAY} for schemes with an identity role, Paper A)",
+        minimum=0,
     )
     betas: tuple[float, float] = setting((0.9, 0.95), help="AdamW betas", metavar="B1,B2")
-    grad_clip: float = setting(1.0, help="max global grad norm; 0 disables")
-    eval_every: int = setting(100, help="steps between evaluations", resumable=True)
-    eval_batches: int = setting(10, help="batches per evaluation")
-    eval_batch_size: int | None = setting(None, help="examples per eval batch (default: the micro-batch size)")
-    checkpoint_every: int | None = setting(None, help="steps between checkpoints (default eval_every)", resumable=True)
+    grad_clip: float = setting(1.0, help="max global grad norm; 0 disables", minimum=0)
+    eval_every: int = setting(100, help="steps between evaluations", resumable=True, minimum=1)
+    eval_batches: int = setting(10, help="batches per evaluation", minimum=1)
+    eval_batch_size: int | None = setting(
+        None, help="examples per eval batch (default: the micro-batch size)", minimum=1
+    )
+    checkpoint_every: int | None = setting(
+        None, help="steps between checkpoints (default eval_every)", resumable=True, minimum=1
+    )
     compile: bool = setting(False, help="torch.compile the model", resumable=True)
     dtype: str = setting(
         "auto",
@@ -81,12 +90,12 @@ class TrainConfig:
         resumable=True,
     )
     dist_timeout_s: int | None = setting(
-        None, help="timeout of the collectives in seconds (default: PyTorch's)", resumable=True, metavar="S"
+        None, help="timeout of the collectives in seconds (default: PyTorch's)", resumable=True, metavar="S", minimum=1
     )
     log_tensorboard: bool = setting(
         False, help="TensorBoard logs in OUT/tb (needs the 'tb' extra)", resumable=True, flags=("--tensorboard",)
     )
-    log_every: int = setting(10, help="progress-bar refresh (steps)", resumable=True)
+    log_every: int = setting(10, help="progress-bar refresh (steps)", resumable=True, minimum=1)
 
     # ---- derived ---------------------------------------------------------------------------
     @property
@@ -125,39 +134,14 @@ class TrainConfig:
 
     # ---- validation --------------------------------------------------------------------------
     def validate(self) -> TrainConfig:
-        _check_type("task", self.task, str)
-        if not isinstance(self.task_options, dict):
-            raise UserError(f"task_options must be a mapping, got {self.task_options!r}")
-        if not isinstance(self.model, ModelConfig):
-            raise UserError("model must be a ModelConfig or a mapping of model config keys")
+        check(self)  # types, choices and bounds of every field; below: the rules across fields
         self.model.validate()
-        for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "eval_batches", "log_every"):
-            _check_int(name, getattr(self, name), minimum=1)
-        for name in ("micro_batch_size", "checkpoint_every", "eval_batch_size", "lr_decay_steps", "dist_timeout_s"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum=1)
-        _check_int("seed", self.seed, minimum=0)
-        _check_int("warmup_steps", self.warmup_steps, minimum=0)
-        _check_float("lr", self.lr, positive=True)
         if self.weight_decay is None:  # resolved here, so saved configs and --print-config show it
             self.weight_decay = default_weight_decay(self.model)
-        for name in ("weight_decay", "grad_clip"):
-            _check_float(name, getattr(self, name))
-        if self.min_lr is not None:
-            _check_float("min_lr", self.min_lr)
-        b = self.betas
-        if (
-            not isinstance(b, (list, tuple))
-            or len(b) != 2
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in b)
-        ):
-            raise UserError(f"betas={b!r} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
-        self.betas = (float(b[0]), float(b[1]))
-        for name in ("compile", "log_tensorboard"):
-            if not isinstance(getattr(self, name), bool):
-                raise UserError(f"{name}={getattr(self, name)!r} must be true or false")
+        if not all(0 <= x < 1 for x in self.betas):
+            raise UserError(f"betas={list(self.betas)!r} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
         check_dtype(self.dtype, TRAIN_DTYPES)
-        _check_choice("sharding", self.sharding, SHARDINGS)
         check_device(self.device)
         self.accum_steps(1)
         from qkvlab.tasks import TASK_MODULES
@@ -212,42 +196,6 @@ def changed_fields(saved: Mapping[str, Any], now: TrainConfig) -> list[str]:
         old = dict(saved)
     new = now.to_dict()
     return [k for k in sorted(set(old) | set(new)) if k not in RESUMABLE_FIELDS and old.get(k) != new.get(k)]
-
-
-def model_from_mapping(model: Mapping[str, Any], base: ModelConfig | None = None) -> ModelConfig:
-    model = dict(model)
-    name = model.pop("preset", None)
-    if name is not None:
-        if name not in MODEL_PRESETS:
-            raise UserError(f"unknown model preset {name!r}; allowed: {', '.join(MODEL_PRESETS)}")
-        return preset(name, **model)
-    return ModelConfig.from_dict({**(base.to_dict() if base else {}), **model})
-
-
-def _check_type(name: str, value: Any, kind: type) -> None:
-    if not isinstance(value, kind):
-        raise UserError(f"{name}={value!r} must be a {kind.__name__}")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise UserError(f"{name}={value!r} must be an integer >= {minimum}")
-
-
-def _check_float(name: str, value: Any, positive: bool = False) -> None:
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and value == value
-        and abs(value) != float("inf")
-    )
-    if not ok or value < 0 or (positive and value == 0):
-        raise UserError(f"{name}={value!r} must be a {'positive' if positive else 'non-negative'} number")
-
-
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise UserError(f"{name}={value!r} is not allowed; use one of {', '.join(allowed)}")
 
 
 def merge(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
@@ -370,41 +318,6 @@ def train_preset(name: str, **overrides: Any) -> TrainConfig:
     return TrainConfig.from_dict(body)
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A YAML (.yaml/.yml) or TOML (.toml) file -> mapping; parse errors are one line."""
-    from qkvlab.io import read_user_text
-
-    path = Path(path)
-    text = read_user_text(path, f"{path} (config file)")
-    suffix = path.suffix.lower()
-    try:
-        if suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        elif suffix == ".toml":
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10: tomli is the same parser
-                import tomli as tomllib
-
-            data = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise UserError(f"{path}: config files must be .yaml, .yml, .toml or .json")
-    except UserError:
-        raise
-    except Exception as e:  # yaml/toml/json each raise their own types; the user needs one line
-        first = " ".join(str(e).split())
-        raise UserError(f"{path}: cannot parse ({first})") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of training config keys at the top level")
-    return data
-
-
 def load_train_config(
     path: str | Path | None = None, overrides: Mapping[str, Any] | None = None, default_preset: str | None = "small"
 ) -> TrainConfig:
@@ -419,3 +332,27 @@ def load_train_config(
         return train_preset(name, **merged) if name is not None else TrainConfig.from_dict(merged)
     except TypeError as e:  # a wrong-typed field the checks above did not reach
         raise UserError(f"bad training config: {e}") from None
+
+
+@dataclass
+class TrainRun:
+    """The rest of `qkvlab train`'s command line: where the run goes, which recipe it starts from,
+    and the lm task's most used options (they land in TrainConfig.task_options)."""
+
+    config_path: str | None = setting(
+        None, help="training config file (same as --config)", positional=True, metavar="CONFIG"
+    )
+    out: str | None = setting(None, help="run folder (metrics, checkpoint, final model)", metavar="DIR")
+    resume: bool = setting(False, help="continue from DIR's last complete checkpoint")
+    preset: str | None = setting(None, help="start from a training preset (default: small)", choices=TRAIN_PRESETS)
+    data: str | None = setting(
+        None, help="lm corpus: a path, 'shakespeare[:genres]' or 'hf:NAME?split=..'", metavar="SOURCE"
+    )
+    tokenizer: str | None = setting(None, help="lm tokenizer: bpe:N, char or gpt2", metavar="SPEC")
+    block_size: int | None = setting(
+        None, help="lm training window (default: the model context)", metavar="T", minimum=1
+    )
+    quiet: bool = setting(False, help="no progress bar")
+
+    def task_options(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("data", "tokenizer", "block_size") if getattr(self, k) is not None}

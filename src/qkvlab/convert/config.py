@@ -1,0 +1,45 @@
+"""ConvertConfig: what `qkvlab convert` reads. The steps it configures: Hugging Face import
+(convert/hf.py), an exact change of basis (convert/reparam.py), export back to transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qkvlab.convert.reparam import DEFAULT_MAX_COND
+from qkvlab.errors import UserError
+from qkvlab.settings import check, setting
+
+HF_CLASSES = ("gpt2", "llama")
+
+
+@dataclass
+class ConvertConfig:
+    input: str = setting(
+        help="qkvlab model folder (or, with --from-hf, a transformers folder or .gguf)", positional=True, metavar="IN"
+    )
+    output: str = setting(
+        help="folder to write (a new or empty one, or a model with --overwrite)", positional=True, metavar="OUT"
+    )
+    overwrite: bool = setting(False, help="replace OUT if it already holds a model")
+    to: str | None = setting(
+        None, help="target scheme, e.g. Id-K-V (remove W_Q), Q-Id-V (remove W_K), Q-K-V (insert)", metavar="SCHEME"
+    )
+    layer: int | None = setting(None, help="remove the projection of layer L only (theorem a)", metavar="L")
+    from_hf: bool = setting(False, help="IN is a Hugging Face GPT-2/Llama folder or a .gguf file")
+    to_hf: str | None = setting(None, help="write a transformers checkpoint of this class", choices=HF_CLASSES)
+    dtype: str | None = setting(
+        None,
+        help="dtype of the result (default: the input's, fp32 or fp64)",
+        choices=("fp64", "fp32", "float64", "float32"),
+    )
+    max_cond: float = setting(
+        DEFAULT_MAX_COND, help="refuse a W_Q/W_K whose condition number exceeds X", metavar="X", positive=True
+    )
+
+    def validate(self) -> ConvertConfig:
+        check(self)  # types, choices and bounds of every field; below: the rules across fields
+        if not (self.to or self.from_hf or self.to_hf):
+            raise UserError("nothing to do: give --to SCHEME, --from-hf or --to-hf gpt2|llama")
+        if self.layer is not None and not self.to:
+            raise UserError("--layer needs --to SCHEME")
+        return self
