@@ -58,7 +58,9 @@ def test_kv_heads_per_layer():
         (dict(layers="Q=K-V/2@1"), "layer 1: Q=K-V"),
         (dict(layers="Q-K=V@1", share_layers=True), "share_layers"),
         (dict(layers="Q-K=V@1|Q-K-V"), "mixes"),
-        (dict(layers="Q-K=V@5:"), "names no layer"),
+        (dict(layers="Q-K=V@4:"), "names no layer"),
+        (dict(layers="Q-K=V@5:"), "reaches past the model's 4 layers"),
+        (dict(layers="Q-K=V@-5:"), "reaches past the model's 4 layers"),
         (dict(layers=" "), "empty"),
     ],
 )

@@ -230,7 +230,7 @@ def test_similarity_cli_cka(tmp_path, capsys):
     assert rep["cka"]["tokens"] == 96 and set(rep["cka"]) >= {"k_v", "q_k", "q_v", "layers"}  # 3 rows of 32
     assert len(rep["cka"]["layers"]) == 2 and all(0 < rep["cka"][k] <= 1 for k in ("k_v", "q_k", "q_v"))
     assert main(["similarity", str(tmp_path / "m"), "--text", str(text), "--tokens", "1", "--tokenizer", "bytes"]) == 2
-    assert "--tokens=1" in capsys.readouterr().err
+    assert "--tokens: 1 must be >= 2" in capsys.readouterr().err
 
 
 # ---- the paper recipes as data ------------------------------------------------------------------

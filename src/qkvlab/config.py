@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from qkvlab.config_file import read_config_file
 from qkvlab.errors import UserError
 from qkvlab.positions import PLUS_ENCODINGS
-from qkvlab.settings import check, read_config_file, setting
+from qkvlab.settings import check, setting
 from qkvlab.spec import ProjectionSpec, parse_layers, parse_scheme, validate_heads
 
 NORMS = ("layernorm", "rmsnorm", "none")

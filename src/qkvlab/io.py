@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from qkvlab import __version__
 from qkvlab.config import ModelConfig
+from qkvlab.config_file import read_user_text  # noqa: F401 (one reader of the files a user names)
 from qkvlab.errors import UserError
-from qkvlab.settings import read_user_text  # noqa: F401 (one reader of the files a user names)
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 

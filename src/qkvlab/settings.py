@@ -3,14 +3,14 @@ are generated from them.
 
 A field made with `setting(...)` carries its help text, allowed values (`choices`), bounds
 (`minimum`, `maximum`, `positive`), its flag (`flag`, default from the name) and other spellings
-(`flags`), whether it is a positional
-argument, and whether it may change when a run resumes (`resumable`). A `dict` field with
-`group=SomeConfig` gathers that class's options (e.g. the model options) into a mapping.
+(`flags`), whether it is a positional argument, and whether it may change when a run resumes
+(`resumable`). A field without a default is required. A `dict` field with `group=SomeConfig`
+gathers that class's options (e.g. the model options) into a mapping.
 
 - `add_options(parser, cls)`: one argparse option per field; every default is None, so only what the
   user typed overrides a config file or preset.
-- `load(cls, file, args)`: config file, then the command line over it, unknown keys refused, then
-  `check` and the class's own `validate()` (which calls `check` first and adds the cross-field rules).
+- `load(cls, file, args)`: config file (qkvlab.config_file reads it), then the command line over
+  it, unknown keys refused, then the class's `validate()` (`check`, then the rules across fields).
 - `check(obj)`: types, choices and bounds of every field, from its annotation and metadata.
 
 A short generator over `dataclasses.fields` rather than tyro or jsonargparse: the configs are flat
@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from qkvlab.config_file import config_to_text, read_config_file
 from qkvlab.errors import UserError
 
 MISSING = dataclasses.MISSING
@@ -311,7 +311,7 @@ def options_from_args(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     return out
 
 
-# ---- config files -----------------------------------------------------------------------------
+# ---- config file + command line ------------------------------------------------------------
 def add_config_options(p: argparse.ArgumentParser, what: str = "settings") -> None:
     """--config FILE and --print-config, for every command that runs something."""
     p.add_argument("--config", metavar="FILE", type=nonempty, help=f"{what} file (.yaml/.yml/.toml/.json)")
@@ -331,54 +331,6 @@ def print_config(args: argparse.Namespace, body: Mapping[str, Any]) -> bool:
         return False
     print(config_to_text(body, fmt))
     return True
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A YAML (.yaml/.yml), TOML (.toml) or JSON file -> mapping; parse errors are one line."""
-    path = Path(path)
-    text = read_user_text(path, f"{path} (config file)")
-    suffix = path.suffix.lower()
-    try:
-        if suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        elif suffix == ".toml":
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10: tomli is the same parser
-                import tomli as tomllib
-
-            data = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise UserError(f"{path}: config files must be .yaml, .yml, .toml or .json")
-    except UserError:
-        raise
-    except Exception as e:  # yaml/toml/json each raise their own types; the user needs one line
-        first = " ".join(str(e).split())
-        raise UserError(f"{path}: cannot parse ({first})") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of settings at the top level")
-    return data
-
-
-def read_user_text(path: str | Path, label: str | None = None) -> str:
-    """A text file the user named, as str; a missing, unreadable or non-UTF-8 file is one line
-    starting with `label` (default: the path)."""
-    path = Path(path)
-    label = label or str(path)
-    if not path.is_file():
-        raise UserError(f"{label}: no such file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{label}: not UTF-8 text") from None
-    except OSError as e:
-        raise UserError(f"{label}: cannot read it ({e.strerror})") from None
 
 
 def load(cls: type, file: str | Path | None = None, args: argparse.Namespace | None = None, **fixed: Any):
@@ -462,15 +414,6 @@ def check(obj: Any) -> Any:
         if problem:
             raise UserError(f"{f.name}={value!r} {problem}")
     return obj
-
-
-def config_to_text(body: Mapping[str, Any], fmt: str = "yaml") -> str:
-    """A resolved config as YAML (default) or JSON, for --print-config."""
-    if fmt == "json":
-        return json.dumps(body, indent=2)
-    import yaml
-
-    return yaml.safe_dump(json.loads(json.dumps(body)), sort_keys=False).rstrip()
 
 
 def parse_key_values(items: Iterable[str], flag: str = "--task-option") -> dict[str, Any]:

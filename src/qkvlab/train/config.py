@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from qkvlab.config import ModelConfig, model_from_mapping, preset
+from qkvlab.config_file import read_config_file
 from qkvlab.devices import check_device, check_dtype
 from qkvlab.errors import UserError
-from qkvlab.settings import check, read_config_file, resumable_fields, setting
+from qkvlab.settings import check, resumable_fields, setting
 
 TRAIN_DTYPES = ("fp32", "bf16")  # autocast dtypes; also spelled float32, bfloat16
 SHARDINGS = ("ddp", "fsdp")

@@ -1,0 +1,69 @@
+"""Config files: the one reader of YAML, TOML and JSON settings files (and of any text file a user
+names) and the printer behind --print-config. Torch-free: the bottom floor, under qkvlab.settings
+(which merges a file with the command line)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from qkvlab.errors import UserError
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML (.yaml/.yml), TOML (.toml) or JSON file -> mapping; parse errors are one line."""
+    path = Path(path)
+    text = read_user_text(path, f"{path} (config file)")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10: tomli is the same parser
+                import tomli as tomllib
+
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise UserError(f"{path}: config files must be .yaml, .yml, .toml or .json")
+    except UserError:
+        raise
+    except Exception as e:  # yaml/toml/json each raise their own types; the user needs one line
+        first = " ".join(str(e).split())
+        raise UserError(f"{path}: cannot parse ({first})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of settings at the top level")
+    return data
+
+
+def read_user_text(path: str | Path, label: str | None = None) -> str:
+    """A text file the user named, as str; a missing, unreadable or non-UTF-8 file is one line
+    starting with `label` (default: the path)."""
+    path = Path(path)
+    label = label or str(path)
+    if not path.is_file():
+        raise UserError(f"{label}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{label}: not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"{label}: cannot read it ({e.strerror})") from None
+
+
+def config_to_text(body: Mapping[str, Any], fmt: str = "yaml") -> str:
+    """A resolved config as YAML (default) or JSON, for --print-config."""
+    if fmt == "json":
+        return json.dumps(body, indent=2)
+    import yaml
+
+    return yaml.safe_dump(json.loads(json.dumps(body)), sort_keys=False).rstrip()
