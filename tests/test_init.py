@@ -13,7 +13,7 @@ from qkvlab.spec import IDENTITY, ROLES
 from qkvlab.variants import parse_variants
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build(variant: str, seed: int = 0) -> GPT:
     v = parse_variants(variant)[0]
     base = ModelConfig(n_layer=2, n_head=4, d_model=32, vocab_size=64, context=16)

@@ -12,7 +12,6 @@ import torch
 
 from qkvlab.errors import UserError
 
-
 ODD_SLOTS = ("random", "last")
 
 
