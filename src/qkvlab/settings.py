@@ -168,7 +168,7 @@ def _base_type(hint: Any) -> tuple[Any, bool]:
     args = typing.get_args(hint)
     if type(None) in args:
         rest = [a for a in args if a is not type(None)]
-        return (rest[0] if len(rest) == 1 else hint), True
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True  # noqa: UP007
     return hint, False
 
 
@@ -200,7 +200,7 @@ def _bounded(parse, m: Mapping[str, Any]):
     def parse_bounded(text: str):
         value = parse(text)
         for v in value if isinstance(value, tuple) else (value,):
-            problem = _bound_problem(v, m)
+            problem = _bound_problem(v, m) if isinstance(v, (int, float)) else None
             if problem:
                 raise argparse.ArgumentTypeError(f"{v} {problem}")
         return value
@@ -208,8 +208,22 @@ def _bounded(parse, m: Mapping[str, Any]):
     return parse_bounded
 
 
+def int_or_word(text: str) -> int | str:
+    """A whole number, or a word (e.g. --seeds auto); the field's validate() names the words."""
+    try:
+        return integer(text)
+    except argparse.ArgumentTypeError:
+        return nonempty(text)
+
+
+def _is_int_or_word(kind: Any) -> bool:
+    return set(typing.get_args(kind)) == {int, str}
+
+
 def _parser_for(hint: Any, m: Mapping[str, Any]):
     kind, _ = _base_type(hint)
+    if _is_int_or_word(kind):
+        return _bounded(int_or_word, m)
     if kind is int:
         return _bounded(integer, m)
     if kind is float:
@@ -386,6 +400,9 @@ def _type_problem(value: Any, kind: Any) -> str | None:
         if items[-1] is not Ellipsis and len(value) != len(items):
             return f"must be a list of {len(items)} values"
         return next((_type_problem(v, items[0]) for v in value if _type_problem(v, items[0])), None)
+    if _is_int_or_word(kind):
+        ok = isinstance(value, str) or _type_problem(value, int) is None
+        return None if ok else "must be an integer or a word"
     if dataclasses.is_dataclass(kind):
         return None if isinstance(value, kind) else f"must be a {kind.__name__}"
     return None

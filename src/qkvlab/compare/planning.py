@@ -41,10 +41,15 @@ class CompareConfig:
         metavar="LIST",
     )
     out: str | None = setting(None, help="compare folder (default runs/compare-<task>)", metavar="DIR")
-    seeds: int | None = setting(
+    seeds: int | str | None = setting(
         None,
-        help="seeds 0..N-1 per variant (default: 3 for lm, synthetic, anomaly; 2 for vision, segmentation)",
+        help="seeds 0..N-1 per variant (default: 3 for lm, synthetic, anomaly; 2 for vision, segmentation), or auto: "
+        "a 3-seed pilot, then as many seeds as its undecided claims need at their margins (compare/auto.py)",
+        metavar="N|auto",
         minimum=1,
+    )
+    budget: str | None = setting(
+        None, help="with --seeds auto: the most extra training time to spend, e.g. 90m, 2h, 1h30m", metavar="DURATION"
     )
     preset: str | None = setting(None, help="training preset (default: the CPU recipe)", choices=PRESETS)
     max_steps: int | None = setting(
@@ -101,6 +106,15 @@ class CompareConfig:
                     f"--{key.replace('_', '-')} sets one variant; compare takes --variants, "
                     "e.g. --variants Q-K-V,Q-K=V/MQA,Id-K-V/mlp"
                 )
+        if self.seeds == "auto":
+            from qkvlab.compare.pace import parse_duration
+
+            if self.budget is not None:
+                parse_duration(self.budget)
+        elif isinstance(self.seeds, str):
+            raise UserError(f"seeds={self.seeds!r} must be a positive integer or auto")
+        elif self.budget is not None:
+            raise UserError("--budget goes with --seeds auto")
         from qkvlab.devices import check_device
 
         check_device(self.device)
@@ -281,6 +295,10 @@ def plan(cfg: CompareConfig) -> Plan:
     from qkvlab.train.config import default_weight_decay
 
     cfg.validate()
+    if cfg.seeds == "auto":  # the plan of the pilot; compare/auto.py plans the decisive run from it
+        from qkvlab.compare.auto import PILOT_SEEDS
+
+        cfg = dataclasses.replace(cfg, seeds=PILOT_SEEDS)
     if cfg.sweep:
         from qkvlab.compare.sweep import plan_sweep
 
