@@ -327,8 +327,8 @@ def test_real_compare_feeds_the_cache_plot_and_sets_the_identity_recipe(tmp_path
         (["--out", ""], "--out"),
         (["--lr", "nan"], "finite"),
         (["--d-model", "x"], "'x'"),
-        (["--seeds", "0"], "seeds=0"),
-        (["--lr", "-1"], "lr=-1.0"),
+        (["--seeds", "0"], "--seeds: 0 must be a positive integer"),
+        (["--lr", "-1"], "--lr: -1.0 must be positive"),
     ],
 )
 def test_compare_refuses_empty_and_non_finite_values(tmp_path, capsys, argv, needle):

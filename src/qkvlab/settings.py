@@ -147,7 +147,7 @@ def int_list(text: str) -> tuple[int, ...]:
 BYTE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def byte_size(text: str, flag: str) -> int:
+def byte_size(text: str, flag: str = "size") -> int:
     """'24GB', '80GiB', '512MB', '1e9' -> bytes; anything else (nan, inf, 0, -1GB) is one line."""
     t = str(text).strip().upper()
     num = t.rstrip("KMGTIB")
