@@ -310,9 +310,7 @@ def _threshold_gaps(claim: pf.Claim, s: _Setup, scores) -> list[Gap]:
         ph, pfail = decide(est, region, len(sc))
         paper = _paper_score(s.tasks, v, s.perplexity)
         method = "exact" if isinstance(est, Rate) else "t"
-        iv = Interval(est.estimate, n=len(sc))
-        if len(sc) > 1 or isinstance(est, MeanEstimate):
-            iv = est.interval(TEST_LEVEL)
+        iv = replace(est.interval(TEST_LEVEL), n=len(sc))  # n: seeds (an exact rate counts units)
         gaps.append(
             Gap(v, "", iv, "", region, INCONCLUSIVE, paper[0] if paper else None, est, region, ph, pfail, method)
         )
