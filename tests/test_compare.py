@@ -173,7 +173,7 @@ def test_results_family_table(tmp_path):
     res = write_results(tmp_path, plots=False)
     assert res.row("swap", "Q=K=V").metric_values == [0.2, 0.2]
     md = (tmp_path / "results.md").read_text()
-    assert "accuracy per task (test split, n=10000 lists)" in md and "| test split, n=10000 lists |" in md
+    assert "accuracy per task (test split, n=10000 (lists))" in md and "| test split, n=10000 (lists) |" in md
     assert not (tmp_path / "ppl_vs_cache.png").exists()
 
 

@@ -154,8 +154,8 @@ def _sweep(runs_dir, test_se=None):
                     if test_se is None
                     else {
                         "split": "test",
-                        "metric": "val_loss",
-                        "val_loss": loss + 0.01,
+                        "metric": "loss",
+                        "loss": loss + 0.01,
                         "se": test_se,
                         "n": 100,
                         "units": "windows",
@@ -197,6 +197,9 @@ def test_test_split_when_every_run_has_it(tmp_path):
     _sweep(tmp_path / "runs", test_se=0.002)
     runs, _, source = read_runs(tmp_path / "runs")
     assert source == "test split" and all(r.se == 0.002 for r in runs)
+    for r in runs:  # the LM task's test.json calls the loss "loss": it stands for val_loss
+        metrics = [json.loads(x) for x in (tmp_path / "runs" / r.dir / "metrics.jsonl").read_text().splitlines()]
+        assert r.val_loss == pytest.approx(metrics[-1]["val_loss"] + 0.01, abs=1e-12)
     sc = write_scaling_results(tmp_path / "runs", tmp_path / "out", plots=False)
     assert sc.source == "test split" and "test split" in (tmp_path / "out" / "results.md").read_text()
 

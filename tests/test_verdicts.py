@@ -274,11 +274,30 @@ def test_test_split_is_used_when_every_run_has_it():
     runs = [_run("Q-K-V", 0, 0.5, test(0.55)), _run("Q=K=V", 0, 0.4, test(0.45))]
     vals = values_from_runs(runs, {"reverse": "accuracy"})
     assert vals["reverse"]["Q-K-V"][("", 0)] == Measured(0.55, 0.004, 10000)
-    assert score_sources(runs, {"reverse": "accuracy"}) == {"reverse": "test split, n=10000 lists"}
+    assert score_sources(runs, {"reverse": "accuracy"}) == {"reverse": "test split, n=10000 (lists)"}
     runs.append(_run("Q-K=V", 0, 0.7))  # one run without test.json: validation for every run of the task
     vals = values_from_runs(runs, {"reverse": "accuracy"})
     assert vals["reverse"]["Q-K-V"][("", 0)] == 0.5
     assert score_sources(runs, {"reverse": "accuracy"}) == {"reverse": "validation"}
+
+
+def test_lm_test_json_loss_stands_for_val_loss():
+    # the LM task writes {"metric": "loss", "loss": ..., "se": ...}: the counterpart of val_loss
+    test = {
+        "split": "test",
+        "metric": "loss",
+        "loss": 2.5,
+        "ppl": 12.2,
+        "n": 300,
+        "se": 0.01,
+        "units": "window of 128 tokens",
+    }
+    run = NS(task="lm", variant="Q-K-V", seed=0, point="", history=[{"tokens": 9, "val_loss": 2.6}], test=test)
+    assert values_from_runs([run], {"lm": "val_loss"})["lm"]["Q-K-V"][("", 0)] == Measured(2.5, 0.01, 300)
+    assert score_sources([run], {"lm": "val_loss"}) == {"lm": "test split, n=300 (window of 128 tokens)"}
+    from qkvlab.analysis.runs import test_value
+
+    assert test_value(test, "ppl") == (12.2, 0.0, 300)  # another metric: its value, no se (se is of "loss")
 
 
 def test_values_from_runs_pairs_by_grid_point_and_seed():

@@ -12,7 +12,7 @@ from typing import Any
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import Interval
-from qkvlab.analysis.runs import Run, load_run, read_manifest, run_finished
+from qkvlab.analysis.runs import Run, load_run, read_manifest, run_finished, test_value
 from qkvlab.analysis.trends import Trajectory, Trend, trajectories_from_runs
 from qkvlab.analysis.verdicts import (
     PERPLEXITY_METRIC,
@@ -51,7 +51,8 @@ class Row:
     val_losses: list[float]
     tokens_per_s: float | None
     steps: int
-    ppl_change: list[float] = field(default_factory=list)  # % vs Q-K-V, paired by seed
+    ppl_change: list[float] = field(default_factory=list)  # % vs Q-K-V, paired by seed, of the scored loss
+    scored_on: str = "validation"  # what metric_values are: "test split" or "validation"
 
     @property
     def n(self) -> int:
@@ -194,6 +195,13 @@ def _task_metrics(runs: list[Run], manifest: dict) -> dict[str, tuple[str, bool]
     return out
 
 
+def _score(run: Run, key: str, on_test: bool) -> float:
+    """The run's final key: its test split's when the task is scored on test (and test.json has
+    it), else its last validation row's."""
+    tv = test_value(run.test, key) if on_test else None
+    return tv[0] if tv else float(run.final[key])
+
+
 def collect(out_dir: str | Path) -> Results:
     """Read a compare folder: every finished run of the manifest, aggregated per (task, variant).
     A task whose every run has test.json is scored on the test split, else on validation."""
@@ -201,9 +209,7 @@ def collect(out_dir: str | Path) -> Results:
     manifest = read_manifest(out_dir)
     runs, missing, planned = _read_runs(out_dir, manifest)
     metrics = _task_metrics(runs, manifest)
-    on_test = {
-        t for t, (m, _) in metrics.items() if all(r.test and r.test.get(m) is not None for r in runs if r.task == t)
-    }
+    on_test = {t for t, (m, _) in metrics.items() if all(test_value(r.test, m) for r in runs if r.task == t)}
     rows: list[Row] = []
     for (task, variant), n_planned in planned.items():
         group = [r for r in runs if r.task == task and r.variant == variant]
@@ -211,7 +217,6 @@ def collect(out_dir: str | Path) -> Results:
             continue
         metric, hib = metrics[task]
         tps = [t for t in (r.tokens_per_s for r in group) if t is not None]
-        final = [r.test if task in on_test else r.final for r in group]  # the scores verdicts read
         rows.append(
             Row(
                 task=task,
@@ -221,10 +226,11 @@ def collect(out_dir: str | Path) -> Results:
                 seeds=[r.seed for r in group],
                 planned=n_planned,
                 cfg=group[0].cfg,
-                metric_values=[float(f[metric]) for f in final],
-                val_losses=[float(f.get("val_loss", r.final["val_loss"])) for f, r in zip(final, group)],
+                metric_values=[_score(r, metric, task in on_test) for r in group],  # what verdicts read
+                val_losses=[float(r.final["val_loss"]) for r in group],  # validation (curves, val_loss_* columns)
                 tokens_per_s=sum(tps) / len(tps) if tps else None,
                 steps=max(int(r.final["step"]) for r in group),
+                scored_on="test split" if task in on_test else "validation",
             )
         )
     _pair_perplexities(rows)
@@ -237,7 +243,7 @@ def _pair_perplexities(rows: list[Row]) -> None:
         base = next((b for b in rows if b.task == row.task and b.variant == BASELINE), None)
         if base is None or row.metric != "val_loss":
             continue
-        base_loss = dict(zip(base.seeds, base.val_losses))
+        base_loss = dict(zip(base.seeds, base.metric_values))  # the scored loss (test split when there)
         row.ppl_change = [
-            100.0 * math.expm1(loss - base_loss[s]) for s, loss in zip(row.seeds, row.val_losses) if s in base_loss
+            100.0 * math.expm1(loss - base_loss[s]) for s, loss in zip(row.seeds, row.metric_values) if s in base_loss
         ]

@@ -214,7 +214,7 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str], str]:
     config.json (the model as trained)."""
     from dataclasses import replace
 
-    from qkvlab.analysis.runs import run_finished
+    from qkvlab.analysis.runs import run_finished, test_value
 
     root = Path(runs_dir)
     done: list[tuple[ScalingRun, dict | None]] = []
@@ -226,8 +226,9 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str], str]:
             unfinished.append(str(d.relative_to(root)))
         else:
             done.append(one)
-    if done and all(t and t.get("val_loss") is not None for _, t in done):
-        runs = [replace(r, val_loss=float(t["val_loss"]), se=float(t.get("se") or 0.0)) for r, t in done]
+    tests = [test_value(t, "val_loss") for _, t in done]
+    if done and all(tests):
+        runs = [replace(r, val_loss=tv[0], se=tv[1]) for (r, _), tv in zip(done, tests)]
         return runs, unfinished, "test split"
     return [r for r, _ in done], unfinished, "validation"
 

@@ -400,10 +400,10 @@ def final_value(run, metric: str) -> float | None:
 
 
 def _test_score(run, metric: str) -> Measured | None:
-    t = getattr(run, "test", None)
-    if not t or t.get(metric) is None:
-        return None
-    return Measured(float(t[metric]), float(t.get("se") or 0.0), int(t.get("n") or 0))
+    from qkvlab.analysis.runs import test_value
+
+    tv = test_value(getattr(run, "test", None), metric)
+    return None if tv is None else Measured(*tv)
 
 
 def _by_task(runs: Sequence, metric: Mapping[str, str]) -> dict[str, tuple[list, list[Measured | None] | None]]:
@@ -442,5 +442,5 @@ def score_sources(runs: Sequence, metric: Mapping[str, str]) -> dict[str, str]:
             continue
         ns = sorted({t.units for t in tests})
         units = "/".join(sorted({str(r.test.get("units") or "units") for r in group}))
-        out[task] = f"test split, n={ns[0] if len(ns) == 1 else f'{ns[0]}–{ns[-1]}'} {units}"
+        out[task] = f"test split, n={ns[0] if len(ns) == 1 else f'{ns[0]}–{ns[-1]}'} ({units})"
     return out
