@@ -79,3 +79,23 @@ def test_solve_rate_claims_get_a_seed_count(k):
     assert v.word == INCONCLUSIVE
     n = seeds_to_decide(v)
     assert n is not None and n > 3
+
+
+def test_seeds_for_claims_lists_the_projectable_inconclusive_claims():
+    from qkvlab.analysis.seeds import seeds_for_claims
+    from qkvlab.analysis.verdicts import check_claims
+
+    vals = lm({"Q-K-V": 0, "Id-K-V/mlp": -0.004, "Id-K-V": 0.0, "Q-K=V": 0.2, "Q=K-V": 0.3, "Q=K=V": 0.6})
+    verdicts = check_claims(vals, *LM)
+    got = seeds_for_claims(verdicts)
+    assert got and all(isinstance(n, int) and n > 3 or n == math.inf for n in got.values())
+    assert set(got) == {v.claim.id for v in verdicts if v.word == INCONCLUSIVE}
+
+
+def test_one_seed_cells_say_the_interval_is_evaluation_only():
+    from qkvlab.analysis.intervals import Interval
+    from qkvlab.analysis.report import gap_cell
+
+    assert gap_cell(Interval(1.0, 0.9, 1.1, 1), "%") == "+1.00% [+0.90, +1.10] (1 seed: evaluation error only)"
+    assert gap_cell(Interval(1.0, 0.9, 1.1, 3), "%") == "+1.00% [+0.90, +1.10]"
+    assert gap_cell(Interval(1.0, n=1), "pts") == "+1.0 pts (1 seed)"

@@ -224,13 +224,20 @@ def paper_a_params_table() -> str:
 
 
 def gap_cell(iv: Interval | None, unit: str) -> str:
-    """'+13.01% [+8.20, +17.95]'; one seed: '+13.01% (1 seed)'."""
+    """'+13.01% [+8.20, +17.95]'; one seed: '+13.01% (1 seed)', or with the test split's error
+    '+13.01% [+12.90, +13.12] (1 seed: evaluation error only)'."""
     if iv is None:
         return "–"
     u = "%" if unit == "%" else f" {unit}"
     digits = 2 if unit == "%" else 1
     head = f"{iv.estimate:+.{digits}f}{u}"
-    return head + (f" [{iv.lo:+.{digits}f}, {iv.hi:+.{digits}f}]" if iv.defined else " (1 seed)")
+    if not iv.defined:
+        return head + " (1 seed)"
+    return (
+        head
+        + f" [{iv.lo:+.{digits}f}, {iv.hi:+.{digits}f}]"
+        + (" (1 seed: evaluation error only)" if iv.n == 1 else "")
+    )
 
 
 def trends_section(res: Results) -> str:

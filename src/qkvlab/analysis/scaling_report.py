@@ -77,7 +77,13 @@ def _iv(iv, digits: int = 2) -> str:
     if iv is None:
         return "–"
     f = f"{{:+.{digits}f}}"
-    return f.format(iv.estimate) + (f" [{f.format(iv.lo)}, {f.format(iv.hi)}]" if iv.defined else " (n=1)")
+    if not iv.defined:
+        return f.format(iv.estimate) + " (n=1)"
+    return (
+        f.format(iv.estimate)
+        + f" [{f.format(iv.lo)}, {f.format(iv.hi)}]"
+        + (" (n=1: evaluation only)" if iv.n == 1 else "")
+    )
 
 
 def _run_section(sc: Scaling, manifest: dict | None, note: str) -> list[str]:

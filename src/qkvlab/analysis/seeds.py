@@ -88,6 +88,12 @@ def seeds_to_decide(v: ClaimVerdict, n_max: int = N_MAX) -> int | None:
     return max(needs)
 
 
+def seeds_for_claims(verdicts) -> dict[str, int | float]:
+    """claim id -> seeds per variant it needs (math.inf: more than N_MAX), for every inconclusive
+    claim the pilot can project: what a fixed-n decisive run (`--seeds auto`) plans from."""
+    return {v.claim.id: n for v in verdicts if (n := seeds_to_decide(v)) is not None}
+
+
 def decide_command(command: str, n: int) -> str:
     """The folder's own command with --seeds n (finished runs are reused)."""
     command = command or "qkvlab compare"
