@@ -80,7 +80,7 @@ def _commands(tested, runs_per_seed: int, seconds_per_run: float | None, command
             by_n.setdefault(n, []).append(v.claim.id)
     if not by_n:
         return []
-    from qkvlab.compare.execute import fmt_time
+    from qkvlab.compare.pace import fmt_duration
 
     have = min(v.seeds for v in tested)
     lines = ["", "To decide the inconclusive claims (seeds per variant from this run's spread, docs/analysis.md):", ""]
@@ -88,7 +88,9 @@ def _commands(tested, runs_per_seed: int, seconds_per_run: float | None, command
         cost = ""
         if seconds_per_run and runs_per_seed:
             extra = max(0, n - have) * runs_per_seed
-            cost = f" ({extra} more runs, ≈ {fmt_time(decide_seconds(n, have, runs_per_seed, seconds_per_run))} here)"
+            cost = (
+                f" ({extra} more runs, ≈ {fmt_duration(decide_seconds(n, have, runs_per_seed, seconds_per_run))} here)"
+            )
         lines.append(f"- `{decide_command(command, n)}`{cost}: {', '.join(by_n[n])}")
     return lines
 
