@@ -39,6 +39,8 @@ FAMILIES = [  # (scheme, positions, kv heads): every family of Paper A and B, GQ
     ("Q-K=V", "rope", None),
     ("Q-K=V", "learned", 1),
     ("Q=K=V", "learned", None),
+    ("Q=K-V", "rope", None),
+    ("Id-K-V", "learned", 2),
     ("Id-K=V", "rope", 1),
     ("(Q-K=V)+", "rope", None),
     ("(Q-K-V)+", "learned", 2),
@@ -364,6 +366,15 @@ def test_a_disconnecting_stream_frees_its_row_at_the_next_step(model_dir):
         wait_for(lambda: s.engine.running[0].cancel_reason is not None, "the server to notice the disconnect")
         s.engine.step()
         assert s.engine.stats()["active"] == 0 and s.engine.stats()["requests_finished"] == 1
+
+
+def test_a_client_that_gives_up_waiting_leaves_the_queue(model_dir):
+    with Running(model_dir, engine_thread=False) as s:  # nothing steps: the request can only wait
+        with pytest.raises(httpx.ReadTimeout):
+            s.client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}, timeout=0.5)
+        wait_for(lambda: s.engine.stats()["queued"] == 0, "the server to notice the disconnect")
+        s.engine.step()
+        assert s.engine.stats()["requests_finished"] == 0 and s.engine.stats()["tokens_generated"] == 0
 
 
 def test_drain_finishes_running_requests_and_refuses_new_ones(model_dir):

@@ -89,21 +89,8 @@ def create_app(engine: Engine, served: ServedModel, *, max_body: int = MAX_BODY_
                 404, f"model {req.model!r} is not served here; this server serves {served.name!r}", param="model"
             )
         prompt = prompt_ids(req, served)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-
-        def emit(event: Event) -> None:  # on the engine thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop has closed: nobody is listening any more
-                pass
-
-        sampling = Sampling(req.temperature, req.top_k, req.top_p)
-        try:
-            seq = engine.submit(EngineRequest(tuple(prompt), req.max_tokens, sampling, req.seed), emit)
-        except Draining as e:
-            raise ApiError(503, f"{e}; retry on another server", kind="unavailable") from None
-        except UserError as e:
-            raise ApiError(400, str(e), param="prompt") from None
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        seq = submit(engine, req, prompt, events)
         run = Completion(engine, seq, events, served, req, len(prompt))
         if req.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -162,6 +149,25 @@ def prompt_ids(req: proto.CompletionRequest, served: ServedModel) -> list[int]:
             400, f"max_tokens={req.max_tokens:,} exceeds the model's context of {served.context:,}", param="max_tokens"
         )
     return ids
+
+
+def submit(engine: Engine, req: proto.CompletionRequest, prompt: list[int], events: asyncio.Queue):
+    """Queue the request; the engine thread hands its events to this event loop's queue."""
+    loop = asyncio.get_running_loop()
+
+    def emit(event: Event) -> None:  # on the engine thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    sampling = Sampling(req.temperature, req.top_k, req.top_p)
+    try:
+        return engine.submit(EngineRequest(tuple(prompt), req.max_tokens, sampling, req.seed), emit)
+    except Draining as e:
+        raise ApiError(503, f"{e}; retry on another server", kind="unavailable") from None
+    except UserError as e:
+        raise ApiError(400, str(e), param="prompt") from None
 
 
 async def cancel_on_disconnect(request: Request, engine: Engine, seq) -> None:
