@@ -277,6 +277,13 @@ def test_stream_is_the_completion_in_pieces(server):
     assert parts[-2]["choices"][0]["finish_reason"] == "length" and parts[-1]["usage"]["completion_tokens"] == 12
 
 
+def test_a_sampling_failure_ends_only_its_own_request(server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 1e-300}  # logits / temperature overflow
+    failed = server.post(body)
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    assert server.post({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}).status_code == 200
+
+
 def test_stop_string_cuts_the_text(server):
     full = server.post({"prompt": "Hello", "max_tokens": 12, "temperature": 0}).json()["choices"][0]["text"]
     stop = full[4:6]
@@ -317,6 +324,7 @@ BAD = [
     (b'{"prompt": "Hello", "stream": "yes"}', 400, "stream"),
     (b'{"prompt": "Hello", "stop": 7}', 400, "stop"),
     (b'{"prompt": "Hello", "seed": 1.5}', 400, "seed"),
+    (b'{"prompt": "Hello", "seed": 100000000000000000000000}', 400, "seed"),
     (b'{"prompt": "Hello", "n": 3}', 400, "n"),
     (b'{"prompt": "Hello", "frobnicate": 1}', 400, "frobnicate"),
     (b'{"prompt": [1, 2, 300]}', 400, "vocabulary"),

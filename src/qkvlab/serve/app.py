@@ -63,6 +63,10 @@ def create_app(engine: Engine, served: ServedModel, *, max_body: int = MAX_BODY_
     async def http_error(_, e: HTTPException):  # 404 / 405 for unknown routes, in the same shape
         return JSONResponse(proto.error_body(str(e.detail)), status_code=e.status_code)
 
+    @app.exception_handler(Exception)
+    async def server_error(_, e: Exception):  # a bug: the client still gets JSON (the log has the traceback)
+        return JSONResponse(proto.error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+
     @app.get("/health")
     async def health():
         body = {

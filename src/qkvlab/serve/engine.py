@@ -250,9 +250,14 @@ class Engine:
         tokens = next_token(logits, Sampling(temperature=0.0), vocab_limit=self.vocab_limit).tolist()
         for j, s in enumerate(seqs):
             if not s.request.sampling.greedy:
-                tokens[j] = int(next_token(logits[j : j + 1], s.request.sampling, s.generator, self.vocab_limit)[0])
+                try:
+                    tokens[j] = int(next_token(logits[j : j + 1], s.request.sampling, s.generator, self.vocab_limit)[0])
+                except RuntimeError:  # e.g. a temperature so small the probabilities overflow: this one only
+                    s.finish("error")
         emitted = 0
         for s, t in zip(seqs, tokens):
+            if s.done:
+                continue
             s.produced += 1
             if self.eot_id is not None and t == self.eot_id:
                 s.finish("stop")
