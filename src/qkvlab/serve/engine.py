@@ -221,7 +221,8 @@ class Engine:
                 if out and longest * (len(out) + 1) > PREFILL_TOKENS:
                     break
                 out.append(self.waiting.popleft())
-            self.active += len(out)  # still busy between leaving the queue and the end of the step
+            self.active = len(self.running) + len(out)  # busy from leaving the queue on
+            self.peak_active = max(self.peak_active, self.active)
         return out
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
