@@ -139,9 +139,19 @@ def _base_type(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
+def int_or_word(text: str) -> int | str:
+    """A whole number, or a word (e.g. --seeds auto); the field's choices name the words."""
+    try:
+        return integer(text)
+    except argparse.ArgumentTypeError:
+        return nonempty(text)
+
+
 def _parser_for(hint: Any):
     kind, _ = _base_type(hint)
     origin = typing.get_origin(kind)
+    if set(typing.get_args(kind)) - {type(None)} == {int, str}:
+        return int_or_word
     if kind is bool:
         return None
     if kind is int:

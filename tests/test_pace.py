@@ -1,0 +1,56 @@
+"""compare at this machine's pace: durations, the jobs x threads layout, the plan's time estimate,
+and how --seeds auto chooses n from a pilot."""
+
+import math
+
+import pytest
+
+from qkvlab.compare import CompareConfig, plan
+from qkvlab.compare.auto import MAX_AUTO_SEEDS, choose_seeds
+from qkvlab.compare.pace import Layout, choose_layout, parse_duration
+from qkvlab.errors import UserError
+
+
+@pytest.mark.parametrize("text, seconds", [("45s", 45), ("90m", 5400), ("2h", 7200), ("1h30m", 5400), (12, 12)])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["", "soon", "0m", "-5s", "1e400", "h"])
+def test_parse_duration_refuses(bad):
+    with pytest.raises(UserError, match="duration"):
+        parse_duration(bad)
+
+
+def test_layout_estimates_and_user_choice_wins():
+    cfg = plan(CompareConfig()).runs[0].cfg  # 600 steps, eval every 60 of 8 batches
+    lay = Layout(2, 1, step_s=0.01)
+    one = lay.run_seconds(cfg)
+    assert one == pytest.approx(0.01 * (600 + 11 * 8 * cfg.val_batch_size / 16 / 3) + 3.0)
+    assert lay.plan_seconds([cfg] * 4) == pytest.approx(2 * one)
+    assert Layout(2, 1).plan_seconds([cfg]) is None  # not probed: no estimate
+    todo = plan(CompareConfig()).runs
+    assert choose_layout(cfg, todo, cpus=2, jobs=1, threads=None) == Layout(1, 2)
+    assert choose_layout(cfg, todo[:3], cpus=4, jobs=None, threads=None) == Layout(3, 1)  # too few to probe
+
+
+def test_choose_seeds_from_the_pilot():
+    # the most any claim needs; claims beyond the cap are named and not run
+    assert choose_seeds({"a": 8, "b": 20}, 3, 9, 30.0, None) == (20, "the claims need 20 seeds")
+    n, why = choose_seeds({"a": 8, "b": math.inf}, 3, 9, 30.0, None)
+    assert n == 8 and f"b need more than {MAX_AUTO_SEEDS}" in why
+    # the budget: 9 runs per seed at 30 s = 270 s a seed; 1000 s buys 3 more than the pilot's 3
+    n, why = choose_seeds({"a": 20}, 3, 9, 30.0, 1000.0)
+    assert n == 6 and "budget buys 6" in why
+    assert choose_seeds({}, 3, 9, 30.0, None)[0] == 3  # nothing to decide: the pilot stands
+
+
+def test_seeds_auto_settings():
+    assert plan(CompareConfig(seeds="auto", budget="2h")).seeds == [0, 1, 2]  # the pilot's plan
+    for kw, match in [
+        (dict(seeds="many"), "positive integer or auto"),
+        (dict(seeds=3, budget="1h"), "--budget goes with --seeds auto"),
+        (dict(seeds="auto", budget="-1m"), "duration"),
+    ]:
+        with pytest.raises(UserError, match=match):
+            plan(CompareConfig(**kw))
