@@ -54,3 +54,27 @@ def test_seeds_auto_settings():
     ]:
         with pytest.raises(UserError, match=match):
             plan(CompareConfig(**kw))
+
+
+def test_seeds_auto_end_to_end(tmp_path, monkeypatch, capsys):
+    """The pilot trains 3 seeds, the claims' projection (forced here to 4) plans the decisive run,
+    which reuses the pilot's runs and trains seed 3 only."""
+    import random
+
+    import qkvlab.analysis.seeds as seeds
+    from qkvlab.analysis.runs import read_manifest
+    from qkvlab.cli import main
+
+    monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path / "cache"))
+    rng = random.Random(0)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(rng.choice("abcdefgh") for _ in range(40)) for _ in range(300)))
+    monkeypatch.setattr(seeds, "seeds_for_claims", lambda verdicts: {"forced": 4})
+    out = tmp_path / "auto"
+    args = ["compare", "--seeds", "auto", "--out", str(out), "--variants", "Q-K-V,Q-K=V", "--steps", "3"]
+    args += ["--data", str(corpus), "--tokenizer", "char", "--jobs", "1", "--threads", "1", "--no-plots"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "pilot of 3 seeds" in printed and "4 seeds per variant (the claims need 4 seeds)" in printed
+    assert "6 finished already, 2 to train" in printed
+    assert read_manifest(out)["seeds"] == [0, 1, 2, 3]

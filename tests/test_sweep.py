@@ -85,7 +85,7 @@ def test_tiny_sweep_end_to_end_then_render_only(tmp_path, corpus, capsys, monkey
             model = model.replace(attn="Q-K=V")
         assert int(r["params"]) == analytic_params(model).non_embedding
     md = (out / "results.md").read_text()
-    assert "4 sizes spanning" in md and "`Q-K=V`" in md and "at 300M" in md
+    assert "4 sizes spanning" in md and "`Q-K=V`" in md and "gap with N" in md and "at 300M" not in md
     assert {"gap_vs_params.png", "gap_vs_compute.png", "compare.json"} <= {p.name for p in out.iterdir()}
 
     # Again: every run is finished, nothing trains, the results are rendered again.

@@ -1,0 +1,35 @@
+"""Serve a model folder over HTTP, OpenAI-compatible, with continuous batching on the spec-sized KV cache.
+
+POST /v1/completions (prompt, max_tokens, temperature, top_p, stop, seed, stream), GET /v1/models,
+GET /health. The cache is a pool of --cache-memory bytes: capacity = cache memory / (KV-cache bytes
+per token x context) sequences, so Q-K=V serves twice the sequences of Q-K-V and MQA more. Needs the
+`serve` extra: pip install 'qkvlab[serve]'. See docs/serve.md. The settings: ServeConfig
+(qkvlab/serve/server.py).
+"""
+
+from __future__ import annotations
+
+from qkvlab.errors import UserError
+from qkvlab.serve.server import ServeConfig
+from qkvlab.settings import add_config_options, add_options, load, print_config
+
+
+def add_arguments(p) -> None:
+    add_config_options(p, "serve settings")
+    add_options(p, ServeConfig)
+
+
+def run(args) -> int:
+    cfg = load(ServeConfig, args.config, args)
+    if print_config(args, cfg.to_dict()):
+        return 0
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise UserError(
+            f"qkvlab serve needs the serve extra ({e.name} is missing): pip install 'qkvlab[serve]'"
+        ) from None
+    from qkvlab.serve.server import serve
+
+    return serve(cfg)
