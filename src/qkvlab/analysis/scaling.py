@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -175,8 +174,7 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str]]:
     folders. A run's variant and N come from its config.json (the model as trained)."""
     from qkvlab.accounting import analytic_params
     from qkvlab.analysis.runs import run_finished
-    from qkvlab.config import ModelConfig
-    from qkvlab.io import read_metrics
+    from qkvlab.io import read_config, read_metrics
 
     root = Path(runs_dir)
     done, unfinished = [], []
@@ -186,9 +184,8 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str]]:
         if not run_finished(d):
             unfinished.append(str(rel))
             continue
-        body = json.loads((d / "config.json").read_text())
+        cfg, body = read_config(d)
         train = body.get("train", {})
-        cfg = ModelConfig.from_dict(body["model"])
         base = cfg.replace(attn=BASELINE, kv_heads=None, match_params=None)
         rows = [r for r in read_metrics(d) if r.get("val_loss") is not None]
         if not rows:

@@ -23,7 +23,6 @@ steps share the calibration activations.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import role_weights
 from qkvlab.devices import DEVICE_HELP, check_device, check_dtype
 from qkvlab.errors import UserError
+from qkvlab.io import is_model_folder
 from qkvlab.model import GPT
 from qkvlab.settings import setting
 from qkvlab.spec import format_layers, parse_scheme, select_layers
@@ -61,18 +61,10 @@ class Source:
     decode: Callable[[list[int]], str] | None = None
 
 
-def _is_qkvlab(path: Path) -> bool:
-    try:
-        body = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return isinstance(body, dict) and "model" in body and "qkvlab_version" in body
-
-
 def load_source(path: str | Path) -> Source:
     """The model (float32 or as stored) and its tokenizer."""
     path = Path(path)
-    if path.is_dir() and _is_qkvlab(path):
+    if is_model_folder(path):
         from qkvlab.data.tokenizer import load_tokenizer
         from qkvlab.io import load_model
 

@@ -59,8 +59,8 @@ from qkvlab.data.text import (
 )
 from qkvlab.data.tokenizer import Tokenizer, TokenizerSpec, build_tokenizer, encode_batch, load_tokenizer
 from qkvlab.errors import UserError
+from qkvlab.files import atomic_write
 from qkvlab.folders import LOCK
-from qkvlab.io import atomic_write
 
 FORMAT_VERSION = 2
 SPLIT_RULES = ("document", "stream")
