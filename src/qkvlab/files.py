@@ -99,6 +99,13 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise
 
 
+def save_figure(fig: Any, path: str | Path, **options: Any) -> None:
+    """A matplotlib figure written through `atomic_path` (`options` go to fig.savefig; the format
+    follows the path's suffix)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, **options)
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> None:
     """Write text (UTF-8) or bytes to `path` through `atomic_file`."""
     with atomic_file(path, "wb" if isinstance(data, bytes) else "w") as f:

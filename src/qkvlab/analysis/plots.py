@@ -18,6 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from qkvlab.files import save_figure  # noqa: E402
+
 if TYPE_CHECKING:
     from qkvlab.analysis.results import Results
 
@@ -71,7 +73,7 @@ def plot_loss_curves(res: Results, path: Path) -> Path:
     for ax in list(axes.flat)[len(tasks) :]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    save_figure(fig, path, dpi=DPI)
     plt.close(fig)
     return path
 
@@ -130,7 +132,7 @@ def plot_ppl_vs_cache(res: Results, path: Path, task: str = "lm") -> Path | None
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    save_figure(fig, path, dpi=DPI)
     plt.close(fig)
     return path
 
@@ -180,7 +182,7 @@ def plot_metric_bars(res: Results, path: Path) -> Path | None:
         fontsize=8, ncol=min(7, len(variants) + 1), loc="upper center", bbox_to_anchor=(0.5, -0.12), framealpha=0.9
     )  # below the axes: never over a bar
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    save_figure(fig, path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -245,6 +247,6 @@ def plot_cache_vs_quality(compare_dir: str | Path, out_file: str | Path) -> Path
     ax.set_title("cache bytes vs quality")
     fig.tight_layout()
     out_file = Path(out_file)
-    fig.savefig(out_file, dpi=DPI)
+    save_figure(fig, out_file, dpi=DPI)
     plt.close(fig)
     return out_file

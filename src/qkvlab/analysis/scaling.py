@@ -40,6 +40,7 @@ from pathlib import Path
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import LEVEL, Fit, Interval, mean_interval, ols
 from qkvlab.analysis.verdicts import word_for
+from qkvlab.files import save_figure
 from qkvlab.variants import BASELINE
 
 EXTRAPOLATION_MARGIN_PCT = 2.0
@@ -439,7 +440,7 @@ def plot_scaling(sc: Scaling, path: str | Path, *, against: str = "params") -> P
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4, framealpha=0.9)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=150, bbox_inches="tight")
+    save_figure(fig, path, dpi=150, bbox_inches="tight")
     plt.close(fig)
     return path
 

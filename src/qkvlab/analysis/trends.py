@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkvlab.analysis.intervals import LEVEL, Interval, ols
+from qkvlab.files import save_figure
 
 SHRINKING, FLAT, GROWING = "shrinking", "flat", "growing"
 History = Sequence[tuple[float, float]]  # (tokens, value) per evaluation
@@ -201,6 +202,6 @@ def plot_gap_trajectories(
         ax.axis("off")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=150, bbox_inches="tight")
+    save_figure(fig, path, dpi=150, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -37,6 +37,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import role_weights
 from qkvlab.devices import DEVICE_HELP, check_device, check_dtype
 from qkvlab.errors import UserError
+from qkvlab.files import atomic_dir, atomic_path
 from qkvlab.io import is_model_folder
 from qkvlab.model import GPT
 from qkvlab.settings import setting
@@ -116,7 +117,8 @@ def corpus_tokens(src: Source, data: Any = None, heldout_fraction: float = 0.1) 
 def write_tokens(path: Path, train: torch.Tensor, held: torch.Tensor) -> None:
     from safetensors.torch import save_file
 
-    save_file({"train": train.contiguous(), "val": held.contiguous()}, str(path))
+    with atomic_path(path) as tmp:
+        save_file({"train": train.contiguous(), "val": held.contiguous()}, str(tmp))
 
 
 @torch.no_grad()
@@ -515,7 +517,8 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     }
     write_model_files(out, final, res.cfg, {**meta, "retrofit_report": REPORT})
     if src.tokenizer_dir is not None:
-        shutil.copytree(src.tokenizer_dir, out / "tokenizer", dirs_exist_ok=True)
+        with atomic_dir(out / "tokenizer") as tmp:
+            shutil.copytree(src.tokenizer_dir, tmp, dirs_exist_ok=True)
     atomic_write(out / REPORT, json_text(report, indent=2))
     return report
 
