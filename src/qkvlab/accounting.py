@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from qkvlab.config import ModelConfig
-from qkvlab.devices import DTYPE_BYTES, dtype_name
+from qkvlab.devices import DTYPE_BYTES, SHARDINGS, dtype_name
 
 
 @dataclass(frozen=True)
@@ -164,9 +164,6 @@ def report(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None)
 
 
 # ---- training memory per GPU -----------------------------------------------------------------
-SHARDINGS = ("ddp", "fsdp")
-
-
 def _attention_plus_pad(cfg: ModelConfig) -> int:
     from qkvlab.attention import plus_channels_pad
 

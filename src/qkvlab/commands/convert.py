@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from qkvlab.convert.reparam import DEFAULT_MAX_COND, TOLERANCE, CheckFailed, check, convert, logit_diff
-from qkvlab.devices import torch_dtype
+from qkvlab.devices import EXACT_DTYPES, dtype_choices, torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.folders import check_model_target
 from qkvlab.io import load_model
@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--to-hf", choices=["gpt2", "llama"], help="write a transformers checkpoint of this class")
     p.add_argument(
         "--dtype",
-        choices=["fp64", "fp32", "float64", "float32"],
+        choices=dtype_choices(EXACT_DTYPES, auto=False),
         help="dtype of the result (default: the input's, fp32 or fp64)",
     )
     p.add_argument(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qkvlab.cli import find_model_dir
-from qkvlab.devices import DEVICE_HELP
+from qkvlab.devices import DEVICE_HELP, INFERENCE_DTYPES, dtype_choices
 from qkvlab.errors import UserError
 from qkvlab.generate import FINISHED, Sampling, stream
 
@@ -87,7 +87,7 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="auto", metavar="DEVICE", help=f"{DEVICE_HELP} (default auto)")
     p.add_argument(
         "--dtype",
-        choices=["auto", "fp32", "bf16", "fp16"],
+        choices=dtype_choices(INFERENCE_DTYPES),
         default="auto",
         help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
     )
@@ -104,7 +104,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from qkvlab.devices import pick_device, torch_dtype
+    from qkvlab.devices import select_device, torch_dtype
     from qkvlab.io import load_model, read_config
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p).validate()
@@ -127,7 +127,7 @@ def run(args) -> int:
         prompts = [tok.encode(text) for text in args.prompt]
     else:
         prompts = [_parse_ids(ids) for ids in args.prompt_ids]
-    device = pick_device(args.device)
+    device = select_device(args.device)
     dtype = torch_dtype(args.dtype, device.type)
     model, cfg, _ = load_model(model_dir, device=device, dtype=dtype)
     eot = getattr(tok, "eot_id", None)

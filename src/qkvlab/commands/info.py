@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 
-from qkvlab.accounting import SHARDINGS, memory_estimate, report
+from qkvlab.accounting import memory_estimate, report
 from qkvlab.analysis.report import human
 from qkvlab.cli import add_config_options, add_model_options, find_model_dir, model_config_from_args, print_config
-from qkvlab.devices import DTYPE_BYTES
+from qkvlab.devices import SHARDINGS, dtype_choices
 from qkvlab.settings import nonempty, positive_int
 from qkvlab.spec import KNOWN_SCHEMES
 
@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
         metavar="VARIANT",
         help="apply a compare variant, e.g. Q-K=V/MQA, Id-K-V/mlp, Q-K-V/width=Id-K-V",
     )
-    p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="cache dtype (default bf16)")
+    p.add_argument("--dtype", choices=dtype_choices(auto=False), default="bf16", help="cache dtype (default bf16)")
     p.add_argument(
         "--cache-tokens",
         type=positive_int,

@@ -178,7 +178,7 @@ def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = pr
 
 def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outcome:
     from qkvlab.analysis.runs import write_manifest
-    from qkvlab.devices import resolve_device
+    from qkvlab.devices import select_device
     from qkvlab.tasks import FAMILIES
     from qkvlab.train import distributed as D
 
@@ -198,10 +198,7 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
     if env is not None:
         states = D.all_gather_object(env, states)[0]
     todo = [r for r, s in zip(runs, states) if s != "finished"]
-
-    import torch
-
-    device = resolve_device(cfg.device, torch.cuda.is_available())
+    device = str(select_device(cfg.device))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     parallel = device == "cpu" and world == 1
     jobs = min(cfg.jobs or min(cpus, 8), max(1, len(todo))) if parallel else 1

@@ -35,14 +35,13 @@ import torch
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import role_weights
-from qkvlab.devices import DEVICE_HELP, check_device, check_dtype
+from qkvlab.devices import DEVICE_HELP, TRAIN_DTYPES, check_device, check_dtype, dtype_choices, select_device
 from qkvlab.errors import UserError
 from qkvlab.files import atomic_dir, atomic_path
 from qkvlab.io import is_model_folder
 from qkvlab.model import GPT
 from qkvlab.settings import setting
 from qkvlab.spec import format_layers, parse_scheme, select_layers
-from qkvlab.train.config import TRAIN_DTYPES
 
 TARGETS = ("Q-K-V", "Q-K=V")  # what a fit can reach: a learned query and key; values shared or not
 POOLS = ("fit", "mean")
@@ -375,7 +374,7 @@ class RetrofitOptions:
     dtype: str = setting(
         "auto",
         help="uptraining autocast dtype (auto: bf16 on CUDA, fp32 elsewhere)",
-        choices=("auto", *TRAIN_DTYPES, "float32", "bfloat16"),
+        choices=dtype_choices(TRAIN_DTYPES),
     )
 
     def validate(self) -> RetrofitOptions:
@@ -425,10 +424,9 @@ def retrofit(
 
 
 def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, progress: bool) -> dict[str, Any]:
-    from qkvlab.devices import resolve_device
     from qkvlab.io import atomic_write, json_text, load_model, write_model_files
 
-    device = resolve_device(opts.device, torch.cuda.is_available())
+    device = select_device(opts.device)
     src = load_source(source)
     model, cfg = src.model.float().to(device), src.cfg
     block = opts.block_size or min(cfg.context, 256)
