@@ -41,6 +41,7 @@ from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import LEVEL, Fit, Interval, mean_interval, ols
 from qkvlab.analysis.verdicts import word_for
 from qkvlab.files import save_figure
+from qkvlab.units import human
 from qkvlab.variants import BASELINE
 
 EXTRAPOLATION_MARGIN_PCT = 2.0
@@ -298,8 +299,6 @@ def to_markdown(
     command: str = "",
     manifest: dict | None = None,
 ) -> str:
-    from qkvlab.analysis.report import human
-
     out = ["# Scaling: gap to Q-K-V against model size", ""]
     if command:
         out += [f"Command: `{command}`", ""]

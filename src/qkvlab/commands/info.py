@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 
 from qkvlab.accounting import memory_estimate, report
-from qkvlab.analysis.report import human
 from qkvlab.cli import add_config_options, add_model_options, find_model_dir, model_config_from_args, print_config
 from qkvlab.devices import SHARDINGS, dtype_choices
 from qkvlab.settings import nonempty, positive_int
 from qkvlab.spec import KNOWN_SCHEMES
+from qkvlab.units import human, nbytes
 
 
 def add_arguments(p) -> None:
@@ -87,7 +87,7 @@ def run(args) -> int:
         (f"KV cache / token ({args.dtype})", f"{info['kv_cache_bytes_per_token']:,} B"),
         (
             f"KV cache @ {info['context']} tokens",
-            f"{info['kv_cache_bytes']:,} B ({human(info['kv_cache_bytes'], 'B')})",
+            f"{info['kv_cache_bytes']:,} B ({nbytes(info['kv_cache_bytes'])})",
         ),
         ("train FLOPs / token", f"{info['flops_per_token']:,} ({human(info['flops_per_token'])})"),
     ]
@@ -96,7 +96,7 @@ def run(args) -> int:
         where = f"{args.sharding} x{args.world}, micro-batch {args.batch} x {cfg.context} tokens, {args.dtype}"
         rows.append((f"memory / GPU ({where})", ""))
         for key in ("params", "grads", "optimizer", "comm_buffers", "activations", "logits", "total"):
-            rows.append((f"  {key.replace('_', ' ')}", f"{m[key] / 2**30:,.2f} GiB"))
+            rows.append((f"  {key.replace('_', ' ')}", nbytes(m[key])))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
