@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from qkvlab.config import ModelConfig
 from qkvlab.devices import DTYPE_BYTES, SHARDINGS, dtype_name
+from qkvlab.spec import format_kv_heads
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def report(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None)
     per_token = kv_cache_bytes_per_token(cfg, dtype)
     return {
         "scheme": cfg.spec.name,
-        "layers": None if cfg.layers is None else [f"{lc.spec.name}/{lc.n_kv_heads}" for lc in _attention_configs(cfg)],
+        "layers": None if cfg.layers is None else [f"{lc.spec.name}/{format_kv_heads(lc.n_kv_heads, lc.n_head)}" for lc in _attention_configs(cfg)],
         "n_layer": cfg.n_layer,
         "n_head": cfg.n_head,
         "kv_heads": cfg.n_kv_heads,
