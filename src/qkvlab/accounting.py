@@ -7,12 +7,17 @@ against the real modules' tensors for many configs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import torch
 import torch.nn as nn
 
-from qkvlab.config import ModelConfig
 from qkvlab.devices import DTYPE_BYTES, SHARDINGS, dtype_name
+from qkvlab.positions import axis_encodings, plus_channels_pad
 from qkvlab.spec import format_kv_heads
+
+if TYPE_CHECKING:  # the formulas read a config's fields; config.py imports them (match_params)
+    from qkvlab.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,9 @@ def report(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None)
     per_token = kv_cache_bytes_per_token(cfg, dtype)
     return {
         "scheme": cfg.spec.name,
-        "layers": None if cfg.layers is None else [f"{lc.spec.name}/{format_kv_heads(lc.n_kv_heads, lc.n_head)}" for lc in _attention_configs(cfg)],
+        "layers": None
+        if cfg.layers is None
+        else [f"{lc.spec.name}/{format_kv_heads(lc.n_kv_heads, lc.n_head)}" for lc in _attention_configs(cfg)],
         "n_layer": cfg.n_layer,
         "n_head": cfg.n_head,
         "kv_heads": cfg.n_kv_heads,
@@ -166,17 +173,11 @@ def report(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None)
 
 # ---- training memory per GPU -----------------------------------------------------------------
 def _attention_plus_pad(cfg: ModelConfig) -> int:
-    from qkvlab.attention import plus_channels_pad
-
     return plus_channels_pad(cfg.head_dim) if cfg.spec.plus else 0
 
 
 def _key_channels(cfg: ModelConfig) -> int:
     """Channels of the "+" term's column (key position) part."""
-    import torch
-
-    from qkvlab.positions import axis_encodings
-
     return axis_encodings(torch.arange(1), cfg.plus_channels, cfg.plus_encoding)[1].shape[1]
 
 

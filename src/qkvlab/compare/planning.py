@@ -274,14 +274,13 @@ def base_train_config(cfg: CompareConfig, family: str, task: str, point: dict[st
 
 
 def plan(cfg: CompareConfig) -> Plan:
-    """Every run of the comparison, with its TrainConfig and folder (nothing is trained or written)."""
+    """Every run of a grid comparison, with its TrainConfig and folder (nothing is trained or
+    written). `qkvlab.compare.plan` is the entry: it sends --sweep to compare.sweep instead."""
     from qkvlab.train.config import default_weight_decay
 
     cfg.validate()
     if cfg.sweep:
-        from qkvlab.compare.sweep import plan_sweep
-
-        return plan_sweep(cfg)
+        raise ValueError("a sweep's plan is qkvlab.compare.sweep.plan_sweep (qkvlab.compare.plan picks it)")
     if cfg.sizes is not None or cfg.tokens_per_param is not None:
         raise UserError("--sizes and --tokens-per-param are settings of --sweep")
     tasks, family = resolve_tasks(cfg.task)

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from qkvlab.compare.planning import Plan, PlannedRun
 from qkvlab.errors import UserError
 
 SWEEP_VARIANTS = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=K=V", "Q-K=V/MQA")
@@ -66,9 +67,8 @@ def parse_sizes(text: str) -> list[SweepSize]:
 
 
 def plan_sweep(cfg):
-    """The sweep's Plan (qkvlab.compare.planning.Plan): one TrainConfig per (size, variant, seed)."""
+    """The sweep's Plan: one TrainConfig per (size, variant, seed)."""
     from qkvlab.accounting import analytic_params
-    from qkvlab.compare.planning import Plan, PlannedRun
     from qkvlab.config import ModelConfig
     from qkvlab.train.config import TrainConfig, default_weight_decay
     from qkvlab.variants import parse_variants

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from qkvlab.config import ModelConfig
@@ -106,10 +107,8 @@ class LMTask(Task):
             loss = self.loss(model, x.to(device), y.to(device)).double()
             if i < n:
                 sums += torch.stack((loss, torch.ones_like(loss)))
-        if shard is not None:
-            from qkvlab.train.distributed import total
-
-            sums = total(shard, sums)
+        if shard is not None and shard.distributed:
+            dist.all_reduce(sums)  # a sum over ranks (a task knows no more of distribution)
         val_loss = float(sums[0] / sums[1])
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
 
