@@ -9,6 +9,7 @@ imports inside functions) for a source tree (default: this checkout's src/).
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ def _targets(node: ast.AST, module: str, is_package: bool, modules: dict[str, Pa
     return []
 
 
+@functools.lru_cache
 def import_edges(src: Path = SRC) -> list[Edge]:
     modules = module_names(src)
     edges = []
@@ -161,6 +163,25 @@ def test_train_package_exports_resolve_lazily():
     code = "import sys, qkvlab.train.checkpoint; print('qkvlab.train.loop' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"  # the package imports nothing of its own
+
+
+def test_every_module_imports_on_its_own():
+    """No module works only because another was imported first: each is imported into a process
+    whose qkvlab modules were all dropped (torch stays loaded, to keep this quick)."""
+    import subprocess
+
+    code = (
+        "import importlib, sys, torch\n"
+        "for name in sys.argv[1:]:\n"
+        "    for m in [m for m in sys.modules if m == 'qkvlab' or m.startswith('qkvlab.')]:\n"
+        "        del sys.modules[m]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        if (e.name or '').startswith('qkvlab'):\n"
+        "            raise\n"  # an optional dependency missing is not an order problem
+    )
+    subprocess.run([sys.executable, "-c", code, *module_names()], check=True)
 
 
 def test_writing_files_needs_no_torch():

@@ -29,6 +29,10 @@ from qkvlab.files import (  # noqa: F401  (re-exported: the writers' old home)
     read_json,
     read_user_text,
 )
+from qkvlab.folders import check_model_target
+from qkvlab.limits import check_model
+from qkvlab.model import GPT
+from qkvlab.positions import is_legacy_key
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
@@ -119,8 +123,6 @@ def save_model(
 ) -> Path:
     """Write a model folder atomically: into a missing or empty `path`, or over a model folder
     with overwrite=True; anything else is refused before writing (qkvlab.folders)."""
-    from qkvlab.folders import check_model_target
-
     check_model_target(path, overwrite=overwrite, flag="path")
     with atomic_dir(path, replace=overwrite) as tmp:
         write_model_files(tmp, model, cfg, meta)
@@ -171,9 +173,6 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     The model is built on the meta device and the file's tensors become its parameters
     (`load_state_dict(assign=True)`, as gpt-fast does): no random initialisation is computed and
     thrown away. Weights keep their stored dtype (float64 stays float64 for exact conversions)."""
-    from qkvlab.limits import check_model
-    from qkvlab.model import GPT
-
     cfg, body = read_config(path)
     if body.get("kind", "gpt") != "gpt":
         raise UserError(f"{path}: a {body.get('kind')!r} model; this command needs a decoder ('gpt')")
@@ -224,8 +223,6 @@ def build_model_from_state(
 def check_state(model: torch.nn.Module, state: dict[str, torch.Tensor], aliases: dict[str, str], where: str) -> None:
     """One line naming the first tensor that is missing, unexpected or of the wrong shape (keys older
     versions wrote that never acted, positions.LEGACY_KEYS, are accepted: loading drops them)."""
-    from qkvlab.positions import is_legacy_key
-
     expected = {k: v for k, v in model.state_dict().items() if k not in aliases}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(k for k in set(state) - set(expected) if not is_legacy_key(k))

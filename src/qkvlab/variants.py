@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qkvlab.accounting import analytic_params
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 from qkvlab.spec import KV_HEADS_FORMS, format_kv_heads, is_kv_heads, parse_kv_heads, parse_scheme
@@ -72,8 +73,6 @@ def matched_width(cfg: ModelConfig, scheme: str) -> int:
     """Smallest multiple of n_head for d_model (d_head = d_model / n_head, MLP following d_model
     unless set) whose non-embedding parameter count is at least `cfg` with `scheme`'s. Paper A's
     original_smaller_overall: Q-K-V at d_model 744 vs Id-K-V at GPT-2 small."""
-    from qkvlab.accounting import analytic_params
-
     target = analytic_params(cfg.replace(attn=scheme, match_params=None)).non_embedding
     follow = cfg.mlp_hidden is not None and cfg.mlp_hidden == 4 * cfg.d_model
     for k in range(1, cfg.d_model // cfg.n_head + 1):

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qkvlab.analysis.paper_figures import PAPER_B_SCHEMES
+from qkvlab.analysis.runs import run_finished
 from qkvlab.compare.recipes import (
     ANOMALY_GRID,
     CPU_RECIPES,
@@ -19,9 +21,14 @@ from qkvlab.compare.recipes import (
     paper_recipe,
     recipe_name,
 )
-from qkvlab.config import PRESETS
+from qkvlab.config import PRESETS, ModelConfig
+from qkvlab.config import preset as model_preset
+from qkvlab.devices import check_device
 from qkvlab.errors import UserError
+from qkvlab.io import read_config
 from qkvlab.settings import setting
+from qkvlab.tasks import FAMILIES, TASK_MODULES
+from qkvlab.train.config import TRAIN_PRESETS, TrainConfig, changed_fields, default_weight_decay
 from qkvlab.variants import Variant, parse_variants
 
 
@@ -98,7 +105,6 @@ class CompareConfig:
             raise UserError(f"lr={self.lr!r} must be a positive number")
         if self.preset is not None and self.preset not in PRESETS:
             raise UserError(f"unknown preset {self.preset!r}; allowed: {', '.join(PRESETS)}")
-        from qkvlab.devices import check_device
 
         check_device(self.device)
         return self
@@ -166,8 +172,6 @@ class Plan:
 
 def resolve_tasks(name: str) -> tuple[list[str], str]:
     """A task or family name -> (task names, family). Unknown -> one-line error listing what is allowed."""
-    from qkvlab.tasks import FAMILIES, TASK_MODULES
-
     if name in FAMILIES:
         return list(FAMILIES[name]), name
     if name in TASK_MODULES:
@@ -212,9 +216,6 @@ def point_label(point: dict[str, Any]) -> str:
 
 def split_overrides(point: dict[str, Any]) -> tuple[dict, dict, dict]:
     """A grid point -> (model keys, train keys, task options)."""
-    from qkvlab.config import ModelConfig
-    from qkvlab.train.config import TrainConfig
-
     model_keys = {f.name for f in dataclasses.fields(ModelConfig)}
     train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
     model = {k: v for k, v in point.items() if k in model_keys}
@@ -227,9 +228,6 @@ def base_train_config(cfg: CompareConfig, family: str, task: str, point: dict[st
     """The TrainConfig of one grid point before the variant: preset recipe (or the CPU or paper
     recipe), grid point, then the settings' overrides; and whether the recipe fixed the weight decay
     (else each variant gets its scheme's default)."""
-    from qkvlab.config import preset as model_preset
-    from qkvlab.train.config import TRAIN_PRESETS, TrainConfig
-
     recipe = CPU_RECIPES[family]
     if cfg.preset is None and recipe_name(cfg.recipe, cfg.full_grid, family) == "paper":
         recipe = paper_recipe(family, task, point)  # the paper's own optimiser, schedule, model and steps
@@ -276,8 +274,6 @@ def base_train_config(cfg: CompareConfig, family: str, task: str, point: dict[st
 def plan(cfg: CompareConfig) -> Plan:
     """Every run of a grid comparison, with its TrainConfig and folder (nothing is trained or
     written). `qkvlab.compare.plan` is the entry: it sends --sweep to compare.sweep instead."""
-    from qkvlab.train.config import default_weight_decay
-
     cfg.validate()
     if cfg.sweep:
         raise ValueError("a sweep's plan is qkvlab.compare.sweep.plan_sweep (qkvlab.compare.plan picks it)")
@@ -307,15 +303,11 @@ def plan(cfg: CompareConfig) -> Plan:
 
 
 def _paper_b_schemes() -> tuple[str, ...]:
-    from qkvlab.analysis.paper_figures import PAPER_B_SCHEMES
-
     return PAPER_B_SCHEMES
 
 
 # ---- run state --------------------------------------------------------------------------------
 def _saved_config(run_dir: Path) -> dict[str, Any] | None:
-    from qkvlab.io import read_config
-
     try:
         _, body = read_config(run_dir)
     except UserError:
@@ -328,9 +320,6 @@ def run_state(run: PlannedRun) -> str:
     run with another recipe is a one-line error: compare never overwrites a run. A run folder
     written by an older qkvlab (fewer config keys) is read with today's defaults for those keys."""
     import json
-
-    from qkvlab.analysis.runs import run_finished
-    from qkvlab.train.config import changed_fields
 
     if run_finished(run.dir):
         saved = _saved_config(run.dir)

@@ -21,6 +21,7 @@ import torch.nn as nn
 from qkvlab.config import ModelConfig
 from qkvlab.data.prepare import PreparedData, fixed_val_batches, get_batch, prepare
 from qkvlab.errors import UserError
+from qkvlab.model import GPT
 from qkvlab.tasks.base import Task
 
 OPTIONS = ("data", "tokenizer", "block_size", "val_fraction")
@@ -75,8 +76,6 @@ class LMTask(Task):
         return self.cfg
 
     def build_model(self, cfg: ModelConfig) -> nn.Module:
-        from qkvlab.model import GPT
-
         return GPT(cfg)
 
     def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
