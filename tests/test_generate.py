@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from conftest import SCHEMES
 from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.bench import BenchConfig, hf_twin, variant_configs
 from qkvlab.cache import KVCache
@@ -30,33 +31,11 @@ from qkvlab.generate import (
 )
 from qkvlab.model import GPT
 
-SCHEMES = [
-    "Q-K-V",
-    "Id-K-V",
-    "Q-Id-V",
-    "Q=K-V",
-    "Q-K=V",
-    "Q=K=V",
-    "Id-K=V",
-    "Q-K-Id",
-    "(Q-K-V)+",
-    "(Id-K-V)+",
-    "(Q=K-V)+",
-    "(Q-K=V)+",
-    "(Q=K=V)+",
-    "(Id-K=V)+",
-]
 POS = ["learned", "rope", "none"]
 VOCAB = 50
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second OpenMP thread only spin-waits, badly so on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cfg_for(scheme: str, pos: str = "learned", kv_heads: int | None = None, **kw) -> ModelConfig:
