@@ -18,6 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from qkvlab.analysis.trends import plot_gap_trajectories
+from qkvlab.errors import UserError
 from qkvlab.files import save_figure  # noqa: E402
 
 if TYPE_CHECKING:
@@ -189,8 +191,6 @@ def plot_metric_bars(res: Results, path: Path) -> Path | None:
 
 def plot_gap_trends(res: Results, path: Path) -> Path | None:
     """Every variant's gap to Q-K-V over training tokens, one panel per task (analysis/trends.py)."""
-    from qkvlab.analysis.trends import plot_gap_trajectories
-
     panels: dict[str, list] = {}
     for task, traj, tr in res.trends():
         panels.setdefault(task, []).append((traj, tr))
@@ -212,8 +212,6 @@ def cache_vs_quality_points(compare_dir: str | Path) -> list[tuple[str, float, f
     """(label, KV-cache bytes per token, validation loss) per row of a compare run's results.csv;
     the label carries the perplexity change vs Q-K-V where the CSV has one."""
     import csv
-
-    from qkvlab.errors import UserError
 
     path = Path(compare_dir) / "results.csv"
     if not path.is_file():

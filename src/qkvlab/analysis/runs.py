@@ -12,6 +12,7 @@ from typing import Any
 
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
+from qkvlab.io import atomic_write, json_text, read_config, read_metrics
 
 MANIFEST = "compare.json"
 
@@ -24,7 +25,6 @@ def run_finished(run_dir: str | Path) -> bool:
     d = Path(run_dir)
     if not ((d / WEIGHTS).is_file() and (d / METRICS).is_file() and (d / CONFIG).is_file()):
         return False
-    from qkvlab.io import read_config
 
     try:
         _, body = read_config(d)
@@ -59,8 +59,6 @@ class Run:
 
 
 def load_run(task: str, variant: str, seed: int, run_dir: str | Path, point: str = "") -> Run:
-    from qkvlab.io import read_config, read_metrics
-
     cfg, _ = read_config(run_dir)
     return Run(task, variant, seed, Path(run_dir), cfg, read_metrics(run_dir, required=True), point)
 
@@ -77,7 +75,5 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
 
 
 def write_manifest(out_dir: str | Path, manifest: dict[str, Any]) -> None:
-    from qkvlab.io import atomic_write, json_text
-
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     atomic_write(Path(out_dir) / MANIFEST, json_text(manifest, indent=2))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkvlab.analysis.intervals import LEVEL, Interval, ols
+from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, pairing_key
 from qkvlab.files import save_figure
 
 SHRINKING, FLAT, GROWING = "shrinking", "flat", "growing"
@@ -101,8 +102,6 @@ def trajectories_from_runs(
 ) -> list[tuple[str, Trajectory, Trend]]:
     """Runs (task, variant, seed, history, optionally point) -> (task, trajectory, trend) for every
     variant of every task that has the baseline, paired by (grid point, seed)."""
-    from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, pairing_key
-
     hist: dict[str, dict[str, dict[Hashable, list[tuple[float, float]]]]] = {}
     for r in runs:
         if r.task not in metric:
