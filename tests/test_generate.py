@@ -35,7 +35,13 @@ POS = ["learned", "rope", "none"]
 VOCAB = 50
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: a second OpenMP thread only spin-waits, badly so on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def cfg_for(scheme: str, pos: str = "learned", kv_heads: int | None = None, **kw) -> ModelConfig:

@@ -104,8 +104,22 @@ def floor_of(module: str, floors: list[list[str]]) -> int | None:
     return best
 
 
+# Upward imports waiting for a move another change of issue 19 makes: delete the entry when it lands.
+PENDING = {
+    ("qkvlab.serve.server", "qkvlab.commands.generate"): "resolve_tokenizer moves to data/tokenizer.py",
+}
+
+
 def upward(edges: list[Edge], floors: list[list[str]]) -> list[Edge]:
-    return [e for e in edges if floor_of(e.target, floors) < floor_of(e.source, floors)]
+    """Imports that climb a floor (modules without a floor are test_every_module_has_a_floor's)."""
+    bottom = len(floors)
+    at = {m: floor_of(m, floors) for e in edges for m in (e.source, e.target)}
+    return [
+        e
+        for e in edges
+        if (bottom if at[e.target] is None else at[e.target]) < (bottom if at[e.source] is None else at[e.source])
+        and (e.source, e.target) not in PENDING
+    ]
 
 
 def cycles(edges: list[Edge]) -> list[list[str]]:

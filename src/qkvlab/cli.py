@@ -10,10 +10,10 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from qkvlab.config import PRESETS, ModelConfig, preset
 from qkvlab.errors import UserError
+from qkvlab.io import find_model_dir  # noqa: F401  (the commands' import; it lives with the model folders)
 from qkvlab.settings import add_options, config_to_text, nonempty, options_from_args, positive_int
 
 COMMANDS = {
@@ -27,6 +27,7 @@ COMMANDS = {
     "similarity": "Q/K/V similarity: activation CKA on text, weight cosine, effective rank",
     "generate": "generate text from a trained model with a KV cache",
     "bench": "throughput, cache bytes and capacity per scheme",
+    "serve": "an OpenAI-compatible HTTP endpoint with continuous batching on the spec-sized KV cache",
 }
 
 DEFAULT_PRESET = "small"
@@ -96,21 +97,6 @@ def model_config_from_args(args: argparse.Namespace, base: ModelConfig | None = 
     if base is not None and args.preset is None:
         return ModelConfig.from_dict({**base.to_dict(), **overrides})
     return preset(args.preset or DEFAULT_PRESET, **overrides)
-
-
-def find_model_dir(path: str) -> Path:  # shared by generate and info
-    """The folder itself, or its `checkpoint/` while a training run has not written its final model."""
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"{path}: no such model folder")
-    if p.is_dir() and not (p / "config.json").exists() and (p / "checkpoint" / "config.json").exists():
-        return p / "checkpoint"
-    if not p.is_dir():
-        raise UserError(
-            f"{path}: a file, not a model folder (expected a folder with config.json and "
-            "model.safetensors, written by qkvlab init/train/convert)"
-        )
-    return p
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -129,6 +129,22 @@ def save_model(
     return Path(path)
 
 
+def find_model_dir(path: str | Path) -> Path:
+    """The model folder a user named: the folder itself, or its `checkpoint/` while a training run has
+    not written its final model (generate, info, similarity, serve)."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{path}: no such model folder")
+    if p.is_dir() and not (p / "config.json").exists() and (p / "checkpoint" / "config.json").exists():
+        return p / "checkpoint"
+    if not p.is_dir():
+        raise UserError(
+            f"{path}: a file, not a model folder (expected a folder with config.json and "
+            "model.safetensors, written by qkvlab init/train/convert)"
+        )
+    return p
+
+
 def read_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
     """The model config of a model folder (or of its config.json) and the file's whole body: the one
     reader of qkvlab's config.json."""

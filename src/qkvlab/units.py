@@ -32,3 +32,9 @@ def nbytes(n: float, spec: str = ".2f") -> str:
 def cell(x: float | None, spec: str = ".1f") -> str:
     """A number for a table cell, or EMPTY for a missing one."""
     return EMPTY if x is None else format(x, spec)
+
+
+def fmt_duration(s: float) -> str:
+    """Seconds as m:ss, or h:mm:ss from an hour on (elapsed and estimated times)."""
+    s = int(round(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
