@@ -21,13 +21,13 @@ def _dtype_options():
 
 def test_every_dtype_option_offers_every_spelling():
     seen = list(_dtype_options())
-    assert {name for name, _ in seen} >= {"train", "generate", "convert", "info", "bench", "retrofit"}
+    assert {name for name, _ in seen} >= {"train", "generate", "convert", "info", "bench", "retrofit", "serve"}
     for name, action in seen:
         choices = set(action.choices)
         shorts = {dtype_name(c) for c in choices if c != "auto"}
         assert shorts <= set(DTYPES), name
         longs = {long for long, short in DTYPE_ALIASES.items() if short in shorts}
-        assert shorts | longs <= choices, f"{name} --dtype misses {sorted(shorts | longs - choices)}"
+        assert shorts | longs <= choices, f"{name} --dtype misses {sorted((shorts | longs) - choices)}"
         assert choices == set(dtype_choices(tuple(shorts), auto="auto" in choices)), name  # nothing else
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkvlab.devices import DEVICE_HELP, check_device, dtype_name
+from qkvlab.devices import DEVICE_HELP, INFERENCE_DTYPES, check_device, dtype_choices, dtype_name
 from qkvlab.errors import UserError
 from qkvlab.settings import byte_size, setting
 
@@ -41,7 +41,7 @@ class ServeConfig:
     dtype: str = setting(
         "auto",
         help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
-        choices=("auto", "fp32", "bf16", "fp16"),
+        choices=dtype_choices(INFERENCE_DTYPES),
     )
     tokenizer: str | None = setting(None, help="tokenizer when the model folder records none", metavar="gpt2|bytes|DIR")
     name: str | None = setting(None, help="model name clients send (default: the folder's name)")
