@@ -216,8 +216,8 @@ def build_model_from_state(
         raise UserError(f"{where}: tensor {bad} holds NaN or infinite values; this model cannot be used")
     stored = {t.dtype for t in state.values()}
     target = stored.pop() if len(stored) == 1 else torch.float32
-    with torch.device("meta"):
-        model = cls(cfg)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the caller's RNG stays untouched
+        model = cls(cfg)  # (a model draws its init seed from it even on meta: init.py)
     aliases = tied_aliases(model)
     check_state(model, state, aliases, where)
     # copies in fresh (64-byte aligned) memory: safetensors' tensors sit at arbitrary offsets of
