@@ -21,6 +21,7 @@ from qkvlab.errors import UserError
 from qkvlab.generate import decode_step, left_pad, new_cache, prefill
 from qkvlab.model import GPT
 from qkvlab.positions import encoding_2d
+from qkvlab.spec import parse_scheme
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,12 +104,18 @@ def plus_model(scheme: str, pos: str, kv: int | None, head_dim: int = 8) -> GPT:
     return model.double()
 
 
+def _mha_only(scheme: str) -> bool:
+    """A projection shared with the query, or an identity role, fixes kv_heads = n_head."""
+    spec = parse_scheme(scheme)
+    return spec.identity_role is not None or any("q" in p and len(p) > 1 for p in spec.projections)
+
+
 PLUS_CASES = [
     (s, p, kv)
     for s in PLUS_SCHEMES
     for p in ("rope", "learned")
     for kv in (None, 2, 1)
-    if kv is None or not (s.startswith("(Q=K") or "Id" in s)  # query-tied and identity schemes: MHA only
+    if kv is None or not _mha_only(s)
 ]
 
 
