@@ -51,7 +51,7 @@ for sharding in ("ddp",):
     peak = torch.cuda.max_memory_allocated(dev)
     est = memory_estimate(cfg, micro_batch=8, world=1, sharding="ddp", dtype="bf16")
     est_single = est["total"] - est["comm_buffers"]  # one process: no DDP buckets
-    print(f"memory: measured peak {peak / 2**30:.3f} GiB, estimate {est_single / 2**30:.3f} GiB, ratio {peak / est_single:.2f}")
+    print(f"memory: measured peak {peak / 1e9:.3f} GB, estimate {est_single / 1e9:.3f} GB, ratio {peak / est_single:.2f}")
 PY
 python benchmarks/plus_term.py --device cuda --dtype bfloat16 --T 2048 --B 8 --heads 16 | tee "$OUT/plus_term.txt"
 # 4. bf16 + SDPA decode/train throughput and cache bytes per scheme; identity schemes export their twin on the GPU

@@ -178,17 +178,6 @@ def test_results_family_table(tmp_path):
 
 
 # ---- the command, end to end ---------------------------------------------------------------------
-@pytest.fixture()
-def corpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path / "cache"))
-    rng = random.Random(0)
-    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
-    text = "\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(600))
-    path = tmp_path / "corpus.txt"
-    path.write_text(text)
-    return path
-
-
 def compare_args(out, corpus, *extra):
     return [
         "compare",

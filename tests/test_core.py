@@ -7,28 +7,13 @@ import math
 import pytest
 import torch
 
+from conftest import SCHEMES
 from qkvlab.accounting import analytic_params, counted_params, kv_cache_bytes_per_token, report
 from qkvlab.cache import KVCache
 from qkvlab.config import ModelConfig, preset
 from qkvlab.errors import UserError
 from qkvlab.model import GPT, Encoder, PatchInput, SetInput, TokenInput
 from qkvlab.spec import IDENTITY, KNOWN_SCHEMES, parse_scheme
-
-ALL_SCHEMES = [
-    "Q-K-V",
-    "Id-K-V",
-    "Q-Id-V",
-    "Q=K-V",
-    "Q-K=V",
-    "Q=K=V",
-    "Id-K=V",
-    "(Q=K-V)+",
-    "(Q=K=V)+",
-    "(Q-K=V)+",
-    "Q-K-Id",
-    "Q=V-K",
-    "(Q=V-K)+",
-]
 
 
 def cfg64(**kw) -> ModelConfig:
@@ -205,7 +190,7 @@ def test_kv_shared_hands_same_tensor():
     assert q.data_ptr() == x.data_ptr()  # a view of the input: no matmul, no copy
 
 
-@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("pos", ["learned", "rope"])
 def test_causality(scheme, pos):
     torch.manual_seed(5)
@@ -248,7 +233,7 @@ def test_plus_term_breaks_symmetry_but_stays_causal():
 
 
 # ---- cache vs full forward (issue 6 extends this) -------------------------------------------
-@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("pos", ["learned", "rope", "none"])
 def test_cached_decoding_matches_full_forward(scheme, pos):
     torch.manual_seed(8)
@@ -280,7 +265,7 @@ def test_encoder_heads_and_set_permutation_equivariance():
 
 
 # ---- accounting -------------------------------------------------------------------------------
-@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize(
     "extra",
     [

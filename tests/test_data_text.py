@@ -42,10 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRICKY = "Héllo, wörld!  Tabs\tand\nnewlines\r\n 🙂 <|endoftext|> 'tis  trailing "
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    """Every test gets its own cache so nothing leaks into ~/.cache or between tests."""
-    monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("isolated_cache")  # every test its own cache
 
 
 @pytest.fixture(scope="module")

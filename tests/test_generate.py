@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from conftest import SCHEMES
 from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.bench import BenchConfig, hf_twin, variant_configs
 from qkvlab.cache import KVCache
@@ -30,24 +31,6 @@ from qkvlab.generate import (
 )
 from qkvlab.model import GPT
 
-SCHEMES = [
-    "Q-K-V",
-    "Id-K-V",
-    "Q-Id-V",
-    "Q=K-V",
-    "Q-K=V",
-    "Q=K=V",
-    "Id-K=V",
-    "Q-K-Id",
-    "Q=V-K",
-    "(Q=V-K)+",
-    "(Q-K-V)+",
-    "(Id-K-V)+",
-    "(Q=K-V)+",
-    "(Q-K=V)+",
-    "(Q=K=V)+",
-    "(Id-K=V)+",
-]
 POS = ["learned", "rope", "none"]
 VOCAB = 50
 

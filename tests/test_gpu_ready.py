@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import PLUS_SCHEMES, SCHEMES
 from qkvlab.attention import Attention, _sdpa, apply_rotary
 from qkvlab.config import ModelConfig
 from qkvlab.devices import select_device
@@ -20,16 +21,9 @@ from qkvlab.errors import UserError
 from qkvlab.generate import decode_step, left_pad, new_cache, prefill
 from qkvlab.model import GPT
 from qkvlab.positions import encoding_2d
+from qkvlab.spec import parse_scheme
 
-PLUS_SCHEMES = ["(Q-K-V)+", "(Id-K-V)+", "(Q=K-V)+", "(Q-K=V)+", "(Q=K=V)+", "(Id-K=V)+"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- 1. device selection
@@ -110,12 +104,18 @@ def plus_model(scheme: str, pos: str, kv: int | None, head_dim: int = 8) -> GPT:
     return model.double()
 
 
+def _mha_only(scheme: str) -> bool:
+    """A projection shared with the query, or an identity role, fixes kv_heads = n_head."""
+    spec = parse_scheme(scheme)
+    return spec.identity_role is not None or any("q" in p and len(p) > 1 for p in spec.projections)
+
+
 PLUS_CASES = [
     (s, p, kv)
     for s in PLUS_SCHEMES
     for p in ("rope", "learned")
     for kv in (None, 2, 1)
-    if kv is None or not s.startswith(("(Q=K", "(Id"))  # query-tied and identity schemes: MHA only
+    if kv is None or not _mha_only(s)
 ]
 
 
@@ -246,9 +246,7 @@ def test_export_builds_every_tensor_on_the_weights_device(scheme, fmt, pos, mlp,
 
 
 def test_fsdp_on_two_gloo_processes_trains_every_scheme_like_one_process(tmp_path):
-    from qkvlab.spec import KNOWN_SCHEMES
-
-    schemes = sorted({*KNOWN_SCHEMES, *PLUS_SCHEMES, "Q-Id-V", "Q-K-Id"})
+    schemes = SCHEMES
     run = subprocess.run(
         [
             sys.executable,

@@ -12,7 +12,8 @@ from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import check, convert
 from qkvlab.errors import UserError
 from qkvlab.model import GPT
-from qkvlab.spec import format_layers, parse_layers
+from qkvlab.spec import KNOWN_SCHEMES, format_kv_heads, format_layers, parse_kv_heads, parse_layers, parse_scheme
+from qkvlab.variants import parse_variant
 
 
 def cfg(**kw) -> ModelConfig:
@@ -187,3 +188,46 @@ def test_hf_export_per_layer(fmt, kw):
     assert logit_diff(model, hf, c.vocab_size, c.context)[1] <= tol
     if fmt == "llama":
         assert hf.config.num_key_value_heads == 2  # the MQA layer's head repeated
+
+
+# ---- one kv-heads notation for variants and per-layer entries -----------------------------------
+@pytest.mark.parametrize(
+    "text,n_head,kv",
+    [("MQA", 4, 1), ("mqa", None, 1), ("GQA-2", 4, 2), ("gqa2", 4, 2), ("2", 4, 2), ("MHA", 4, 4), ("MHA", None, None)],
+)
+def test_kv_heads_forms(text, n_head, kv):
+    assert parse_kv_heads(text, n_head) == kv
+    if kv is not None:
+        assert parse_kv_heads(format_kv_heads(kv, n_head), n_head) == kv
+
+
+@pytest.mark.parametrize("text", ["0", "GQA-0", "XQA", "GQA", "-2", "2.5", ""])
+def test_kv_heads_refused_naming_the_forms(text):
+    with pytest.raises(UserError, match="MQA, GQA-g, MHA or a count"):
+        parse_kv_heads(text, 4)
+
+
+@pytest.mark.parametrize("scheme", list(KNOWN_SCHEMES))
+@pytest.mark.parametrize("kv", [None, 1, 2, 4])
+def test_variant_and_layer_spell_kv_heads_alike(scheme, kv):
+    """Variants and per-layer entries write kv heads the same way, and each reads the other's."""
+    layer = format_layers(((scheme, kv),))  # a one-layer '|' list is one ENTRY
+    variant = parse_variant(layer)
+    assert (variant.scheme, variant.kv_heads) == (parse_scheme(scheme).name, kv)
+    assert variant.name == layer == format_layers(((variant.scheme, variant.kv_heads),))
+    assert parse_layers(variant.name, n_layer=1, n_head=4, attn="Q-K-V", kv_heads=None) == ((variant.scheme, kv),)
+    if kv is not None:  # the older per-layer form (a bare count) is read by both
+        old = f"{scheme}/{kv}"
+        assert parse_variant(old) == variant
+        assert parse_layers(old, n_layer=1, n_head=4, attn="Q-K-V", kv_heads=None) == ((variant.scheme, kv),)
+
+
+@pytest.mark.parametrize("kw", MIXED)
+def test_layer_notation_round_trips(kw):
+    c = cfg(**kw)
+    table = c.layer_table()
+    for base in (None, (c.attn, c.kv_heads)):
+        text = format_layers(table, base) if table != ((c.attn, c.kv_heads),) * c.n_layer else None
+        if text is not None:
+            assert "/1" not in text and "/2" not in text  # written canonically: /MQA, /GQA-2
+            assert parse_layers(text, n_layer=c.n_layer, n_head=c.n_head, attn=c.attn, kv_heads=c.kv_heads) == table

@@ -28,8 +28,7 @@ GPT2_VOCAB = _gpt2_vocab()  # found before the tests move the cache
 
 
 @pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path / "cache"))
+def cache(isolated_cache, monkeypatch):
     if GPT2_VOCAB is not None:
         monkeypatch.setenv("QKVLAB_GPT2_VOCAB", str(GPT2_VOCAB))
 

@@ -278,9 +278,8 @@ def test_vision_paper_recipe_and_grid():
 
 # ---- set-anomaly inputs -------------------------------------------------------------------------
 @pytest.fixture
-def feature_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache" / "features"
+def feature_cache(isolated_cache):
+    return isolated_cache / "features"
 
 
 def test_anomaly_encoder_features_are_disjoint_frozen_and_cached(feature_cache, monkeypatch):

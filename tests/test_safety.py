@@ -30,22 +30,6 @@ from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, read_metrics, tra
 TINY = ["--preset", "tiny", "--tokenizer", "char", "--block-size", "32", "--batch-size", "8", "--eval-batches", "2"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A 100 kB text file and a cache folder shared by the module's runs (tokenized once)."""
-    from qkvlab.data.text import load_shakespeare
-
-    root = tmp_path_factory.mktemp("corpus")
-    (root / "plays.txt").write_text("".join(d.text for d in load_shakespeare(["roman"]))[:100_000])
-    old = os.environ.get("QKVLAB_CACHE")
-    os.environ["QKVLAB_CACHE"] = str(root / "cache")
-    yield root / "plays.txt"
-    if old is None:
-        os.environ.pop("QKVLAB_CACHE", None)
-    else:
-        os.environ["QKVLAB_CACHE"] = old
-
-
 def cli(*args, env=None, wait=True, **kw):
     """`python -m qkvlab.cli ARGS` as a real process (OMP_NUM_THREADS=1)."""
     cmd = [sys.executable, "-m", "qkvlab.cli", *map(str, args)]
@@ -72,9 +56,9 @@ def snapshot(root: Path) -> dict[str, str]:
     return out
 
 
-def tiny_cfg(corpus, **over):
+def tiny_cfg(plays_file, **over):
     base = dict(
-        task_options={"data": str(corpus), "tokenizer": "char", "block_size": 32},
+        task_options={"data": str(plays_file), "tokenizer": "char", "block_size": 32},
         batch_size=8,
         eval_batches=2,
         max_steps=6,
@@ -84,17 +68,17 @@ def tiny_cfg(corpus, **over):
 
 
 @pytest.fixture(scope="module")
-def finished_run(corpus, tmp_path_factory):
+def finished_run(plays_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "run"
-    train(tiny_cfg(corpus), out, progress=False)
+    train(tiny_cfg(plays_file), out, progress=False)
     return out
 
 
 @pytest.fixture(scope="module")
-def short_run(corpus, tmp_path_factory):
+def short_run(plays_file, tmp_path_factory):
     """A run stopped at step 3 of 6 (max_steps=3, resumed with --max-steps 6)."""
     out = tmp_path_factory.mktemp("runs") / "short"
-    train(tiny_cfg(corpus, max_steps=3), out, progress=False)
+    train(tiny_cfg(plays_file, max_steps=3), out, progress=False)
     return out
 
 
@@ -143,7 +127,7 @@ def test_model_writers_replace_a_model_only_with_overwrite(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def test_train_refuses_a_model_folder_a_file_and_another_run(corpus, tmp_path, finished_run):
+def test_train_refuses_a_model_folder_a_file_and_another_run(plays_file, tmp_path, finished_run):
     """Items 2-3 as real processes: nothing on disk changes."""
     save_model(tmp_path / "m", GPT(preset("tiny")), preset("tiny"))
     (tmp_path / "f").write_text("precious")
@@ -155,11 +139,11 @@ def test_train_refuses_a_model_folder_a_file_and_another_run(corpus, tmp_path, f
         (tmp_path / "f" / "sub", [], "which is a file"),
         (finished_run, [], "--resume"),
     ]:
-        one_line_exit_2(cli("train", *TINY, "--data", corpus, "--max-steps", 6, "--out", out, *extra), needle)
+        one_line_exit_2(cli("train", *TINY, "--data", plays_file, "--max-steps", 6, "--out", out, *extra), needle)
     assert (snapshot(tmp_path), snapshot(finished_run)) == before
 
 
-def test_a_refused_run_leaves_no_empty_folder(corpus, tmp_path):
+def test_a_refused_run_leaves_no_empty_folder(plays_file, tmp_path):
     with pytest.raises(UserError):
         train(tiny_cfg(tmp_path / "no-such-corpus.txt"), tmp_path / "new", progress=False)
     assert not (tmp_path / "new").exists()
@@ -206,7 +190,7 @@ def _damage(run: Path, what: str) -> None:
         ("header-garbage", "model.safetensors"),
     ],
 )
-def test_a_damaged_checkpoint_is_refused_naming_the_file(corpus, tmp_path, what, file, short_run):
+def test_a_damaged_checkpoint_is_refused_naming_the_file(plays_file, tmp_path, what, file, short_run):
     out = tmp_path / "run"
     shutil.copytree(short_run, out)
     _damage(out, what)
@@ -216,7 +200,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(corpus, tmp_path, what,
     assert snapshot(out) == before  # not restarted over it
 
 
-def test_checkpoint_of_another_shape_is_refused(corpus, tmp_path):
+def test_checkpoint_of_another_shape_is_refused(plays_file, tmp_path):
     model = GPT(preset("tiny"))
     other = GPT(preset("tiny", d_model=32, n_head=2))
     opt = torch.optim.AdamW(other.parameters())
@@ -234,10 +218,10 @@ def test_checkpoint_of_another_shape_is_refused(corpus, tmp_path):
         ck.check_against_model(w, {"state": {}}, model, {"lm_head.weight": "tok_emb.weight"}, tmp_path)
 
 
-def test_killed_in_the_first_second_resumes_its_own_config(corpus, tmp_path):
+def test_killed_in_the_first_second_resumes_its_own_config(plays_file, tmp_path):
     """Item 5: the run's config is on disk before any step, so `--out RUN --resume` alone trains it."""
     out = tmp_path / "run"
-    args = [*TINY, "--data", corpus, "--max-steps", 5, "--eval-every", 5, "--d-model", 48, "--seed", 3, "--quiet"]
+    args = [*TINY, "--data", plays_file, "--max-steps", 5, "--eval-every", 5, "--d-model", 48, "--seed", 3, "--quiet"]
     p = cli("train", *args, "--out", out, wait=False)
     deadline = time.time() + 60
     while not (out / "train_config.json").exists():
@@ -262,7 +246,7 @@ def _strict(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-def test_non_finite_validation_stops_before_a_bad_checkpoint(corpus, tmp_path, monkeypatch):
+def test_non_finite_validation_stops_before_a_bad_checkpoint(plays_file, tmp_path, monkeypatch):
     from qkvlab.tasks.lm import LMTask
 
     real, calls = LMTask.evaluate, []
@@ -275,7 +259,7 @@ def test_non_finite_validation_stops_before_a_bad_checkpoint(corpus, tmp_path, m
     monkeypatch.setattr(LMTask, "evaluate", poisoned)
     out = tmp_path / "nan"
     with pytest.raises(TrainingDiverged) as e:
-        train(tiny_cfg(corpus, max_steps=12, eval_every=3, checkpoint_every=3), out, progress=False)
+        train(tiny_cfg(plays_file, max_steps=12, eval_every=3, checkpoint_every=3), out, progress=False)
     msg = str(e.value)
     assert "\n" not in msg and "val_loss is nan at step 6" in msg and "checkpoint" in msg and "(step 3)" in msg
     state = _strict((out / "checkpoint" / "state.json").read_text())
@@ -284,7 +268,7 @@ def test_non_finite_validation_stops_before_a_bad_checkpoint(corpus, tmp_path, m
     assert rows[-1]["step"] == 6 and rows[-1]["val_loss"] is None and rows[-1]["nonfinite"] == ["val_loss"]
 
 
-def test_non_finite_weights_are_never_checkpointed(corpus, tmp_path, monkeypatch):
+def test_non_finite_weights_are_never_checkpointed(plays_file, tmp_path, monkeypatch):
     from qkvlab.train import loop
 
     real = loop.train_step
@@ -300,7 +284,7 @@ def test_non_finite_weights_are_never_checkpointed(corpus, tmp_path, monkeypatch
     with pytest.raises(
         TrainingDiverged, match=r"not finite after step 6; stopped, last good checkpoint: .* \(step 3\)"
     ):
-        train(tiny_cfg(corpus, max_steps=12, eval_every=100, checkpoint_every=3), tmp_path / "w", progress=False)
+        train(tiny_cfg(plays_file, max_steps=12, eval_every=100, checkpoint_every=3), tmp_path / "w", progress=False)
 
 
 def test_non_finite_weights_are_refused_when_loading(tmp_path):
@@ -316,12 +300,12 @@ def test_non_finite_weights_are_refused_when_loading(tmp_path):
 # ---------------------------------------------------------------- 8: one run per folder
 
 
-def test_two_trainings_on_one_folder_one_is_refused(corpus, tmp_path):
+def test_two_trainings_on_one_folder_one_is_refused(plays_file, tmp_path):
     """Item 8: while one process trains into OUT (it holds the lock), another one started on OUT is
     refused (with or without --resume, any seed); the first is then killed mid-checkpoint and its
     run resumes: the lock died with it."""
     out = tmp_path / "run"
-    args = ["train", *TINY, "--data", corpus, "--max-steps", 8, "--eval-every", 4, "--quiet", "--out", out]
+    args = ["train", *TINY, "--data", plays_file, "--max-steps", 8, "--eval-every", 4, "--quiet", "--out", out]
     first = cli(*args, env={ck.SLOW_HOOK: "600"}, wait=False)  # parks in its first checkpoint write
     deadline = time.time() + 120
     while not any(out.glob(".checkpoint.tmp-*/optimizer.safetensors")):
@@ -338,9 +322,9 @@ def test_two_trainings_on_one_folder_one_is_refused(corpus, tmp_path):
     assert json.loads((out / "train_config.json").read_text())["seed"] == 0
 
 
-def test_two_trainings_started_at_once_one_is_refused(corpus, tmp_path):
+def test_two_trainings_started_at_once_one_is_refused(plays_file, tmp_path):
     out = tmp_path / "run"
-    args = ["train", *TINY, "--data", corpus, "--max-steps", 8, "--eval-every", 4, "--quiet", "--out", out]
+    args = ["train", *TINY, "--data", plays_file, "--max-steps", 8, "--eval-every", 4, "--quiet", "--out", out]
     procs = [
         cli(*args, env={ck.SLOW_HOOK: "2"}, wait=False),
         cli(*args, "--seed", 1, env={ck.SLOW_HOOK: "2"}, wait=False),
@@ -351,10 +335,10 @@ def test_two_trainings_started_at_once_one_is_refused(corpus, tmp_path):
     assert [r["step"] for r in read_metrics(out)] == [0, 4, 8]
 
 
-def test_two_racing_trainings_killed_then_resumed_is_bit_identical(corpus, tmp_path):
+def test_two_racing_trainings_killed_then_resumed_is_bit_identical(plays_file, tmp_path):
     """Both racers are SIGKILLed (one mid-run); the lock dies with them; one resume finishes the run
     exactly as an uninterrupted one."""
-    common = [*TINY, "--data", corpus, "--max-steps", 12, "--eval-every", 4, "--checkpoint-every", 2, "--quiet"]
+    common = [*TINY, "--data", plays_file, "--max-steps", 12, "--eval-every", 4, "--checkpoint-every", 2, "--quiet"]
     ref = cli("train", *common, "--out", tmp_path / "ref", wait=False)
     out = tmp_path / "run"
     racers = [cli("train", *common, "--out", out, env={ck.SLOW_HOOK: "1"}, wait=False) for _ in range(2)]
@@ -382,10 +366,11 @@ def test_two_racing_trainings_killed_then_resumed_is_bit_identical(corpus, tmp_p
 # ---------------------------------------------------------------- 9: one line instead of a traceback
 
 
-def test_bounds_are_checked_before_allocation(corpus, tmp_path):
-    one_line_exit_2(cli("train", *TINY, "--data", corpus, "--context", 99999999999, "--out", tmp_path / "a"), "GB")
+def test_bounds_are_checked_before_allocation(plays_file, tmp_path):
+    one_line_exit_2(cli("train", *TINY, "--data", plays_file, "--context", 99999999999, "--out", tmp_path / "a"), "GB")
     one_line_exit_2(
-        cli("train", *TINY[:6], "--batch-size", 100000000, "--data", corpus, "--out", tmp_path / "b"), "--batch-size"
+        cli("train", *TINY[:6], "--batch-size", 100000000, "--data", plays_file, "--out", tmp_path / "b"),
+        "--batch-size",
     )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
@@ -400,14 +385,14 @@ def test_hostile_config_json_is_refused_before_allocation(tmp_path):
         load_model(tmp_path / "m")
 
 
-def test_non_utf8_config_file_is_one_line(corpus, tmp_path):
+def test_non_utf8_config_file_is_one_line(plays_file, tmp_path):
     (tmp_path / "c.yaml").write_bytes(b"lr: 0.1\n# \xff\xfe\n")
     one_line_exit_2(cli("train", tmp_path / "c.yaml", "--out", tmp_path / "o"), "not UTF-8")
     assert not (tmp_path / "o").exists()
 
 
-def test_unwritable_out_is_one_line(corpus, tmp_path):
-    one_line_exit_2(cli("train", *TINY, "--data", corpus, "--out", "/proc/qkvlab-run"), "/proc/qkvlab-run")
+def test_unwritable_out_is_one_line(plays_file, tmp_path):
+    one_line_exit_2(cli("train", *TINY, "--data", plays_file, "--out", "/proc/qkvlab-run"), "/proc/qkvlab-run")
 
 
 def test_hf_data_without_network_fails_fast(tmp_path):

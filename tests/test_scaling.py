@@ -18,8 +18,8 @@ from qkvlab.analysis.scaling import (
     analyse,
     predict_gap,
     read_runs,
-    write_scaling_results,
 )
+from qkvlab.analysis.scaling_report import write_scaling_results
 from qkvlab.analysis.trends import FLAT, GROWING, SHRINKING
 from qkvlab.config import ModelConfig
 from qkvlab.variants import parse_variant

@@ -109,7 +109,6 @@ def test_validation_is_generated_from_the_declarations(make, needle):
 
 def test_every_declared_field_has_a_type_the_generator_knows():
     """A field the command line cannot express must say so (cli=False or a group)."""
-    from qkvlab.accounting import InfoConfig
     from qkvlab.analysis.similarity import SimilarityConfig
     from qkvlab.compare import CompareConfig
     from qkvlab.config import InitConfig
@@ -117,6 +116,7 @@ def test_every_declared_field_has_a_type_the_generator_knows():
     from qkvlab.convert.retrofit import RetrofitConfig
     from qkvlab.data.prepare import PrepareConfig
     from qkvlab.generate_config import GenerateConfig
+    from qkvlab.info_config import InfoConfig
     from qkvlab.train.config import TrainRun
 
     classes = [ModelConfig, TrainConfig, TrainRun, BenchConfig, CompareConfig, InfoConfig, InitConfig]

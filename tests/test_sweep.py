@@ -2,7 +2,6 @@
 end: trained once, then only re-rendered."""
 
 import csv
-import random
 
 import pytest
 
@@ -54,16 +53,6 @@ def test_sweep_plan_layout_and_recipe():
         plan(CompareConfig(sweep=True, max_steps=5))
     with pytest.raises(UserError, match="settings of --sweep"):
         plan(CompareConfig(sizes="d32-L1-h2,d48-L2-h3"))
-
-
-@pytest.fixture()
-def corpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path / "cache"))
-    rng = random.Random(0)
-    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
-    path = tmp_path / "corpus.txt"
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(400)))
-    return path
 
 
 def test_tiny_sweep_end_to_end_then_render_only(tmp_path, corpus, capsys, monkeypatch):

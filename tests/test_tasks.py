@@ -25,14 +25,7 @@ SMALL = {  # one small task per family, fast to build
 _CACHE: dict = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: a second intra-op thread gains nothing, and on a shared machine
-    OpenMP threads that wait for a busy core made this file 8x slower (15 s -> 2 min)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def task(name: str):

@@ -26,29 +26,9 @@ from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, read_metrics, tra
 from qkvlab.train.optim import lr_at, param_groups
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A 200 kB slice of the plays as a text file, and a cache folder shared by the module's runs
-    (in-process and subprocesses) so the corpus is tokenized once."""
-    from qkvlab.data.text import load_shakespeare
-
-    root = tmp_path_factory.mktemp("corpus")
-    text = "".join(d.text for d in load_shakespeare()[:3])[:200_000]
-    (root / "plays.txt").write_text(text)
-    old, threads = os.environ.get("QKVLAB_CACHE"), torch.get_num_threads()
-    os.environ["QKVLAB_CACHE"] = str(root / "cache")
-    torch.set_num_threads(1)  # like the subprocesses (OMP_NUM_THREADS=1); tiny matmuls gain nothing from more
-    yield root / "plays.txt"
-    torch.set_num_threads(threads)
-    if old is None:
-        os.environ.pop("QKVLAB_CACHE", None)
-    else:
-        os.environ["QKVLAB_CACHE"] = old
-
-
-def tiny(corpus, **over) -> TrainConfig:
+def tiny(plays_file, **over) -> TrainConfig:
     base = dict(
-        task_options={"data": str(corpus), "tokenizer": "char", "block_size": 32},
+        task_options={"data": str(plays_file), "tokenizer": "char", "block_size": 32},
         batch_size=8,
         eval_batches=2,
         log_tensorboard=False,
@@ -82,9 +62,9 @@ def _without_timing(rows):
 # ---------------------------------------------------------------- the loop
 
 
-def test_tiny_run_learns_writes_metrics_and_a_model_folder(corpus, tmp_path):
+def test_tiny_run_learns_writes_metrics_and_a_model_folder(plays_file, tmp_path):
     out = tmp_path / "run"
-    res = train(tiny(corpus, max_steps=40, eval_every=20, warmup_steps=5), out, progress=False)
+    res = train(tiny(plays_file, max_steps=40, eval_every=20, warmup_steps=5), out, progress=False)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 20, 40] and res.history == rows and res.step == 40
     for r in rows:
@@ -99,15 +79,15 @@ def test_tiny_run_learns_writes_metrics_and_a_model_folder(corpus, tmp_path):
     saved = load_file(str(out / "checkpoint" / "model.safetensors"))
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     # a finished run is not retrained; a fresh run refuses to overwrite it
-    again = train(tiny(corpus, max_steps=40, eval_every=20, warmup_steps=5), out, resume=True, progress=False)
+    again = train(tiny(plays_file, max_steps=40, eval_every=20, warmup_steps=5), out, resume=True, progress=False)
     assert again.history == rows and again.tokens_per_s == pytest.approx(sum(r["tokens_per_s"] for r in rows[1:]) / 2)
     with pytest.raises(UserError, match="--resume"):
-        train(tiny(corpus, max_steps=40, eval_every=20, warmup_steps=5), out, progress=False)
+        train(tiny(plays_file, max_steps=40, eval_every=20, warmup_steps=5), out, progress=False)
     with pytest.raises(UserError, match="lr="):  # resuming with a changed recipe is refused
-        train(tiny(corpus, max_steps=40, eval_every=20, warmup_steps=5, lr=1e-4), out, resume=True, progress=False)
+        train(tiny(plays_file, max_steps=40, eval_every=20, warmup_steps=5, lr=1e-4), out, resume=True, progress=False)
 
 
-def test_killed_anywhere_then_resumed_is_bit_identical(corpus, tmp_path):
+def test_killed_anywhere_then_resumed_is_bit_identical(plays_file, tmp_path):
     """Real subprocesses, SIGKILL mid-checkpoint-write and mid-step, resumed with --resume."""
     args = [
         sys.executable,
@@ -116,7 +96,7 @@ def test_killed_anywhere_then_resumed_is_bit_identical(corpus, tmp_path):
         "train",
         *CLI_BASE,
         "--data",
-        str(corpus),
+        str(plays_file),
         "--max-steps",
         "24",
         "--eval-every",
@@ -205,9 +185,11 @@ def test_checkpoint_parked_between_renames_is_recovered(tmp_path):
     assert all(torch.equal(o["state"][n][k], o2["state"][n][k]) for n in o["state"] for k in o["state"][n])
 
 
-def test_ddp_and_fsdp_on_two_cpu_processes_match_one_and_resume_at_world_size_one(corpus, tmp_path):
-    common = [*CLI_BASE, "--data", str(corpus), "--max-steps", "6", "--eval-every", "3", "--grad-accum", "2"]
-    assert cli.main(["prepare", "--data", str(corpus), "--tokenizer", "char", "--quiet"]) == 0  # ranks never tokenize
+def test_ddp_and_fsdp_on_two_cpu_processes_match_one_and_resume_at_world_size_one(plays_file, tmp_path):
+    common = [*CLI_BASE, "--data", str(plays_file), "--max-steps", "6", "--eval-every", "3", "--grad-accum", "2"]
+    assert (
+        cli.main(["prepare", "--data", str(plays_file), "--tokenizer", "char", "--quiet"]) == 0
+    )  # ranks never tokenize
     launch = [
         sys.executable,
         "-m",
@@ -229,7 +211,7 @@ def test_ddp_and_fsdp_on_two_cpu_processes_match_one_and_resume_at_world_size_on
         )
         for s in ("ddp", "fsdp")
     }
-    one = train(tiny(corpus, max_steps=6, eval_every=3, grad_accum=2), tmp_path / "one", progress=False)
+    one = train(tiny(plays_file, max_steps=6, eval_every=3, grad_accum=2), tmp_path / "one", progress=False)
     for p in procs.values():
         assert p.wait(timeout=120) == 0, p.stdout.read().decode()[-3000:]
     for s in procs:
@@ -245,17 +227,29 @@ def test_ddp_and_fsdp_on_two_cpu_processes_match_one_and_resume_at_world_size_on
         )
         assert all(torch.allclose(final[k], ref[k], atol=1e-4) for k in ref)
         # written by 2 ranks, continued by 1 (sharding switched too): full state dicts load anywhere
-        more = train(tiny(corpus, max_steps=8, eval_every=3, grad_accum=2), tmp_path / s, resume=True, progress=False)
+        more = train(
+            tiny(plays_file, max_steps=8, eval_every=3, grad_accum=2), tmp_path / s, resume=True, progress=False
+        )
         assert more.step == 8 and [r["step"] for r in more.history] == [0, 3, 6, 8]
         assert json.loads((tmp_path / s / "checkpoint" / "state.json").read_text())["world_size"] == 1
 
 
-def test_fsdp_resumes_on_two_processes_from_rank_0_and_bf16_mixed_precision_runs(corpus, tmp_path):
+def test_fsdp_resumes_on_two_processes_from_rank_0_and_bf16_mixed_precision_runs(plays_file, tmp_path):
     """FSDP at world size 2: a run stopped at step 3 and resumed (only rank 0 reads the checkpoint's
     tensors, then broadcasts) ends like one process; bf16 (MixedPrecisionPolicy) trains finite."""
-    assert cli.main(["prepare", "--data", str(corpus), "--tokenizer", "char", "--quiet"]) == 0
+    assert cli.main(["prepare", "--data", str(plays_file), "--tokenizer", "char", "--quiet"]) == 0
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "qkvlab"]
-    common = [*CLI_BASE, "--data", str(corpus), "--eval-every", "3", "--sharding", "fsdp", "--dist-timeout-s", "120"]
+    common = [
+        *CLI_BASE,
+        "--data",
+        str(plays_file),
+        "--eval-every",
+        "3",
+        "--sharding",
+        "fsdp",
+        "--dist-timeout-s",
+        "120",
+    ]
 
     def run(*extra):
         done = subprocess.run([*launch, "train", *common, *extra], env=_env(), capture_output=True, text=True)
@@ -263,7 +257,7 @@ def test_fsdp_resumes_on_two_processes_from_rank_0_and_bf16_mixed_precision_runs
 
     run("--max-steps", "3", "--out", str(tmp_path / "fsdp"))
     run("--max-steps", "6", "--out", str(tmp_path / "fsdp"), "--resume")
-    one = train(tiny(corpus, max_steps=6, eval_every=3), tmp_path / "one", progress=False)
+    one = train(tiny(plays_file, max_steps=6, eval_every=3), tmp_path / "one", progress=False)
     rows = read_metrics(tmp_path / "fsdp")
     assert [r["step"] for r in rows] == [0, 3, 6]
     assert all(abs(r["val_loss"] - q["val_loss"]) < 1e-5 for r, q in zip(rows, one.history))
@@ -279,7 +273,7 @@ def test_fsdp_resumes_on_two_processes_from_rank_0_and_bf16_mixed_precision_runs
 # ---------------------------------------------------------------- failures
 
 
-def test_non_finite_loss_stops_with_the_last_good_checkpoint_intact(corpus, tmp_path, monkeypatch):
+def test_non_finite_loss_stops_with_the_last_good_checkpoint_intact(plays_file, tmp_path, monkeypatch):
     from qkvlab.tasks.lm import LMTask
 
     real, calls = LMTask.loss, []
@@ -295,7 +289,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint_intact(corpus, tmp_
     monkeypatch.setattr(LMTask, "loss", poisoned)
     out = tmp_path / "nan"
     with pytest.raises(TrainingDiverged) as e:
-        train(tiny(corpus, max_steps=20, eval_every=5, checkpoint_every=3), out, progress=False)
+        train(tiny(plays_file, max_steps=20, eval_every=5, checkpoint_every=3), out, progress=False)
     msg = str(e.value)
     assert "\n" not in msg and "nan" in msg and "step 8" in msg and "step 6" in msg
     w, _, state = ck.load_checkpoint(out / "checkpoint")
@@ -303,21 +297,41 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint_intact(corpus, tmp_
     assert not (out / "model.safetensors").exists() and [r["step"] for r in read_metrics(out)] == [0, 5]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
-def test_tensorboard_only_when_asked_and_installed(corpus, tmp_path):
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+
+
+@pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed: the refusal needs it absent")
+def test_tensorboard_refused_with_the_extra_to_install_when_missing(plays_file, tmp_path):
     assert TrainConfig().log_tensorboard is False
     with pytest.raises(UserError, match=r"qkvlab\[tb\]"):
-        train(tiny(corpus, log_tensorboard=True), tmp_path / "tb", progress=False)
+        train(tiny(plays_file, log_tensorboard=True), tmp_path / "tb", progress=False)
     assert not (tmp_path / "tb").exists()
 
 
-def test_cli_exits_3_when_the_loss_diverges(corpus, tmp_path, capsys):
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="needs tensorboard (pip install 'qkvlab[tb]'; in the test extra)")
+def test_tensorboard_events_hold_the_metrics_rows(plays_file, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    train(tiny(plays_file, log_tensorboard=True, max_steps=6, eval_every=3), out, progress=False)
+    events = EventAccumulator(str(out / "tb")).Reload()
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 3, 6]
+    for key in ("train_loss", "val_loss", "lr"):
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        expected = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        assert len(expected) >= 2 and [s for s, _ in logged] == [s for s, _ in expected]
+        assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)  # float32 in the file
+    assert not any(f.name.startswith("events") for f in out.iterdir())  # events only under OUT/tb
+
+
+def test_cli_exits_3_when_the_loss_diverges(plays_file, tmp_path, capsys):
     rc = cli.main(
         [
             "train",
             *CLI_BASE,
             "--data",
-            str(corpus),
+            str(plays_file),
             "--max-steps",
             "20",
             "--lr",
@@ -348,7 +362,7 @@ def test_cli_exits_3_when_the_loss_diverges(corpus, tmp_path, capsys):
         (None, None, ["--task-option", "colour=red"], "'colour'"),
     ],
 )
-def test_config_errors_are_one_line_exit_2(tmp_path, capsys, name, text, args, needle, corpus):
+def test_config_errors_are_one_line_exit_2(tmp_path, capsys, name, text, args, needle, plays_file):
     argv = [
         "train",
         "--out",
@@ -356,7 +370,7 @@ def test_config_errors_are_one_line_exit_2(tmp_path, capsys, name, text, args, n
         "--preset",
         "tiny",
         "--data",
-        str(corpus),
+        str(plays_file),
         "--tokenizer",
         "char",
         *args,

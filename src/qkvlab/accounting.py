@@ -7,13 +7,17 @@ against the real modules' tensors for many configs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
+import torch
 import torch.nn as nn
 
-from qkvlab.config import DEFAULT_PRESET, PRESETS, ModelConfig
-from qkvlab.devices import DTYPE_BYTES, dtype_name
-from qkvlab.settings import setting
+from qkvlab.devices import DTYPE_BYTES, SHARDINGS, dtype_name
+from qkvlab.positions import axis_encodings, plus_channels_pad
+from qkvlab.spec import format_kv_heads
+
+if TYPE_CHECKING:  # the formulas read a config's fields; config.py imports them (match_params)
+    from qkvlab.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,9 @@ def report(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None)
     per_token = kv_cache_bytes_per_token(cfg, dtype)
     return {
         "scheme": cfg.spec.name,
-        "layers": None if cfg.layers is None else [f"{lc.spec.name}/{lc.n_kv_heads}" for lc in _attention_configs(cfg)],
+        "layers": None
+        if cfg.layers is None
+        else [f"{lc.spec.name}/{format_kv_heads(lc.n_kv_heads, lc.n_head)}" for lc in _attention_configs(cfg)],
         "n_layer": cfg.n_layer,
         "n_head": cfg.n_head,
         "kv_heads": cfg.n_kv_heads,
@@ -166,21 +172,12 @@ def report(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None)
 
 
 # ---- training memory per GPU -----------------------------------------------------------------
-SHARDINGS = ("ddp", "fsdp")
-
-
 def _attention_plus_pad(cfg: ModelConfig) -> int:
-    from qkvlab.attention import plus_channels_pad
-
     return plus_channels_pad(cfg.head_dim) if cfg.spec.plus else 0
 
 
 def _key_channels(cfg: ModelConfig) -> int:
     """Channels of the "+" term's column (key position) part."""
-    import torch
-
-    from qkvlab.positions import axis_encodings
-
     return axis_encodings(torch.arange(1), cfg.plus_channels, cfg.plus_encoding)[1].shape[1]
 
 
@@ -237,30 +234,3 @@ def memory_estimate(
         params=params, grads=grads, optimizer=optimizer, comm_buffers=comm, activations=activations, logits=logits
     )
     return {**parts, "total": sum(parts.values())}
-
-
-@dataclass
-class InfoConfig:
-    """What `qkvlab info` reports on: a model (a folder's, a `--config` file's or a preset, with the
-    model options over it) and the figures asked for (`report`, `memory_estimate`)."""
-
-    folder: str | None = setting(
-        None,
-        help="a model folder or a training run folder (its config; options below override it)",
-        positional=True,
-        metavar="RUN_OR_MODEL_DIR",
-    )
-    variant: str | None = setting(
-        None, help="apply a compare variant, e.g. Q-K=V/MQA, Id-K-V/mlp, Q-K-V/width=Id-K-V", metavar="VARIANT"
-    )
-    dtype: str = setting("bf16", help="cache dtype", choices=DTYPE_BYTES)
-    cache_tokens: int | None = setting(
-        None, help="tokens held in the KV cache figure (default: the model's --context)", metavar="T", minimum=1
-    )
-    memory: bool = setting(False, help="estimate a training step's memory per GPU")
-    batch: int = setting(8, help="micro-batch per GPU (--memory)", metavar="B", minimum=1)
-    world: int = setting(1, help="GPUs (ranks) in all (--memory)", metavar="W", minimum=1)
-    sharding: str = setting("ddp", help="ddp (replicated) or fsdp (--memory)", choices=SHARDINGS)
-    json: bool = setting(False, help="print one JSON object")
-    preset: str | None = setting(None, help=f"start from a model preset (default {DEFAULT_PRESET})", choices=PRESETS)
-    model: dict[str, Any] = setting(help="model options", default_factory=dict, group=ModelConfig)

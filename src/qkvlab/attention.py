@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qkvlab.config import ModelConfig
-from qkvlab.positions import ScoreTerm2D, apply_rotary
+from qkvlab.positions import ScoreTerm2D, apply_rotary, plus_channels_pad
 from qkvlab.spec import IDENTITY
 
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA enable_gqa= is new in 2.5
@@ -91,11 +91,6 @@ class Attention(nn.Module):
         y = _sdpa(q, k, v, attn_mask, is_causal, self.scale, self.dropout if self.training else 0.0)
         y = y[..., : self.head_dim].transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
         return self.resid_dropout(self.out_proj(y))
-
-
-def plus_channels_pad(head_dim: int) -> int:
-    """Extra channels for the "+" key term: at least one, up to a multiple of 8 (flash kernels' head dims)."""
-    return -(head_dim + 1) % 8 + 1
 
 
 def ride_key_term(term: ScoreTerm2D, q, k, v, k_pos: torch.Tensor, scale: float):

@@ -27,7 +27,16 @@ import torch
 from qkvlab.accounting import analytic_params, flops_per_token, kv_cache_bytes_per_token
 from qkvlab.cache import KVCache
 from qkvlab.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
-from qkvlab.devices import DEVICE_HELP, DTYPE_BYTES, check_device, dtype_name, pick_device, torch_dtype
+from qkvlab.devices import (
+    DEVICE_HELP,
+    DTYPE_BYTES,
+    INFERENCE_DTYPES,
+    check_device,
+    dtype_choices,
+    dtype_name,
+    select_device,
+    torch_dtype,
+)
 from qkvlab.errors import UserError
 from qkvlab.limits import check_fits, check_model, check_training
 from qkvlab.model import GPT
@@ -65,7 +74,7 @@ class BenchConfig:
     dtype: str = setting(
         "auto",
         help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
-        choices=("auto", "fp32", "bf16", "fp16"),
+        choices=dtype_choices(INFERENCE_DTYPES),
     )
     compile: bool = setting(False, help="decode with the static step under torch.compile (compiled once per shape)")
     hf: bool = setting(True, help="time transformers' generate on the same weights")
@@ -314,7 +323,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = pick_device(cfg.device)
+    device = select_device(cfg.device)
     dname = dtype_name(cfg.dtype, device_type=device.type)
     for name, m in variant_configs(cfg):  # before anything is allocated
         check_fits_bench(name, m, cfg, device, dname)

@@ -12,9 +12,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from qkvlab.errors import UserError
+from qkvlab.io import find_model_dir  # noqa: F401  (the commands' import; it lives with the model folders)
 
 COMMANDS = {
     "info": "parameters, KV-cache bytes and FLOPs of a model config",
@@ -36,21 +36,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D401
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def find_model_dir(path: str) -> Path:  # shared by generate and info
-    """The folder itself, or its `checkpoint/` while a training run has not written its final model."""
-    p = Path(path)
-    if not p.exists():
-        raise UserError(f"{path}: no such model folder")
-    if p.is_dir() and not (p / "config.json").exists() and (p / "checkpoint" / "config.json").exists():
-        return p / "checkpoint"
-    if not p.is_dir():
-        raise UserError(
-            f"{path}: a file, not a model folder (expected a folder with config.json and "
-            "model.safetensors, written by qkvlab init/train/convert)"
-        )
-    return p
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

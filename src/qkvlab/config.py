@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from qkvlab.accounting import matched_mlp_hidden
 from qkvlab.config_file import read_config_file
 from qkvlab.errors import UserError
 from qkvlab.positions import PLUS_ENCODINGS
@@ -129,8 +130,6 @@ class ModelConfig:
     @property
     def hidden(self) -> int:
         if self.match_params is not None:
-            from qkvlab.accounting import matched_mlp_hidden
-
             return matched_mlp_hidden(self)
         return self.mlp_hidden if self.mlp_hidden is not None else 4 * self.d_model
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from qkvlab.errors import UserError
+from qkvlab.files import read_user_text
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -43,21 +44,6 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of settings at the top level")
     return data
-
-
-def read_user_text(path: str | Path, label: str | None = None) -> str:
-    """A text file the user named, as str; a missing, unreadable or non-UTF-8 file is one line
-    starting with `label` (default: the path)."""
-    path = Path(path)
-    label = label or str(path)
-    if not path.is_file():
-        raise UserError(f"{label}: no such file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{label}: not UTF-8 text") from None
-    except OSError as e:
-        raise UserError(f"{label}: cannot read it ({e.strerror})") from None
 
 
 def config_to_text(body: Mapping[str, Any], fmt: str = "yaml") -> str:

@@ -1,8 +1,9 @@
-"""One dtype vocabulary and one device resolver for every command.
+"""One dtype vocabulary, one device resolver and the sharding names, for every command.
 
 dtype names: fp32, bf16, fp16, fp64 (also spelled float32, bfloat16, float16, float64), and "auto"
-(bf16 on CUDA, fp32 elsewhere). Devices: auto, cpu, cuda, cuda:N, mps. `resolve_device` is a pure
-function of (requested, CUDA available, local rank) so the distributed setup can call it as is.
+(bf16 on CUDA, fp32 elsewhere). An option's choices are `dtype_choices(ALLOWED)`: every spelling of
+the dtypes it allows. Devices: auto, cpu, cuda, cuda:N, mps; `select_device` is the one resolver
+(a bare "cuda" is always this process's cuda:LOCAL_RANK, cuda:0 outside torchrun).
 """
 
 from __future__ import annotations
@@ -14,8 +15,19 @@ from qkvlab.errors import UserError
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+TRAIN_DTYPES = ("fp32", "bf16")  # autocast dtypes (fp16 would need a grad scaler)
+INFERENCE_DTYPES = ("fp32", "bf16", "fp16")  # generate, bench
+EXACT_DTYPES = ("fp64", "fp32")  # convert: float64 for exact checks
+SHARDINGS = ("ddp", "fsdp")  # train --sharding, info --memory
 DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps"
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
+
+
+def dtype_choices(allowed: tuple[str, ...] = DTYPES, *, auto: bool = True) -> tuple[str, ...]:
+    """Every spelling an option accepts for `allowed`: auto (unless auto=False), the short names,
+    then their long aliases (float32, bfloat16, ...)."""
+    longs = tuple(long for long, short in DTYPE_ALIASES.items() if short in allowed)
+    return (("auto",) if auto else ()) + tuple(allowed) + longs
 
 
 def dtype_name(name: str, *, device_type: str = "cpu", allowed: tuple[str, ...] = DTYPES) -> str:
@@ -49,34 +61,18 @@ def check_device(name: str) -> str:
     return name
 
 
-def resolve_device(requested: str, cuda_available: bool, local_rank: int = 0, per_rank: bool = False) -> str:
-    """The device string to use. auto: CUDA when available, else cpu. With `per_rank` (several ranks
-    or GPUs), a bare "cuda" becomes this rank's cuda:LOCAL_RANK. Pure: no torch calls."""
-    check_device(requested)
-    device = ("cuda" if cuda_available else "cpu") if requested == "auto" else requested
-    if device.startswith("cuda") and not cuda_available:
-        raise UserError(f"device={requested}: no CUDA device on this machine; use cpu or auto")
-    if device == "cuda" and per_rank:
-        device = f"cuda:{local_rank}"
-    return device
+def select_device(requested: str = "auto", local_rank: int = 0, world: int = 1, cuda_count: int | None = None):
+    """The one device resolver: the torch.device this process uses, always with an index when it is
+    CUDA (set_device needs one, and "cuda" means the same device everywhere).
 
-
-def pick_device(requested: str = "auto"):
-    """torch.device for a single-process command (generate, bench): CUDA always with an index."""
-    import torch
-
-    return select_device(requested, 0, 1, torch.cuda.device_count() if torch.cuda.is_available() else 0)
-
-
-def select_device(requested: str, local_rank: int, world: int, cuda_count: int):
-    """The device this process trains on, always with an index when it is CUDA (set_device needs one).
-
-    requested: "auto", "cpu", "mps", "cuda" or "cuda:N"; cuda_count: visible CUDA devices (0 without
-    CUDA). "auto" and "cuda" pick cuda:LOCAL_RANK (one process per GPU under torchrun; cuda:0 alone).
-    Pure: a torch.device is only a name. The training ranks' resolver (train.distributed.setup)."""
+    requested: "auto", "cpu", "mps", "cuda" or "cuda:N". "auto" and "cuda" pick cuda:LOCAL_RANK (one
+    process per GPU under torchrun; cuda:0 alone). cuda_count: visible CUDA devices (None: ask torch;
+    0 without CUDA), so with every argument given it is pure (a torch.device is only a name)."""
     import torch
 
     check_device(requested)
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     dev = torch.device(("cuda" if cuda_count > 0 else "cpu") if requested == "auto" else requested)
     if dev.type != "cuda":
         return dev

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qkvlab.devices import DEVICE_HELP, check_device
+from qkvlab.devices import DEVICE_HELP, INFERENCE_DTYPES, check_device, dtype_choices
 from qkvlab.errors import UserError
 from qkvlab.generate import COMPILE_MODES, Sampling
 from qkvlab.settings import check, setting
@@ -30,7 +30,7 @@ class GenerateConfig:
     dtype: str = setting(
         "auto",
         help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
-        choices=("auto", "fp32", "bf16", "fp16"),
+        choices=dtype_choices(INFERENCE_DTYPES),
     )
     compile: str = setting(
         "auto",

@@ -1,20 +1,15 @@
-"""Model directories (``model.safetensors`` + ``config.json``) and atomic file writes.
+"""Model directories (``model.safetensors`` + ``config.json``), metrics rows and tied weights.
 
-Nothing a user may receive is a pickle: weights are safetensors, metadata JSON.
+Nothing a user may receive is a pickle: weights are safetensors, metadata JSON. The file writers
+live in the torch-free `qkvlab.files` and are re-exported here for callers that already hold io.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import math
-import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -22,137 +17,24 @@ from safetensors.torch import load_file, save_file
 
 from qkvlab import __version__
 from qkvlab.config import ModelConfig
-from qkvlab.config_file import read_user_text  # noqa: F401 (one reader of the files a user names)
 from qkvlab.errors import UserError
+from qkvlab.files import (  # noqa: F401  (re-exported: the writers' old home)
+    atomic_dir,
+    atomic_file,
+    atomic_path,
+    atomic_write,
+    file_sha256,
+    finite_row,
+    json_text,
+    read_json,
+    read_user_text,
+)
+from qkvlab.folders import check_model_target
+from qkvlab.limits import check_model
+from qkvlab.model import GPT
+from qkvlab.positions import is_legacy_key
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file, read in blocks (weights and corpora can be large)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (a no-op where directories cannot be opened)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO]:
-    """The one way qkvlab writes a file: yield a temp file beside `path`; on success it is flushed,
-    fsynced, given the ordinary permissions (0666 minus the umask) and renamed over `path`, and the
-    folder is fsynced. Readers see the old file or the new one, never a part; on an error the temp
-    file is removed and `path` is untouched."""
-    path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise UserError(f"{path}: cannot write there ({e.strerror})") from None
-    try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write(path: str | Path, data: str | bytes) -> None:
-    """Write text (UTF-8) or bytes to `path` through `atomic_file`."""
-    with atomic_file(path, "wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
-
-
-@contextlib.contextmanager
-def atomic_dir(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
-    """Yield a fresh temp folder beside `path`; on success it replaces `path` whole. With
-    replace=False it is only renamed into a missing or empty `path`: a folder that appeared
-    meanwhile (another process) is never replaced, the write is refused instead.
-
-    Every file in it is fsynced before the rename, and the parent folder after it. If the process
-    dies, `path` is either the old complete folder or the new one (at worst the old one survives
-    as `.NAME.old-*`, which `load_model` never reads)."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-    except OSError as e:
-        raise UserError(f"{path}: cannot write there ({e.strerror})") from None
-    try:
-        yield tmp
-        mask = _umask()
-        for f in tmp.rglob("*"):  # durable before the rename publishes them; ordinary modes
-            if f.is_file():  # (mkdtemp makes 0700, safetensors writes 0600)
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-                os.chmod(f, 0o666 & ~mask)
-            elif f.is_dir():
-                os.chmod(f, 0o777 & ~mask)
-        _fsync_dir(tmp)
-        os.chmod(tmp, 0o777 & ~mask)
-        if not replace:
-            try:
-                os.rename(tmp, path)  # replaces an empty folder, never a non-empty one or a file
-            except OSError:
-                raise UserError(f"{path} appeared while it was being written; nothing was replaced") from None
-            _fsync_dir(path.parent)
-        elif path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            _fsync_dir(path.parent)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-            _fsync_dir(path.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-# ---- strict JSON ----------------------------------------------------------------------------------
-def json_text(obj: Any, *, indent: int | None = None) -> str:
-    """The one way qkvlab serialises JSON: strict (no NaN/Infinity tokens, which JSON readers
-    reject), non-finite floats written as null, newline-terminated. Metrics rows also say which
-    values were not finite (`finite_row`)."""
-    return json.dumps(_finite(obj), indent=indent, allow_nan=False) + "\n"
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def finite_row(row: dict[str, Any]) -> dict[str, Any]:
-    """A metrics row with each non-finite number as null and its key listed under "nonfinite"."""
-    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
-    return {**_finite(row), "nonfinite": bad} if bad else row
 
 
 # ---- metrics.jsonl ------------------------------------------------------------------------------
@@ -225,8 +107,10 @@ def config_body(cfg: ModelConfig, kind: str = "gpt", meta: dict[str, Any] | None
 def write_model_files(
     folder: Path, model: torch.nn.Module, cfg: ModelConfig, meta: dict[str, Any] | None = None
 ) -> None:
-    save_file(state_dict_for_save(model), str(folder / WEIGHTS), metadata={"format": "pt"})
-    (folder / CONFIG).write_text(json_text(config_body(cfg, "gpt", meta), indent=2))
+    """The model's two files in `folder`, each written atomically (a reader never sees half of one)."""
+    with atomic_path(folder / WEIGHTS) as tmp:
+        save_file(state_dict_for_save(model), str(tmp), metadata={"format": "pt"})
+    atomic_write(folder / CONFIG, json_text(config_body(cfg, "gpt", meta), indent=2))
 
 
 def save_model(
@@ -239,26 +123,50 @@ def save_model(
 ) -> Path:
     """Write a model folder atomically: into a missing or empty `path`, or over a model folder
     with overwrite=True; anything else is refused before writing (qkvlab.folders)."""
-    from qkvlab.folders import check_model_target
-
     check_model_target(path, overwrite=overwrite, flag="path")
     with atomic_dir(path, replace=overwrite) as tmp:
         write_model_files(tmp, model, cfg, meta)
     return Path(path)
 
 
+def find_model_dir(path: str | Path) -> Path:
+    """The model folder a user named: the folder itself, or its `checkpoint/` while a training run has
+    not written its final model (generate, info, similarity, serve)."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{path}: no such model folder")
+    if p.is_dir() and not (p / "config.json").exists() and (p / "checkpoint" / "config.json").exists():
+        return p / "checkpoint"
+    if not p.is_dir():
+        raise UserError(
+            f"{path}: a file, not a model folder (expected a folder with config.json and "
+            "model.safetensors, written by qkvlab init/train/convert)"
+        )
+    return p
+
+
 def read_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """The model config of a model folder (or of its config.json) and the file's whole body: the one
+    reader of qkvlab's config.json."""
     path = Path(path)
     cfg_file = path / CONFIG if path.is_dir() else path
     if not cfg_file.exists():
         raise UserError(f"{path}: no {CONFIG} found (expected a model folder written by qkvlab init/train/convert)")
-    try:
-        body = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{cfg_file}: not a JSON config ({e})") from None
+    body = read_json(cfg_file)
     if not isinstance(body, dict) or "model" not in body:
         raise UserError(f"{cfg_file}: not a qkvlab config (no 'model' key); import other formats with qkvlab convert")
     return ModelConfig.from_dict(body["model"]), body
+
+
+def is_model_folder(path: str | Path) -> bool:
+    """True when `path` is a folder whose config.json is qkvlab's (a JSON object with a "model"
+    key), not a Hugging Face folder or a GGUF file; never raises (reading it is `read_config`)."""
+    cfg_file = Path(path) / CONFIG
+    try:
+        body = read_json(cfg_file) if cfg_file.is_file() else None
+    except UserError:
+        return False
+    return isinstance(body, dict) and "model" in body
 
 
 def load_weights(file: str | Path) -> dict[str, torch.Tensor]:
@@ -281,9 +189,6 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     The model is built on the meta device and the file's tensors become its parameters
     (`load_state_dict(assign=True)`, as gpt-fast does): no random initialisation is computed and
     thrown away. Weights keep their stored dtype (float64 stays float64 for exact conversions)."""
-    from qkvlab.limits import check_model
-    from qkvlab.model import GPT
-
     cfg, body = read_config(path)
     if body.get("kind", "gpt") != "gpt":
         raise UserError(f"{path}: a {body.get('kind')!r} model; this command needs a decoder ('gpt')")
@@ -311,8 +216,8 @@ def build_model_from_state(
         raise UserError(f"{where}: tensor {bad} holds NaN or infinite values; this model cannot be used")
     stored = {t.dtype for t in state.values()}
     target = stored.pop() if len(stored) == 1 else torch.float32
-    with torch.device("meta"):
-        model = cls(cfg)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the caller's RNG stays untouched
+        model = cls(cfg)  # (a model draws its init seed from it even on meta: init.py)
     aliases = tied_aliases(model)
     check_state(model, state, aliases, where)
     # copies in fresh (64-byte aligned) memory: safetensors' tensors sit at arbitrary offsets of
@@ -334,8 +239,6 @@ def build_model_from_state(
 def check_state(model: torch.nn.Module, state: dict[str, torch.Tensor], aliases: dict[str, str], where: str) -> None:
     """One line naming the first tensor that is missing, unexpected or of the wrong shape (keys older
     versions wrote that never acted, positions.LEGACY_KEYS, are accepted: loading drops them)."""
-    from qkvlab.positions import is_legacy_key
-
     expected = {k: v for k, v in model.state_dict().items() if k not in aliases}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(k for k in set(state) - set(expected) if not is_legacy_key(k))

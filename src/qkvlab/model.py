@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from qkvlab.attention import Attention, dropout
 from qkvlab.cache import KVCache
 from qkvlab.config import ModelConfig
+from qkvlab.errors import UserError
 from qkvlab.init import draw_seed, init_paired
 from qkvlab.positions import Rotary, SinusoidalPositions
 
@@ -120,8 +121,6 @@ class GPT(nn.Module):
         init_seed = draw_seed()  # before any module is built: variants at one seed pair (init.py)
         cfg.validate()
         if cfg.head != "linear":
-            from qkvlab.errors import UserError
-
             raise UserError(f"head={cfg.head!r} is an encoder's output head; a language model's head is linear")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -191,7 +190,6 @@ class PatchInput(nn.Module):
 
     def __init__(self, cfg: ModelConfig, channels: int, image_size: int, patch: int, cls_token: bool = True):
         super().__init__()
-        from qkvlab.errors import UserError
 
         if image_size % patch:
             raise UserError(f"patch={patch} must divide image_size={image_size}")
@@ -244,7 +242,6 @@ class Encoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, inputs: nn.Module, head: str, n_out: int = 1, pool: str = "cls"):
         super().__init__()
-        from qkvlab.errors import UserError
 
         init_seed = draw_seed()
         if head not in HEADS:

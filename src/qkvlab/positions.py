@@ -100,6 +100,11 @@ def encoding_2d(rows: int, cols: int, channels: int, encoding: str = "original")
     return torch.cat((row[:, None].expand(rows, cols, -1), col[None].expand(rows, cols, -1)), dim=-1)
 
 
+def plus_channels_pad(head_dim: int) -> int:
+    """Extra channels for the "+" key term: at least one, up to a multiple of 8 (flash kernels' head dims)."""
+    return -(head_dim + 1) % 8 + 1
+
+
 LEGACY_KEYS = ("score_term.bias",)  # parameters older checkpoints hold that never acted: loaded and dropped
 
 

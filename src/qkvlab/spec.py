@@ -209,36 +209,70 @@ def validate_heads(spec: ProjectionSpec, *, d_model: int, n_head: int, d_head: i
                 )
 
 
+# ---- key/value heads: one notation for variants (Q-K=V/MQA) and per-layer entries (Q-K=V/MQA@-4:) --
+# MQA: 1 kv head; GQA-g: g kv heads; MHA: as many as the query heads. Written canonically as MQA or
+# GQA-g; read also as GQAg or a bare count g (what per-layer strings and config.json files wrote
+# before: 'Q-K=V/2'), in any letter case. A count is unambiguous: no other option is a number.
+KV_HEADS_FORMS = "MQA, GQA-g, MHA or a count g >= 1"
+_KV_HEADS = re.compile(r"^(?:(MQA)|(MHA)|GQA-?(\d+)|(\d+))$", re.IGNORECASE)
+
+
+def is_kv_heads(text: str) -> bool:
+    """True when `text` is written as a kv-head option (it may still be refused: GQA-0)."""
+    return bool(_KV_HEADS.match(text.strip()))
+
+
+def parse_kv_heads(text: str, n_head: int | None = None) -> int | None:
+    """'MQA' -> 1, 'GQA-4' / 'GQA4' / '4' -> 4, 'MHA' -> n_head (None when n_head is not given: as
+    many as the query heads, the default). Anything else is a UserError naming the forms."""
+    m = _KV_HEADS.match(text.strip())
+    if not m:
+        raise UserError(f"kv heads {text.strip()!r} must be {KV_HEADS_FORMS}")
+    mqa, mha, g, count = m.groups()
+    if mqa:
+        return 1
+    if mha:
+        return n_head
+    kv = int(g or count)
+    if kv < 1:
+        raise UserError(f"kv heads {text.strip()!r} must be {KV_HEADS_FORMS}")
+    return kv
+
+
+def format_kv_heads(kv: int, n_head: int | None = None) -> str:
+    """The canonical spelling: 1 -> 'MQA', g -> 'GQA-g', and 'MHA' when kv == n_head is given
+    (parse_kv_heads(format_kv_heads(kv, n), n) == kv)."""
+    if kv == n_head:
+        return "MHA"
+    return "MQA" if kv == 1 else f"GQA-{kv}"
+
+
 # ---- per-layer schemes -------------------------------------------------------------------------
 # ModelConfig.layers gives layers their own scheme and kv heads over the base (attn, kv_heads):
 #   overrides  "ENTRY@SEL; ENTRY@SEL"     later overrides win, unnamed layers keep the base
 #   list       "ENTRY|ENTRY|...|ENTRY"    one entry per layer
-# ENTRY is SCHEME[/KV] (KV: a kv-head count, MQA = 1, MHA = n_head; an empty SCHEME keeps the
-# base scheme, e.g. "/MQA@-4:"). SEL is a comma list of layer indices (negative: from the end),
+# ENTRY is SCHEME[/KV] (KV as above: MQA, GQA-g, MHA = n_head or a count; an empty SCHEME keeps
+# the base scheme, e.g. "/MQA@-4:"). SEL is a comma list of layer indices (negative: from the end),
 # slices "a:b[:s]" as in Python, and "everyK" (layers K-1, 2K-1, ...: every K-th layer counting
 # from 1, as Gemma places its global layers). Examples: "Q-K=V@every4", "Q-K=V@0,5,7",
-# "Q-K=V/MQA@-4:", "Q-K-V|Q-K=V|Q-K=V/1|Q-K-V".
+# "Q-K=V/MQA@-4:", "Q-K-V|Q-K=V|Q-K=V/GQA-2|Q-K-V".
 _INT = re.compile(r"^-?\d+$")
 _SLICE = re.compile(r"^(-?\d*):(-?\d*)(?::(\d*))?$")
 _EVERY = re.compile(r"^every(\d+)$")
 
 
 def _layer_entry(text: str, entry: str, n_head: int) -> tuple[str | None, int | None, bool]:
-    """'Q-K=V/2' -> ('Q-K=V', 2, True); an empty scheme -> None; no '/' -> kv unchanged (False)."""
+    """'Q-K=V/GQA-2' -> ('Q-K=V', 2, True); an empty scheme -> None; no '/' -> kv unchanged (False)."""
     scheme, slash, kv = entry.partition("/")
     scheme = scheme.strip() or None
     if scheme is not None:
         scheme = parse_scheme(scheme).name
     if not slash:
         return scheme, None, False
-    kv = kv.strip().upper()
-    if kv == "MQA":
-        return scheme, 1, True
-    if kv == "MHA":
-        return scheme, n_head, True
-    if not kv.isdigit() or int(kv) <= 0:
-        raise UserError(f"layers {text!r}: kv heads {kv!r} must be a positive integer, MQA or MHA")
-    return scheme, int(kv), True
+    try:
+        return scheme, parse_kv_heads(kv, n_head), True
+    except UserError as e:
+        raise UserError(f"layers {text!r}: {e}") from None
 
 
 def select_layers(sel: str, n_layer: int, text: str | None = None) -> list[int]:
@@ -306,10 +340,10 @@ def parse_layers(
 
 
 def format_layers(table: tuple[tuple[str, int | None], ...], base: tuple[str, int | None] | None = None) -> str:
-    """A per-layer table as notation: overrides of `base` ("Q-K=V/3@0,1,16"), or the '|' list."""
+    """A per-layer table as notation: overrides of `base` ("Q-K=V/GQA-3@0,1,16"), or the '|' list."""
 
     def entry(scheme: str, kv: int | None) -> str:
-        return scheme if kv is None else f"{scheme}/{kv}"
+        return scheme if kv is None else f"{scheme}/{format_kv_heads(kv)}"
 
     if base is None:
         return "|".join(entry(*t) for t in table)

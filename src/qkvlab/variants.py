@@ -2,7 +2,9 @@
 
 SCHEME is a projection scheme (``Q-K-V``, ``Id-K-V``, ``Q-K=V``, ``(Q=K-V)+`` ...); options:
 
-- ``MQA``: one key/value head; ``GQA-g`` (or ``GQAg``): g key/value heads;
+- ``MQA``: one key/value head; ``GQA-g``: g key/value heads (the notation of per-layer
+  ``--layers`` entries too: ``qkvlab.spec.parse_kv_heads``; also read as ``GQAg``, a bare count
+  ``g``, or ``MHA`` for the default);
 - ``mlp``: MLP widened so the parameter count equals Q-K-V's (Paper A's identity_larger_mlp);
   ``mlp=SCHEME`` matches another scheme's count (``Q-K-V/mlp=Id-K-V``: Paper A's
   original_smaller_mlp, MLP 3.5x at GPT-2 small);
@@ -16,16 +18,15 @@ because ``+`` already means the 2D positional score term. A list is comma-separa
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qkvlab.accounting import analytic_params
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
-from qkvlab.spec import parse_scheme
+from qkvlab.spec import KV_HEADS_FORMS, format_kv_heads, is_kv_heads, parse_kv_heads, parse_scheme
 
 BASELINE = "Q-K-V"
-_GQA = re.compile(r"^GQA-?(\d+)$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Variant:
     def name(self) -> str:
         out = self.scheme
         if self.kv_heads is not None:
-            out += "/MQA" if self.kv_heads == 1 else f"/GQA-{self.kv_heads}"
+            out += f"/{format_kv_heads(self.kv_heads)}"
         if self.match is not None:
             out += "/mlp" if self.match == BASELINE else f"/mlp={self.match}"
         if self.width is not None:
@@ -72,8 +73,6 @@ def matched_width(cfg: ModelConfig, scheme: str) -> int:
     """Smallest multiple of n_head for d_model (d_head = d_model / n_head, MLP following d_model
     unless set) whose non-embedding parameter count is at least `cfg` with `scheme`'s. Paper A's
     original_smaller_overall: Q-K-V at d_model 744 vs Id-K-V at GPT-2 small."""
-    from qkvlab.accounting import analytic_params
-
     target = analytic_params(cfg.replace(attn=scheme, match_params=None)).non_embedding
     follow = cfg.mlp_hidden is not None and cfg.mlp_hidden == 4 * cfg.d_model
     for k in range(1, cfg.d_model // cfg.n_head + 1):
@@ -94,13 +93,13 @@ def parse_variant(text: str) -> Variant:
         scheme = parse_scheme(parts[0]).name
     except UserError as e:
         raise UserError(f"variant {text!r}: {e}") from None
-    kv, match, width = None, None, None
+    kv, match, width, kv_given = None, None, None, False
     for opt in parts[1:]:
-        gqa = _GQA.match(opt)
-        if opt.upper() == "MQA" and kv is None:
-            kv = 1
-        elif gqa and kv is None and int(gqa.group(1)) > 0:
-            kv = int(gqa.group(1))
+        if is_kv_heads(opt) and not kv_given:
+            try:
+                kv, kv_given = parse_kv_heads(opt), True  # MHA: None, the default
+            except UserError as e:
+                raise UserError(f"variant {text!r}: {e}") from None
         elif opt.lower() == "mlp" and match is None:
             match = BASELINE
         elif opt.lower().startswith("mlp=") and match is None:
@@ -115,7 +114,7 @@ def parse_variant(text: str) -> Variant:
                 raise UserError(f"variant {text!r}: {e}") from None
         else:
             raise UserError(
-                f"variant {text!r}: option {opt!r} is not one of MQA, GQA-g, mlp, mlp=SCHEME, width=SCHEME "
+                f"variant {text!r}: option {opt!r} is not kv heads ({KV_HEADS_FORMS}), mlp, mlp=SCHEME or width=SCHEME "
                 "(each at most once; mlp or width, not both), e.g. Q-K=V/MQA or Id-K-V/mlp"
             )
     if width is not None and match is not None:

@@ -18,6 +18,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from qkvlab.analysis.trends import plot_gap_trajectories
+from qkvlab.errors import UserError
+from qkvlab.files import save_figure  # noqa: E402
+
 if TYPE_CHECKING:
     from qkvlab.analysis.results import Results
 
@@ -71,7 +75,7 @@ def plot_loss_curves(res: Results, path: Path) -> Path:
     for ax in list(axes.flat)[len(tasks) :]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    save_figure(fig, path, dpi=DPI)
     plt.close(fig)
     return path
 
@@ -130,7 +134,7 @@ def plot_ppl_vs_cache(res: Results, path: Path, task: str = "lm") -> Path | None
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    save_figure(fig, path, dpi=DPI)
     plt.close(fig)
     return path
 
@@ -180,15 +184,13 @@ def plot_metric_bars(res: Results, path: Path) -> Path | None:
         fontsize=8, ncol=min(7, len(variants) + 1), loc="upper center", bbox_to_anchor=(0.5, -0.12), framealpha=0.9
     )  # below the axes: never over a bar
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    save_figure(fig, path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
 def plot_gap_trends(res: Results, path: Path) -> Path | None:
     """Every variant's gap to Q-K-V over training tokens, one panel per task (analysis/trends.py)."""
-    from qkvlab.analysis.trends import plot_gap_trajectories
-
     panels: dict[str, list] = {}
     for task, traj, tr in res.trends():
         panels.setdefault(task, []).append((traj, tr))
@@ -210,8 +212,6 @@ def cache_vs_quality_points(compare_dir: str | Path) -> list[tuple[str, float, f
     """(label, KV-cache bytes per token, validation loss) per row of a compare run's results.csv;
     the label carries the perplexity change vs Q-K-V where the CSV has one."""
     import csv
-
-    from qkvlab.errors import UserError
 
     path = Path(compare_dir) / "results.csv"
     if not path.is_file():
@@ -245,6 +245,6 @@ def plot_cache_vs_quality(compare_dir: str | Path, out_file: str | Path) -> Path
     ax.set_title("cache bytes vs quality")
     fig.tight_layout()
     out_file = Path(out_file)
-    fig.savefig(out_file, dpi=DPI)
+    save_figure(fig, out_file, dpi=DPI)
     plt.close(fig)
     return out_file

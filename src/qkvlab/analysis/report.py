@@ -18,6 +18,7 @@ from qkvlab.analysis.results import Results, collect
 from qkvlab.analysis.trends import trends_markdown
 from qkvlab.analysis.verdict_table import verdicts_markdown
 from qkvlab.analysis.verdicts import PERPLEXITY_METRIC
+from qkvlab.units import EMPTY, human
 from qkvlab.variants import BASELINE, parse_variant
 
 # ---- writing ----------------------------------------------------------------------------------
@@ -118,24 +119,16 @@ def to_csv(res: Results) -> str:
     return buf.getvalue()
 
 
-def human(n: float, unit: str = "", spec: str = ".2f") -> str:
-    """1234567 -> '1.23M' (k, M, G); the one number formatter of tables and `qkvlab info`."""
-    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:{spec}}{suffix}{unit}"
-    return f"{n:g}{unit}"
-
-
 def _pm(ms: tuple[float, float] | None, fmt: str = "{:.4f}", n: int = 1) -> str:
     if ms is None:
-        return "–"
+        return EMPTY
     m, s = ms
     return fmt.format(m) + (" ± " + fmt.format(s).lstrip("+") if n > 1 else "")
 
 
 def _pct(x: float | None) -> str:
     if x is None:
-        return "–"
+        return EMPTY
     return f"{100 * x:.1f}%" if x >= 0.1 else f"{100 * x:.2g}%"
 
 

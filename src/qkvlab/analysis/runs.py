@@ -15,6 +15,7 @@ from typing import Any
 
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
+from qkvlab.io import atomic_write, json_text, read_config, read_metrics
 
 MANIFEST = "compare.json"
 
@@ -27,7 +28,6 @@ def run_finished(run_dir: str | Path) -> bool:
     d = Path(run_dir)
     if not ((d / WEIGHTS).is_file() and (d / METRICS).is_file() and (d / CONFIG).is_file()):
         return False
-    from qkvlab.io import read_config
 
     try:
         _, body = read_config(d)
@@ -90,8 +90,6 @@ def test_value(test: dict[str, Any] | None, metric: str) -> tuple[float, float, 
 
 
 def load_run(task: str, variant: str, seed: int, run_dir: str | Path, point: str = "") -> Run:
-    from qkvlab.io import read_config, read_metrics
-
     cfg, _ = read_config(run_dir)
     history = read_metrics(run_dir, required=True)
     return Run(task, variant, seed, Path(run_dir), cfg, history, point, read_test(run_dir))
@@ -109,7 +107,5 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
 
 
 def write_manifest(out_dir: str | Path, manifest: dict[str, Any]) -> None:
-    from qkvlab.io import atomic_write, json_text
-
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     atomic_write(Path(out_dir) / MANIFEST, json_text(manifest, indent=2))

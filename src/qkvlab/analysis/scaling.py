@@ -22,7 +22,6 @@ fitted against log10(C).
 from __future__ import annotations
 
 import csv
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -179,13 +178,11 @@ def _read_one(root: Path, d: Path) -> tuple[ScalingRun, dict | None] | None:
     """A finished run folder as a ScalingRun (validation loss) and its test.json; None: no loss."""
     from qkvlab.accounting import analytic_params
     from qkvlab.analysis.runs import read_test
-    from qkvlab.config import ModelConfig
-    from qkvlab.io import read_metrics
+    from qkvlab.io import read_config, read_metrics
 
     rel = d.relative_to(root)
-    body = json.loads((d / "config.json").read_text())
+    cfg, body = read_config(d)
     train = body.get("train", {})
-    cfg = ModelConfig.from_dict(body["model"])
     base = cfg.replace(attn=BASELINE, kv_heads=None, match_params=None)
     rows = [r for r in read_metrics(d) if r.get("val_loss") is not None]
     if not rows:
@@ -254,14 +251,3 @@ def read_runs_csv(path: str | Path) -> list[ScalingRun]:
         )
         for r in rows
     ]
-
-
-def write_scaling_results(
-    runs_dir: str | Path, out_dir: str | Path, *, command: str = "", plots: bool = True
-) -> Scaling:
-    """Read the sweep's finished runs under runs_dir (or, with no run folders there, its
-    results.csv); write results.md, results.csv, gap_vs_params.png and gap_vs_compute.png into
-    out_dir (created; only these files written)."""
-    from qkvlab.analysis.scaling_report import write_files
-
-    return write_files(runs_dir, out_dir, command=command, plots=plots)

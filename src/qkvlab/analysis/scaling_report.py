@@ -20,6 +20,7 @@ from qkvlab.analysis.scaling import (
     read_runs,
     read_runs_csv,
 )
+from qkvlab.files import save_figure
 from qkvlab.variants import BASELINE
 
 CSV_COLUMNS = (
@@ -112,7 +113,7 @@ def _run_section(sc: Scaling, manifest: dict | None, note: str) -> list[str]:
 
 
 def _sizes_section(sc: Scaling) -> list[str]:
-    from qkvlab.analysis.report import human
+    from qkvlab.units import human
 
     seeds = {s: sorted({r.seed for r in sc.runs if r.size == s}) for s in sc.sizes}
     out = [
@@ -240,13 +241,17 @@ def plot_scaling(sc: Scaling, path: str | Path, *, against: str = "params") -> P
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4, framealpha=0.9)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=150, bbox_inches="tight")
+    save_figure(fig, path, dpi=150, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def write_files(runs_dir: str | Path, out_dir: str | Path, *, command: str = "", plots: bool = True) -> Scaling:
-    """See :func:`qkvlab.analysis.scaling.write_scaling_results`."""
+def write_scaling_results(
+    runs_dir: str | Path, out_dir: str | Path, *, command: str = "", plots: bool = True
+) -> Scaling:
+    """Read the sweep's finished runs under runs_dir (or, with no run folders there, its
+    results.csv); write results.md, results.csv, gap_vs_params.png and gap_vs_compute.png into
+    out_dir (created; only these files written)."""
     from qkvlab.analysis.runs import MANIFEST, read_manifest
     from qkvlab.errors import UserError
     from qkvlab.io import atomic_write

@@ -120,6 +120,6 @@ def seeds_cell(v: ClaimVerdict, runs_per_seed: int, seconds_per_run: float | Non
         return f"> {N_MAX}"
     if not seconds_per_run:
         return str(n)
-    from qkvlab.compare.pace import fmt_duration
+    from qkvlab.units import fmt_duration
 
     return f"{n} (≈ {fmt_duration(decide_seconds(n, v.seeds, runs_per_seed, seconds_per_run))} here)"

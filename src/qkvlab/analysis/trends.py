@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkvlab.analysis.intervals import LEVEL, Interval, ols
+from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, pairing_key
+from qkvlab.files import save_figure
 
 SHRINKING, FLAT, GROWING = "shrinking", "flat", "growing"
 History = Sequence[tuple[float, float]]  # (tokens, value) per evaluation
@@ -100,8 +102,6 @@ def trajectories_from_runs(
 ) -> list[tuple[str, Trajectory, Trend]]:
     """Runs (task, variant, seed, history, optionally point) -> (task, trajectory, trend) for every
     variant of every task that has the baseline, paired by (grid point, seed)."""
-    from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, pairing_key
-
     hist: dict[str, dict[str, dict[Hashable, list[tuple[float, float]]]]] = {}
     for r in runs:
         if r.task not in metric:
@@ -203,6 +203,6 @@ def plot_gap_trajectories(
         ax.axis("off")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=150, bbox_inches="tight")
+    save_figure(fig, path, dpi=150, bbox_inches="tight")
     plt.close(fig)
     return path

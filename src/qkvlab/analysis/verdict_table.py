@@ -80,7 +80,7 @@ def _commands(tested, runs_per_seed: int, seconds_per_run: float | None, command
             by_n.setdefault(n, []).append(v.claim.id)
     if not by_n:
         return []
-    from qkvlab.compare.pace import fmt_duration
+    from qkvlab.units import fmt_duration
 
     have = min(v.seeds for v in tested)
     lines = ["", "To decide the inconclusive claims (seeds per variant from this run's spread, docs/analysis.md):", ""]

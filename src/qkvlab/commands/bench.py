@@ -12,15 +12,12 @@ from qkvlab.bench import BenchConfig
 from qkvlab.errors import UserError
 from qkvlab.folders import check_file_target
 from qkvlab.settings import add_config_options, add_options, load, print_config
+from qkvlab.units import cell, nbytes
 
 
 def add_arguments(p) -> None:
     add_config_options(p, "bench settings")
     add_options(p, BenchConfig)
-
-
-def _fmt(x, spec=".1f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def _is_bench_json(path: Path) -> bool:
@@ -50,11 +47,11 @@ def run(args) -> int:
     table = [head]
     for name, r in rows.items():
         ours, theirs = r["decode_tokens_per_s_by_batch"], r["hf_decode_tokens_per_s_by_batch"] or {}
-        row = [name, _fmt(r.get("train_tokens_per_s"), ".0f"), _fmt(r.get("train_mfu") and 100 * r["train_mfu"], ".1f")]
+        row = [name, cell(r.get("train_tokens_per_s"), ".0f"), cell(r.get("train_mfu") and 100 * r["train_mfu"], ".1f")]
         for b in keys:
             limit = r["bandwidth_fraction_by_batch"][b]
-            row += [_fmt(r["prefill_tokens_per_s_by_batch"][b], ".0f"), _fmt(ours[b]), _fmt(theirs.get(b))]
-            row += [_fmt(100 * limit, ".0f")]
+            row += [cell(r["prefill_tokens_per_s_by_batch"][b], ".0f"), cell(ours[b]), cell(theirs.get(b))]
+            row += [cell(100 * limit, ".0f")]
         row += [
             f"{r['kv_cache_bytes_allocated']:,}",
             f"{r['kv_cache_bytes_analytic']:,}",
@@ -67,11 +64,11 @@ def run(args) -> int:
     print(
         f"{result['device']} {result['dtype']}, matmul {result['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s; "
         f"cache at context {first['context']} x batch {cfg.batch}; capacity in "
-        f"{first['memory_budget_bytes'] / 1e9:.1f} GB; decode prompt {cfg.prompt_len} + {first['decode_new_tokens']} tokens"
+        f"{nbytes(first['memory_budget_bytes'])}; decode prompt {cfg.prompt_len} + {first['decode_new_tokens']} tokens"
     )
     print(
         f"tokens/s; decode = one step per token after the prefill ({first['decode_path']} path), % limit = "
-        f"the step's memory-bandwidth limit (weights + cache at {result['copy_bytes_per_s'] / 1e9:.1f} GB/s) / its time"
+        f"the step's memory-bandwidth limit (weights + cache at {nbytes(result['copy_bytes_per_s'])}/s) / its time"
     )
     for row in table:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))

@@ -35,7 +35,7 @@ def encode_prompts(cfg: GenerateConfig, tok, vocab_size: int) -> list[list[int]]
 
 def run(args) -> int:
     from qkvlab.data.tokenizer import resolve_tokenizer
-    from qkvlab.devices import pick_device, torch_dtype
+    from qkvlab.devices import select_device, torch_dtype
     from qkvlab.io import load_model, read_config
 
     cfg = load(GenerateConfig, args.config, args)
@@ -46,7 +46,7 @@ def run(args) -> int:
     model_cfg, body = read_config(model_dir)  # validates the folder before weights are read
     tok = resolve_tokenizer(cfg.tokenizer, model_dir, body)
     prompts = encode_prompts(cfg, tok, model_cfg.vocab_size)
-    device = pick_device(cfg.device)
+    device = select_device(cfg.device)
     model, model_cfg, _ = load_model(model_dir, device=device, dtype=torch_dtype(cfg.dtype, device.type))
     mode = cfg.compile if cfg.compile != "auto" else ("reduce-overhead" if device.type == "cuda" else "off")
 

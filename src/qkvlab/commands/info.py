@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 
-from qkvlab.accounting import InfoConfig, memory_estimate, report
-from qkvlab.analysis.report import human
-from qkvlab.cli import find_model_dir
+from qkvlab.accounting import memory_estimate, report
 from qkvlab.config import choose_model, model_config_file
+from qkvlab.info_config import InfoConfig
+from qkvlab.io import find_model_dir
 from qkvlab.settings import add_config_options, add_options, load, print_config
 from qkvlab.spec import KNOWN_SCHEMES
+from qkvlab.units import human, nbytes
 
 
 def add_arguments(p) -> None:
@@ -62,7 +63,7 @@ def run(args) -> int:
         (f"KV cache / token ({opts.dtype})", f"{info['kv_cache_bytes_per_token']:,} B"),
         (
             f"KV cache @ {info['context']} tokens",
-            f"{info['kv_cache_bytes']:,} B ({human(info['kv_cache_bytes'], 'B')})",
+            f"{info['kv_cache_bytes']:,} B ({nbytes(info['kv_cache_bytes'])})",
         ),
         ("train FLOPs / token", f"{info['flops_per_token']:,} ({human(info['flops_per_token'])})"),
     ]
@@ -71,7 +72,7 @@ def run(args) -> int:
         where = f"{opts.sharding} x{opts.world}, micro-batch {opts.batch} x {cfg.context} tokens, {opts.dtype}"
         rows.append((f"memory / GPU ({where})", ""))
         for key in ("params", "grads", "optimizer", "comm_buffers", "activations", "logits", "total"):
-            rows.append((f"  {key.replace('_', ' ')}", f"{m[key] / 2**30:,.2f} GiB"))
+            rows.append((f"  {key.replace('_', ' ')}", nbytes(m[key])))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -17,6 +17,7 @@ import torch
 
 from qkvlab.analysis.similarity import SimilarityConfig, format_report, similarity
 from qkvlab.errors import UserError
+from qkvlab.io import is_model_folder, load_model
 from qkvlab.settings import add_config_options, add_options, load, print_config
 
 MAX_ROW = 1024  # tokens per sequence of the batch (at most the model's context)
@@ -37,18 +38,11 @@ def load_any(path: Path, tokenizer: str | None = None):
         from qkvlab.cli import find_model_dir
 
         path = find_model_dir(str(path))  # a run folder still training: its checkpoint
-    cfg_file = path / "config.json"
-    if path.is_dir() and cfg_file.exists():
-        try:
-            body = json.loads(cfg_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{cfg_file}: not valid JSON ({e})") from None
-        if isinstance(body, dict) and "model" in body:
-            from qkvlab.data.tokenizer import resolve_tokenizer
-            from qkvlab.io import load_model
+    if is_model_folder(path):
+        from qkvlab.data.tokenizer import resolve_tokenizer
 
-            model, cfg, _ = load_model(path)
-            return model, cfg, resolve_tokenizer(tokenizer, path, body)
+        model, cfg, body = load_model(path)
+        return model, cfg, resolve_tokenizer(tokenizer, path, body)
     from qkvlab.convert.hf import from_hf, load_hf, quiet
     from qkvlab.data.tokenizer import resolve_tokenizer
 

@@ -9,6 +9,15 @@ The command `qkvlab compare` is this, with the settings read from the command li
 """
 
 from qkvlab.compare.execute import Outcome, run
-from qkvlab.compare.planning import CompareConfig, Plan, PlannedRun, plan, run_state
+from qkvlab.compare.planning import CompareConfig, Plan, PlannedRun, run_state
+from qkvlab.compare.planning import plan as plan_grid
+from qkvlab.compare.sweep import plan_sweep
+
+
+def plan(cfg: CompareConfig) -> Plan:
+    """Every run of the comparison (nothing is trained or written): the scaling sweep's with
+    --sweep (compare/sweep.py), else the task grid's (compare/planning.py)."""
+    return plan_sweep(cfg.validate()) if cfg.sweep else plan_grid(cfg)
+
 
 __all__ = ["CompareConfig", "Outcome", "Plan", "PlannedRun", "plan", "run", "run_state"]

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkvlab.compare.pace import choose_layout, fmt_duration
+from qkvlab.compare.pace import choose_layout
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
 from qkvlab.errors import UserError
 from qkvlab.folders import claim_folder, inspect
+from qkvlab.units import fmt_duration
 
 
 @dataclass
@@ -178,7 +179,7 @@ def _quiet(*args, **kwargs) -> None:
 
 def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outcome:
     from qkvlab.analysis.runs import write_manifest
-    from qkvlab.devices import resolve_device
+    from qkvlab.devices import select_device
     from qkvlab.tasks import FAMILIES
     from qkvlab.train import distributed as D
 
@@ -198,10 +199,7 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
     if env is not None:
         states = D.all_gather_object(env, states)[0]
     todo = [r for r, s in zip(runs, states) if s != "finished"]
-
-    import torch
-
-    device = resolve_device(cfg.device, torch.cuda.is_available())
+    device = str(select_device(cfg.device))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     parallel = device == "cpu" and world == 1
     layout = choose_layout(cfg, todo, cpus, cfg.jobs, cfg.threads, say if main else _quiet) if parallel else None
@@ -293,7 +291,7 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
         write_manifest(out, manifest)
         res.manifest = manifest
         if cfg.sweep:
-            from qkvlab.analysis.scaling import write_scaling_results
+            from qkvlab.analysis.scaling_report import write_scaling_results
 
             outcome.results = write_scaling_results(out, out, command=command or "", plots=cfg.plots)
         else:

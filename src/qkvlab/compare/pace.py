@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from qkvlab.errors import UserError
+from qkvlab.units import fmt_duration  # noqa: F401  (callers' old import)
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d*)?)h)?(?:(\d+(?:\.\d*)?)m(?:in)?)?(?:(\d+(?:\.\d*)?)s?)?$")
 PROBE_STEPS = 12  # timed steps per probe (after 3 warm-up steps)
@@ -118,8 +119,3 @@ def choose_layout(cfg, todo: list, cpus: int, jobs: int | None, threads: int | N
         j = min(jobs or min(cpus, 8), max(1, len(todo)))
         return Layout(j, threads or max(1, cpus // j))
     return probe(todo[0].cfg, min(cpus, 8), say)
-
-
-def fmt_duration(s: float) -> str:
-    s = int(round(s))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"

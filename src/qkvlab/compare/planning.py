@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qkvlab.analysis.paper_figures import PAPER_B_SCHEMES
+from qkvlab.analysis.runs import run_finished
 from qkvlab.compare.recipes import (
     ANOMALY_GRID,
     CPU_RECIPES,
@@ -20,8 +22,13 @@ from qkvlab.compare.recipes import (
     recipe_name,
 )
 from qkvlab.config import PRESETS, ModelConfig
+from qkvlab.config import preset as model_preset
+from qkvlab.devices import check_device
 from qkvlab.errors import UserError
+from qkvlab.io import read_config
 from qkvlab.settings import check, setting
+from qkvlab.tasks import FAMILIES, TASK_MODULES
+from qkvlab.train.config import TRAIN_PRESETS, TrainConfig, changed_fields, default_weight_decay
 from qkvlab.variants import Variant, parse_variants
 
 
@@ -115,7 +122,6 @@ class CompareConfig:
             raise UserError(f"seeds={self.seeds!r} must be a positive integer or auto")
         elif self.budget is not None:
             raise UserError("--budget goes with --seeds auto")
-        from qkvlab.devices import check_device
 
         check_device(self.device)
         return self
@@ -183,8 +189,6 @@ class Plan:
 
 def resolve_tasks(name: str) -> tuple[list[str], str]:
     """A task or family name -> (task names, family). Unknown -> one-line error listing what is allowed."""
-    from qkvlab.tasks import FAMILIES, TASK_MODULES
-
     if name in FAMILIES:
         return list(FAMILIES[name]), name
     if name in TASK_MODULES:
@@ -229,9 +233,6 @@ def point_label(point: dict[str, Any]) -> str:
 
 def split_overrides(point: dict[str, Any]) -> tuple[dict, dict, dict]:
     """A grid point -> (model keys, train keys, task options)."""
-    from qkvlab.config import ModelConfig
-    from qkvlab.train.config import TrainConfig
-
     model_keys = {f.name for f in dataclasses.fields(ModelConfig)}
     train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
     model = {k: v for k, v in point.items() if k in model_keys}
@@ -244,9 +245,6 @@ def base_train_config(cfg: CompareConfig, family: str, task: str, point: dict[st
     """The TrainConfig of one grid point before the variant: preset recipe (or the CPU or paper
     recipe), grid point, then the settings' overrides; and whether the recipe fixed the weight decay
     (else each variant gets its scheme's default)."""
-    from qkvlab.config import preset as model_preset
-    from qkvlab.train.config import TRAIN_PRESETS, TrainConfig
-
     recipe = CPU_RECIPES[family]
     if cfg.preset is None and recipe_name(cfg.recipe, cfg.full_grid, family) == "paper":
         recipe = paper_recipe(family, task, point)  # the paper's own optimiser, schedule, model and steps
@@ -291,18 +289,15 @@ def base_train_config(cfg: CompareConfig, family: str, task: str, point: dict[st
 
 
 def plan(cfg: CompareConfig) -> Plan:
-    """Every run of the comparison, with its TrainConfig and folder (nothing is trained or written)."""
-    from qkvlab.train.config import default_weight_decay
-
+    """Every run of a grid comparison, with its TrainConfig and folder (nothing is trained or
+    written). `qkvlab.compare.plan` is the entry: it sends --sweep to compare.sweep instead."""
     cfg.validate()
     if cfg.seeds == "auto":  # the plan of the pilot; compare/auto.py plans the decisive run from it
         from qkvlab.compare.auto import PILOT_SEEDS
 
         cfg = dataclasses.replace(cfg, seeds=PILOT_SEEDS)
     if cfg.sweep:
-        from qkvlab.compare.sweep import plan_sweep
-
-        return plan_sweep(cfg)
+        raise ValueError("a sweep's plan is qkvlab.compare.sweep.plan_sweep (qkvlab.compare.plan picks it)")
     if cfg.sizes is not None or cfg.tokens_per_param is not None:
         raise UserError("--sizes and --tokens-per-param are settings of --sweep")
     tasks, family = resolve_tasks(cfg.task)
@@ -329,15 +324,11 @@ def plan(cfg: CompareConfig) -> Plan:
 
 
 def _paper_b_schemes() -> tuple[str, ...]:
-    from qkvlab.analysis.paper_figures import PAPER_B_SCHEMES
-
     return PAPER_B_SCHEMES
 
 
 # ---- run state --------------------------------------------------------------------------------
 def _saved_config(run_dir: Path) -> dict[str, Any] | None:
-    from qkvlab.io import read_config
-
     try:
         _, body = read_config(run_dir)
     except UserError:
@@ -350,9 +341,6 @@ def run_state(run: PlannedRun) -> str:
     run with another recipe is a one-line error: compare never overwrites a run. A run folder
     written by an older qkvlab (fewer config keys) is read with today's defaults for those keys."""
     import json
-
-    from qkvlab.analysis.runs import run_finished
-    from qkvlab.train.config import changed_fields
 
     if run_finished(run.dir):
         saved = _saved_config(run.dir)

@@ -16,7 +16,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from qkvlab.accounting import analytic_params
+from qkvlab.compare.planning import Plan, PlannedRun
+from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
+from qkvlab.train.config import TrainConfig, default_weight_decay
+from qkvlab.variants import parse_variants
 
 SWEEP_VARIANTS = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=V-K", "Q=K=V", "Q-K=V/MQA")
 # 4 sizes spanning 21x in non-embedding parameters (55k .. 1.18M), 4 heads at every size so MQA keeps
@@ -75,13 +80,7 @@ def parse_sizes(text: str) -> list[SweepSize]:
 
 
 def plan_sweep(cfg):
-    """The sweep's Plan (qkvlab.compare.planning.Plan): one TrainConfig per (size, variant, seed)."""
-    from qkvlab.accounting import analytic_params
-    from qkvlab.compare.planning import Plan, PlannedRun
-    from qkvlab.config import ModelConfig
-    from qkvlab.train.config import TrainConfig, default_weight_decay
-    from qkvlab.variants import parse_variants
-
+    """The sweep's Plan: one TrainConfig per (size, variant, seed)."""
     for key, flag in (("max_steps", "--steps"), ("preset", "--preset"), ("full_grid", "--full-grid")):
         if getattr(cfg, key):
             raise UserError(f"{flag} does not apply to --sweep: steps follow from --tokens-per-param and each size")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qkvlab.convert.reparam import DEFAULT_MAX_COND
+from qkvlab.devices import EXACT_DTYPES, dtype_choices
 from qkvlab.errors import UserError
 from qkvlab.settings import check, setting
 
@@ -30,7 +31,7 @@ class ConvertConfig:
     dtype: str | None = setting(
         None,
         help="dtype of the result (default: the input's, fp32 or fp64)",
-        choices=("fp64", "fp32", "float64", "float32"),
+        choices=dtype_choices(EXACT_DTYPES, auto=False),
     )
     max_cond: float = setting(
         DEFAULT_MAX_COND, help="refuse a W_Q/W_K whose condition number exceeds X", metavar="X", positive=True

@@ -19,7 +19,6 @@ that reads best in one place.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import role_weights
 from qkvlab.errors import UserError
-from qkvlab.io import file_sha256
+from qkvlab.io import file_sha256, is_model_folder, read_json
 from qkvlab.model import GPT
 from qkvlab.spec import ROLES
 
@@ -80,11 +79,8 @@ def load_hf(path: str | Path, *, cache: bool = True):
         raise UserError(
             f"{path}: no config.json (not a Hugging Face model folder); qkvlab model folders are read without --from-hf"
         )
-    try:
-        body = json.loads((path / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}/config.json: not valid JSON ({e})") from None
-    if "model" in body and "qkvlab_version" in body:
+    body = read_json(path / "config.json")
+    if is_model_folder(path):
         raise UserError(f"{path}: a qkvlab model folder, not a Hugging Face one; drop --from-hf")
     kind = body.get("model_type")
     if kind not in FORMATS:

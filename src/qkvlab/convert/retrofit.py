@@ -37,12 +37,13 @@ import torch
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import role_weights
-from qkvlab.devices import DEVICE_HELP, check_device, check_dtype
+from qkvlab.devices import DEVICE_HELP, TRAIN_DTYPES, check_device, check_dtype, dtype_choices, select_device
 from qkvlab.errors import UserError
+from qkvlab.files import atomic_dir, atomic_path
+from qkvlab.io import is_model_folder
 from qkvlab.model import GPT
 from qkvlab.settings import check, setting
 from qkvlab.spec import format_layers, parse_scheme, select_layers
-from qkvlab.train.config import TRAIN_DTYPES
 
 TARGETS = ("Q-K-V", "Q-K=V")  # what a fit can reach: a learned query and key; values shared or not
 POOLS = ("fit", "mean")
@@ -62,18 +63,10 @@ class Source:
     decode: Callable[[list[int]], str] | None = None
 
 
-def _is_qkvlab(path: Path) -> bool:
-    try:
-        body = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return isinstance(body, dict) and "model" in body and "qkvlab_version" in body
-
-
 def load_source(path: str | Path) -> Source:
     """The model (float32 or as stored) and its tokenizer."""
     path = Path(path)
-    if path.is_dir() and _is_qkvlab(path):
+    if is_model_folder(path):
         from qkvlab.data.tokenizer import load_tokenizer
         from qkvlab.io import load_model
 
@@ -125,7 +118,8 @@ def corpus_tokens(src: Source, data: Any = None, heldout_fraction: float = 0.1) 
 def write_tokens(path: Path, train: torch.Tensor, held: torch.Tensor) -> None:
     from safetensors.torch import save_file
 
-    save_file({"train": train.contiguous(), "val": held.contiguous()}, str(path))
+    with atomic_path(path) as tmp:
+        save_file({"train": train.contiguous(), "val": held.contiguous()}, str(tmp))
 
 
 @torch.no_grad()
@@ -396,7 +390,7 @@ class RetrofitOptions:
     dtype: str = setting(
         "auto",
         help="uptraining autocast dtype (auto: bf16 on CUDA, fp32 elsewhere)",
-        choices=("auto", *TRAIN_DTYPES, "float32", "bfloat16"),
+        choices=dtype_choices(TRAIN_DTYPES),
     )
 
     def validate(self) -> RetrofitOptions:
@@ -426,9 +420,9 @@ def check_layers(shape: tuple[int, int] | None, opts: RetrofitOptions) -> None:
 def source_shape(path: str | Path) -> tuple[int, int] | None:
     """(n_layer, n_head) from the source's config alone; None where only the weights say (.gguf)."""
     path = Path(path)
-    if path.is_dir() and _is_qkvlab(path):
-        from qkvlab.io import read_config
+    from qkvlab.io import is_model_folder, read_config
 
+    if is_model_folder(path):
         cfg = read_config(path)[0]
         return cfg.n_layer, cfg.n_head
     try:
@@ -490,10 +484,9 @@ def retrofit(
 
 
 def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, progress: bool) -> dict[str, Any]:
-    from qkvlab.devices import resolve_device
     from qkvlab.io import atomic_write, json_text, load_model, write_model_files
 
-    device = resolve_device(opts.device, torch.cuda.is_available())
+    device = select_device(opts.device)
     src = load_source(source)
     check_layers((src.cfg.n_layer, src.cfg.n_head), opts)  # a .gguf: known only now, still before any perplexity
     model, cfg = src.model.float().to(device), src.cfg
@@ -583,7 +576,8 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     }
     write_model_files(out, final, res.cfg, {**meta, "retrofit_report": REPORT})
     if src.tokenizer_dir is not None:
-        shutil.copytree(src.tokenizer_dir, out / "tokenizer", dirs_exist_ok=True)
+        with atomic_dir(out / "tokenizer") as tmp:
+            shutil.copytree(src.tokenizer_dir, tmp, dirs_exist_ok=True)
     atomic_write(out / REPORT, json_text(report, indent=2))
     return report
 

@@ -25,7 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qkvlab.data.text import cache_dir
 from qkvlab.errors import UserError
+from qkvlab.files import atomic_dir
 
 FEATURES = ("encoder", "pixels", "resnet34")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -164,9 +166,6 @@ def images_digest(*tensors: torch.Tensor) -> str:
 def cached(settings: dict, compute) -> dict[str, torch.Tensor]:
     """compute() -> {name: tensor}, stored once under <qkvlab cache>/features/<sha256(settings)[:16]>/."""
     from safetensors.torch import load_file, save_file
-
-    from qkvlab.data.text import cache_dir
-    from qkvlab.io import atomic_dir
 
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_dir() / "features" / key

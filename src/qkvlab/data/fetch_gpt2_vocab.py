@@ -18,7 +18,7 @@ from pathlib import Path
 
 from qkvlab.data.text import cache_dir
 from qkvlab.errors import UserError
-from qkvlab.io import atomic_write
+from qkvlab.files import atomic_write
 
 WHISPER_REQUIREMENT = "openai-whisper==20250625"
 ASSET_SUFFIX = "whisper/assets/gpt2.tiktoken"

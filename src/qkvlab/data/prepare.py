@@ -66,8 +66,8 @@ from qkvlab.data.tokenizer import (
     load_tokenizer,
 )
 from qkvlab.errors import UserError
+from qkvlab.files import atomic_write
 from qkvlab.folders import LOCK
-from qkvlab.io import atomic_write
 from qkvlab.settings import setting
 
 FORMAT_VERSION = 2

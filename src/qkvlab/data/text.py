@@ -17,6 +17,7 @@ from typing import Union
 from urllib.parse import parse_qsl, urlparse
 
 from qkvlab.errors import UserError
+from qkvlab.files import read_user_text
 
 GENRES = ("comedies", "histories", "problems", "roman", "romances", "tragedies")
 TEXT_SUFFIXES = (".txt", ".md")
@@ -94,8 +95,6 @@ def load_shakespeare(genres: Sequence[str] | None = None) -> list[Document]:
 
 
 def _read_text(path: Path) -> str:
-    from qkvlab.io import read_user_text
-
     return read_user_text(path)
 
 

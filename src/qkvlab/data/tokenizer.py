@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from qkvlab.data.fetch_gpt2_vocab import GPT2_VOCAB_FILENAME, GPT2_VOCAB_SHA256
 from qkvlab.data.text import cache_dir
 from qkvlab.errors import UserError
-from qkvlab.io import atomic_write
+from qkvlab.files import atomic_write
 
 if TYPE_CHECKING:
     import tokenizers

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkvlab.devices import DEVICE_HELP, check_device, dtype_name
+from qkvlab.devices import DEVICE_HELP, INFERENCE_DTYPES, check_device, dtype_choices, dtype_name
 from qkvlab.errors import UserError
 from qkvlab.settings import byte_size, check, setting
 
@@ -43,7 +43,7 @@ class ServeConfig:
     dtype: str = setting(
         "auto",
         help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
-        choices=("auto", "fp32", "bf16", "fp16"),
+        choices=dtype_choices(INFERENCE_DTYPES),
     )
     tokenizer: str | None = setting(None, help="tokenizer when the model folder records none", metavar="gpt2|bytes|DIR")
     name: str | None = setting(None, help="model name clients send (default: the folder's name)")
@@ -88,10 +88,9 @@ class Built:
 def build(cfg: ServeConfig) -> Built:
     """Model, tokenizer, engine and app for `cfg` (no thread started, no port bound)."""
     from qkvlab.accounting import kv_cache_bytes_per_token
-    from qkvlab.cli import find_model_dir
     from qkvlab.data.tokenizer import resolve_tokenizer
-    from qkvlab.devices import pick_device, torch_dtype
-    from qkvlab.io import load_model, read_config
+    from qkvlab.devices import select_device, torch_dtype
+    from qkvlab.io import find_model_dir, load_model, read_config
     from qkvlab.limits import check_fits
     from qkvlab.serve.app import ServedModel, create_app
     from qkvlab.serve.engine import Engine
@@ -104,7 +103,7 @@ def build(cfg: ServeConfig) -> Built:
         raise UserError(
             f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's vocabulary is {model_cfg.vocab_size}"
         )
-    device = pick_device(cfg.device)
+    device = select_device(cfg.device)
     dtype = torch_dtype(cfg.dtype, device.type)
     model, model_cfg, _ = load_model(model_dir, device=device, dtype=dtype)
     cache_dtype = dtype_name(str(next(model.parameters()).dtype).removeprefix("torch."))

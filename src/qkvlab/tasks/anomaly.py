@@ -34,6 +34,7 @@ from qkvlab.data import features as F
 from qkvlab.data.images import DATASETS, ImageDataset
 from qkvlab.data.sets import ODD_SLOTS, anomaly_set_indices
 from qkvlab.errors import UserError
+from qkvlab.files import file_sha256
 from qkvlab.model import Encoder, SetInput
 from qkvlab.tasks.arrays import ArrayTask, check, check_common, parse_options
 from qkvlab.tasks.vision import load_splits, standardizer
@@ -156,8 +157,6 @@ class AnomalyTask(ArrayTask):
         if o.features == "encoder":
             settings.update(version=F.ENCODER_VERSION, steps=o.encoder_steps, classes=first_set_class, seed=0)
         else:
-            from qkvlab.io import file_sha256
-
             settings.update(weights_sha256=file_sha256(o.weights), size=224)
 
         def compute() -> dict[str, torch.Tensor]:

@@ -19,10 +19,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from qkvlab.config import ModelConfig
+from qkvlab.convert.hf import from_hf, load_hf, quiet
 from qkvlab.data.prepare import fixed_val_batches, get_batch
 from qkvlab.errors import UserError
+from qkvlab.io import is_model_folder, load_model, read_config
 from qkvlab.tasks.base import Task
 from qkvlab.tasks.lm import VAL_SEED, step_generator
 
@@ -62,10 +65,6 @@ class DistillTask(Task):
             raise UserError("kl_weight and lm_weight are both 0: nothing to train on")
         if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
             raise UserError(f"block_size={block_size!r} must be a positive integer")
-        from safetensors.torch import load_file
-
-        from qkvlab.io import read_config
-
         self.teacher_path, self.student_path, self.tokens_path = str(teacher), str(student), str(tokens)
         self.kl_weight, self.lm_weight, self._block_size = float(kl_weight), float(lm_weight), block_size
         if not Path(self.tokens_path).is_file():
@@ -85,16 +84,17 @@ class DistillTask(Task):
         return self.student_cfg
 
     def build_model(self, cfg: ModelConfig) -> nn.Module:
-        from qkvlab.io import load_model
-
         model, _, _ = load_model(self.student_path, dtype=torch.float32)
         return model
 
     def teacher(self, device: torch.device) -> nn.Module:
         if self._teacher is None:
-            from qkvlab.convert.retrofit import load_source
-
-            self._teacher = load_source(self.teacher_path).model.float().eval().requires_grad_(False)
+            if is_model_folder(self.teacher_path):
+                model, _, _ = load_model(self.teacher_path)
+            else:  # a Hugging Face folder or .gguf, imported as retrofit imports its source
+                quiet()
+                model, _ = from_hf(load_hf(Path(self.teacher_path)))
+            self._teacher = model.float().eval().requires_grad_(False)
         return self._teacher.to(device)
 
     def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

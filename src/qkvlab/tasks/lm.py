@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -23,6 +24,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.data.prepare import PreparedData, fixed_val_batches, get_batch, prepare
 from qkvlab.data.tokenizer import DEFAULT_TOKENIZER
 from qkvlab.errors import UserError
+from qkvlab.model import GPT
 from qkvlab.tasks.base import Task
 
 OPTIONS = ("data", "tokenizer", "block_size", "val_fraction")
@@ -76,8 +78,6 @@ class LMTask(Task):
         return self.cfg
 
     def build_model(self, cfg: ModelConfig) -> nn.Module:
-        from qkvlab.model import GPT
-
         return GPT(cfg)
 
     @property
@@ -116,10 +116,8 @@ class LMTask(Task):
             loss = self.loss(model, x.to(device), y.to(device)).double()
             if i < n:
                 sums += torch.stack((loss, torch.ones_like(loss)))
-        if shard is not None:
-            from qkvlab.train.distributed import total
-
-            sums = total(shard, sums)
+        if shard is not None and shard.distributed:
+            dist.all_reduce(sums)  # a sum over ranks (a task knows no more of distribution)
         val_loss = float(sums[0] / sums[1])
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
 

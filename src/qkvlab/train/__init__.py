@@ -1,14 +1,27 @@
-"""Training: config + presets, the loop (single process, DDP, FSDP2), checkpoints."""
+"""Training: config + presets (config.py), the loop (loop.py: single process, DDP, FSDP2),
+checkpoints (checkpoint.py), data parallelism (distributed.py).
 
-from qkvlab.train.config import TrainConfig, load_train_config, train_preset
-from qkvlab.train.loop import TrainingDiverged, TrainResult, read_metrics, train
+Importing the package imports nothing: `from qkvlab.train import train` loads the loop on first
+use (PEP 562), so `qkvlab.train.checkpoint` or `.distributed` never pull the loop in, and no module
+works only because another was imported first.
+"""
 
-__all__ = [
-    "TrainConfig",
-    "TrainResult",
-    "TrainingDiverged",
-    "load_train_config",
-    "read_metrics",
-    "train",
-    "train_preset",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "TrainConfig": "qkvlab.train.config",
+    "load_train_config": "qkvlab.train.config",
+    "train_preset": "qkvlab.train.config",
+    "TrainResult": "qkvlab.train.loop",
+    "TrainingDiverged": "qkvlab.train.loop",
+    "read_metrics": "qkvlab.train.loop",
+    "train": "qkvlab.train.loop",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'qkvlab.train' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -38,6 +38,7 @@ from qkvlab.io import (
     file_sha256,
     json_text,
     load_weights,
+    read_config,
 )
 from qkvlab.positions import is_legacy_key
 
@@ -200,7 +201,7 @@ def write_final_model(out_dir: Path, state: dict[str, Any], train_config: dict[s
     ckpt = out_dir / CHECKPOINT
     with open(ckpt / WEIGHTS, "rb") as src, atomic_file(out_dir / WEIGHTS, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 22)
-    body = json.loads((ckpt / CONFIG).read_text())
+    _, body = read_config(ckpt)
     body.pop("step", None)
     train = {
         "finished": True,

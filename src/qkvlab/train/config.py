@@ -16,12 +16,10 @@ from typing import Any
 
 from qkvlab.config import ModelConfig, model_from_mapping, preset
 from qkvlab.config_file import read_config_file
-from qkvlab.devices import check_device, check_dtype
+from qkvlab.devices import SHARDINGS, TRAIN_DTYPES, check_device, check_dtype, dtype_choices
 from qkvlab.errors import UserError
 from qkvlab.settings import check, resumable_fields, setting
 
-TRAIN_DTYPES = ("fp32", "bf16")  # autocast dtypes; also spelled float32, bfloat16
-SHARDINGS = ("ddp", "fsdp")
 WEIGHT_DECAY = 0.1  # nanoGPT's, on weights with dim >= 2
 IDENTITY_WEIGHT_DECAY = 2**-5  # Paper A's identity models (an identity Q, K or V role)
 
@@ -76,7 +74,7 @@ class TrainConfig:
     dtype: str = setting(
         "auto",
         help="autocast dtype (auto: bf16 on CUDA, fp32 elsewhere)",
-        choices=("auto", *TRAIN_DTYPES, "float32", "bfloat16"),
+        choices=dtype_choices(TRAIN_DTYPES),
     )
     device: str = setting(
         "auto",

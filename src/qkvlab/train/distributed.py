@@ -42,7 +42,7 @@ def setup(device: str = "auto", timeout_s: float | None = None) -> Env:
     collectives' timeout, None = torch's default)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    dev = select_device(device, local_rank, world, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    dev = select_device(device, local_rank, world)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     env = Env(rank, world, local_rank, dev)

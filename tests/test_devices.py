@@ -1,0 +1,57 @@
+"""One dtype vocabulary and one device resolver: every --dtype option offers every spelling of the
+dtypes it allows (float32 wherever fp32, ...), and every command resolves a bare "cuda" alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qkvlab.cli import COMMANDS, build_parser
+from qkvlab.devices import DTYPE_ALIASES, DTYPES, dtype_choices, dtype_name, select_device
+from qkvlab.errors import UserError
+
+
+def _dtype_options():
+    for name in COMMANDS:
+        sub = build_parser(name)._subparsers._group_actions[0].choices[name]
+        for action in sub._actions:
+            if "--dtype" in action.option_strings:
+                yield name, action
+
+
+def test_every_dtype_option_offers_every_spelling():
+    seen = list(_dtype_options())
+    assert {name for name, _ in seen} >= {"train", "generate", "convert", "info", "bench", "retrofit", "serve"}
+    for name, action in seen:
+        choices = set(action.choices)
+        shorts = {dtype_name(c) for c in choices if c != "auto"}
+        assert shorts <= set(DTYPES), name
+        longs = {long for long, short in DTYPE_ALIASES.items() if short in shorts}
+        assert shorts | longs <= choices, f"{name} --dtype misses {sorted((shorts | longs) - choices)}"
+        assert choices == set(dtype_choices(tuple(shorts), auto="auto" in choices)), name  # nothing else
+
+
+def test_info_takes_the_long_dtype_names(capsys):
+    from qkvlab.cli import main
+
+    for dtype, per_token in (("float32", "1,024 B"), ("bfloat16", "512 B"), ("fp16", "512 B")):
+        assert main(["info", "--preset", "tiny", "--dtype", dtype]) == 0
+        assert per_token in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("requested", ["cuda", "auto"])
+def test_a_bare_cuda_is_one_device_everywhere(requested):
+    """Single process: cuda:0; under torchrun: cuda:LOCAL_RANK. Never an index-less "cuda"."""
+    assert select_device(requested, cuda_count=2) == torch.device("cuda", 0)
+    assert select_device(requested, local_rank=1, world=2, cuda_count=2) == torch.device("cuda", 1)
+    if requested == "auto" or torch.cuda.is_available():  # cuda_count=None: as torch sees this machine
+        assert select_device(requested).type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_device_refusals_are_one_line():
+    for bad, needle in (("gpu", "device='gpu'"), ("cuda:x", "device='cuda:x'")):
+        with pytest.raises(UserError, match=needle):
+            select_device(bad, cuda_count=1)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA device"):
+            select_device("cuda")
