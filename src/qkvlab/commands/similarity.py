@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from qkvlab.analysis.similarity import format_report, similarity
+from qkvlab.convert.load import load_any
 from qkvlab.errors import UserError
 
 MAX_ROW = 1024  # tokens per sequence of the batch (at most the model's context)
@@ -26,41 +27,6 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=1024, metavar="N", help="tokens of text to run (default 1024)")
     p.add_argument("--tokenizer", metavar="gpt2|bytes|DIR", help="tokenizer when a qkvlab folder records none")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def load_any(path: Path, tokenizer: str | None = None):
-    """(GPT, ModelConfig, tokenizer or None) from a qkvlab folder (the tokenizer it records, or
-    `tokenizer`: gpt2, bytes or a folder), or imported from a transformers folder / GGUF (their own
-    tokenizer, when they ship one)."""
-    if not path.exists():
-        raise UserError(f"{path}: no such file or folder")
-    if path.is_dir():
-        from qkvlab.cli import find_model_dir
-
-        path = find_model_dir(str(path))  # a run folder still training: its checkpoint
-    cfg_file = path / "config.json"
-    if path.is_dir() and cfg_file.exists():
-        try:
-            body = json.loads(cfg_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{cfg_file}: not valid JSON ({e})") from None
-        if isinstance(body, dict) and "model" in body:
-            from qkvlab.commands.generate import resolve_tokenizer
-            from qkvlab.io import load_model
-
-            model, cfg, _ = load_model(path)
-            return model, cfg, resolve_tokenizer(tokenizer, path, body)
-    from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet
-
-    quiet()
-    model, cfg = from_hf(load_hf(path))
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf_cache_folder(path) if path.is_file() else path)
-    except Exception:  # transformers raises many types for a folder without tokenizer files
-        tok = None
-    return model, cfg, tok
 
 
 def text_ids(tok, text_file: str | None, n_tokens: int, context: int, vocab_size: int) -> torch.Tensor:
@@ -91,7 +57,8 @@ def text_ids(tok, text_file: str | None, n_tokens: int, context: int, vocab_size
 
 
 def run(args) -> int:
-    model, cfg, tok = load_any(Path(args.model), args.tokenizer)
+    loaded = load_any(Path(args.model), args.tokenizer)
+    model, cfg, tok = loaded.model, loaded.cfg, loaded.tokenizer
     ids = None
     if tok is not None:
         ids = text_ids(tok, args.text, args.tokens, cfg.context, cfg.vocab_size)
