@@ -98,6 +98,7 @@ class AnomalyOptions:
 
 class AnomalyTask(ArrayTask):
     family = "anomaly"
+    unit = "set"
 
     def __init__(self, name: str, options: AnomalyOptions):
         o = options

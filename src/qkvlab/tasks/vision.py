@@ -122,6 +122,7 @@ def load_splits(
 
 class VisionTask(ArrayTask):
     family = "vision"
+    unit = "image"
 
     def __init__(self, name: str, options: VisionOptions):
         o = options
