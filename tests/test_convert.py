@@ -106,6 +106,15 @@ def test_theorems_exact_float64(kw, target, layer, zero):
         assert analytic_params(res.cfg).total == counted_params(res.model).total
 
 
+def test_query_value_sharing_converts_like_any_other():
+    """Q=V-K (query and value share a projection): the converter reads the spec table, no per-scheme case."""
+    model, cfg = make(n_layer=2, mlp_skip=False, bias=True, attn="Q=V-K")
+    res = convert(model, cfg, "Q=V-Id")
+    assert rel(model, res.model) <= 1e-9 and res.cfg.spec.name == "Q=V-Id" and res.cfg.spec.is_identity("k")
+    with pytest.raises(UserError, match="shares its projection"):
+        convert(model, cfg, "Id-K-V")  # W_Q is also W_V here
+
+
 def role_width(cfg, role):
     return (cfg.n_head if role == "q" else cfg.n_kv_heads) * cfg.head_dim
 
@@ -336,6 +345,7 @@ EXPORTS = [
     ("gpt2", dict(attn="Q=K-V", norm="layernorm", mlp="gelu", bias=True, tie_embeddings=False, share_layers=True)),
     ("llama", dict(attn="Q-K=V", kv_heads=2, norm="rmsnorm", pos="rope", mlp="swiglu")),
     ("llama", dict(attn="Id-K-V", norm="rmsnorm", pos="rope", mlp="swiglu", bias=True, tie_embeddings=False)),
+    ("llama", dict(attn="Q=V-K", norm="rmsnorm", pos="rope", mlp="swiglu", bias=True)),
 ]
 
 
