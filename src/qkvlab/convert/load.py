@@ -49,7 +49,10 @@ def load_any(path: str | Path, tokenizer: str | None = None) -> Loaded:
     if path.is_dir() and not (path / CONFIG).exists() and (path / "checkpoint" / CONFIG).exists():
         path = path / "checkpoint"  # a run folder still training: its checkpoint
     if path.is_dir() and is_qkvlab_folder(path):
-        from qkvlab.commands.generate import resolve_tokenizer  # moving to data/ (issue 19)
+        try:
+            from qkvlab.data.tokenizer import resolve_tokenizer
+        except ImportError:  # until issue 19 moves it out of commands/generate.py
+            from qkvlab.commands.generate import resolve_tokenizer
 
         model, cfg, body = load_model(path)
         return Loaded(model, cfg, "qkvlab", path, body, resolve_tokenizer(tokenizer, path, body))
