@@ -230,7 +230,7 @@ def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
     kv = a.export_kv_heads(cfg)
     st = a.to_hf(explicit_state(model, cfg, kv), (cfg.n_head * cfg.head_dim, *[kv * cfg.head_dim] * 2))
     hf = getattr(tf, a.hf_class)(a.hf_config(tf, cfg, kv)).to(model.tok_emb.weight.dtype)
-    st = a.complete(st, hf.state_dict())
+    st = a.complete(st, hf.state_dict(), model.tok_emb.weight.device)
     hf.load_state_dict({k: v.contiguous() for k, v in st.items()}, strict=True)
     if cfg.tie_embeddings:
         hf.tie_weights()

@@ -94,14 +94,16 @@ class StateDictAdapter:
                 raise RuntimeError(f"export to {self.model_type}: qkvlab tensor {name} has no place")
         return out
 
-    def complete(self, out: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Zeros for each HF tensor qkvlab has none of: biases (a bias-free qkvlab model) and
-        `zero_when_missing` (GPT-2's positions for pos=none); anything else is a mapping bug."""
+    def complete(
+        self, out: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], device
+    ) -> dict[str, torch.Tensor]:
+        """Zeros (on `device`, the weights') for each HF tensor qkvlab has none of: biases (a bias-free
+        qkvlab model) and `zero_when_missing` (GPT-2's positions for pos=none); anything else is a mapping bug."""
         for name, t in expected.items():
             if name not in out:
                 if not (name.endswith(".bias") or template(name)[0] in self.zero_when_missing):
                     raise RuntimeError(f"export to {self.model_type}: no value for {name}")
-                out[name] = torch.zeros_like(t)
+                out[name] = torch.zeros_like(t, device=device)
         return out
 
 
