@@ -106,6 +106,15 @@ def test_theorems_exact_float64(kw, target, layer, zero):
         assert analytic_params(res.cfg).total == counted_params(res.model).total
 
 
+def test_query_value_sharing_converts_like_any_other():
+    """Q=V-K (query and value share a projection): the converter reads the spec table, no per-scheme case."""
+    model, cfg = make(n_layer=2, mlp_skip=False, bias=True, attn="Q=V-K")
+    res = convert(model, cfg, "Q=V-Id")
+    assert rel(model, res.model) <= 1e-9 and res.cfg.spec.name == "Q=V-Id" and res.cfg.spec.is_identity("k")
+    with pytest.raises(UserError, match="shares its projection"):
+        convert(model, cfg, "Id-K-V")  # W_Q is also W_V here
+
+
 def role_width(cfg, role):
     return (cfg.n_head if role == "q" else cfg.n_kv_heads) * cfg.head_dim
 
@@ -336,7 +345,7 @@ EXPORTS = [
     ("gpt2", dict(attn="Q=K-V", norm="layernorm", mlp="gelu", bias=True, tie_embeddings=False, share_layers=True)),
     ("llama", dict(attn="Q-K=V", kv_heads=2, norm="rmsnorm", pos="rope", mlp="swiglu")),
     ("llama", dict(attn="Id-K-V", norm="rmsnorm", pos="rope", mlp="swiglu", bias=True, tie_embeddings=False)),
-    ("llama", dict(attn="Q=V-K", norm="rmsnorm", pos="rope", mlp="swiglu")),
+    ("llama", dict(attn="Q=V-K", norm="rmsnorm", pos="rope", mlp="swiglu", bias=True)),
 ]
 
 
@@ -406,3 +415,49 @@ def test_similarity_report_and_cli(tmp_path, capsys):
     assert rep["paper_b"]["cka"] == {"k_v": 0.73, "q_k": 0.42, "q_v": 0.31} and rep["cka"] is None  # no tokenizer
     code, out, err = run_cli(capsys, "similarity", tmp_path / "m")
     assert code == 0 and "Paper B" in out and "mean" in out
+
+
+# ---- one strict loader ------------------------------------------------------------------------
+def test_the_loader_refuses_a_missing_tensor_by_name():
+    """Every converter builds through io.build_model_from_state: a tensor the source lacks is refused
+    by name, never left at its random initialisation."""
+    from types import SimpleNamespace
+
+    from qkvlab.io import build_model_from_state
+
+    model, cfg = make(n_layer=2)
+    state = model.state_dict()
+    del state["trunk.blocks.1.mlp.up.weight"]
+    with pytest.raises(UserError, match=re.escape("missing trunk.blocks.1.mlp.up.weight")):
+        build_model_from_state(GPT, cfg, state, "here")
+    tied = {**model.state_dict(), "lm_head.weight": torch.zeros_like(model.lm_head.weight)}  # config ties it
+    with pytest.raises(UserError, match="lm_head.weight differs from tok_emb.weight"):
+        build_model_from_state(GPT, cfg, tied, "here")
+    # an import whose checkpoint lacks one tensor
+    hf = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=30, n_positions=8))
+    sd = {k: v for k, v in hf.state_dict().items() if k != "transformer.h.1.mlp.c_fc.weight"}
+    with pytest.raises(UserError, match=re.escape("missing trunk.blocks.1.mlp.up.weight")):
+        from_hf(SimpleNamespace(config=hf.config, state_dict=lambda: sd))
+    # ... or holds one qkvlab has no place for
+    sd = {**hf.state_dict(), "transformer.h.0.attn.extra.weight": torch.zeros(2)}
+    with pytest.raises(UserError, match=re.escape("transformer.h.0.attn.extra.weight: qkvlab has no place")):
+        from_hf(SimpleNamespace(config=hf.config, state_dict=lambda: sd))
+
+
+def test_adapters_name_maps_are_inverse():
+    from qkvlab.convert.hf import ADAPTERS, explicit_state
+
+    for fmt, kw in (("gpt2", dict(norm="layernorm")), ("llama", dict(norm="rmsnorm", pos="rope", mlp="swiglu"))):
+        model, cfg = make(n_layer=2, bias=True, **kw)
+        a = ADAPTERS[fmt]
+        st = explicit_state(model, cfg, cfg.n_head)
+        back = a.from_hf(a.to_hf(st, (cfg.d_model,) * 3))
+        assert set(back) == set(st) and all(torch.equal(back[k], st[k]) for k in st), fmt
+
+
+def test_similarity_on_an_export_without_tokenizer_files(tmp_path, capsys):
+    model, cfg = make(n_layer=1, norm="layernorm", mlp="gelu_tanh")
+    save_model(tmp_path / "q", model.float(), cfg)
+    assert run_cli(capsys, "convert", tmp_path / "q", tmp_path / "hf", "--to-hf", "gpt2")[0] == 0
+    code, out, err = run_cli(capsys, "similarity", tmp_path / "hf")
+    assert code == 0 and "no CKA" in err and "Paper B" in out

@@ -11,6 +11,7 @@ import pytest
 
 from qkvlab.cli import main
 from qkvlab.data import prepare as prep
+from qkvlab.data import sources, token_writer
 from qkvlab.data.prepare import load_prepared, prepare
 from qkvlab.data.text import load_shakespeare
 from qkvlab.data.tokenizer import find_gpt2_vocab
@@ -80,8 +81,8 @@ TOKENIZERS = [
 @pytest.mark.parametrize("rule", ["document", "stream"])
 @pytest.mark.parametrize("spec", TOKENIZERS)
 def test_streamed_ids_equal_whole_document_tokenization(tmp_path, texts, spec, rule, monkeypatch):
-    monkeypatch.setattr(prep, "CHUNK_BYTES", 512)  # many cuts per document
-    monkeypatch.setattr(prep, "SPILL_TOKENS", 700)  # long documents go through the file and back
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 512)  # many cuts per document
+    monkeypatch.setattr(token_writer, "SPILL_TOKENS", 700)  # long documents go through the file and back
     monkeypatch.setattr(prep, "BATCH_CHUNKS", 3)
     src = write_docs(tmp_path / "corpus", texts)
     data = prepare(str(src), spec, tmp_path / "out", val_fraction=0.15, split=rule, threads=1)
@@ -91,8 +92,8 @@ def test_streamed_ids_equal_whole_document_tokenization(tmp_path, texts, spec, r
 
 
 def test_interrupted_prepare_resumes_to_the_same_files(tmp_path, texts, monkeypatch):
-    monkeypatch.setattr(prep, "CHUNK_BYTES", 512)
-    monkeypatch.setattr(prep, "SPILL_TOKENS", 700)
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 512)
+    monkeypatch.setattr(token_writer, "SPILL_TOKENS", 700)
     monkeypatch.setattr(prep, "BATCH_CHUNKS", 2)
     monkeypatch.setattr(prep, "CHECKPOINT_SECONDS", 0.0)  # progress.json after every batch
     src = write_docs(tmp_path / "corpus", texts)
@@ -151,6 +152,7 @@ def test_cached_lookup_reads_no_content_and_ranks_never_tokenize(tmp_path, texts
     assert "\n" not in msg and f"qkvlab prepare --data {src} --tokenizer char" in msg
     first = prepare(str(src), "char")  # into the cache, keyed by paths, sizes and mtimes
     monkeypatch.setattr(prep, "pieces", lambda *a: pytest.fail("the cache lookup read the corpus"))
+    monkeypatch.setattr(sources, "pieces", lambda *a: pytest.fail("the cache lookup read the corpus"))
     again = prepare(str(src), "char", tokenize=False)
     assert again.cached and again.out_dir == first.out_dir
     folder = prepare(str(first.out_dir), "gpt2", tokenize=False)  # a prepared folder is used as it is
@@ -207,3 +209,25 @@ def test_a_users_folder_is_refused_and_two_preparers_share_one_result(tmp_path, 
     assert [p.returncode for p in procs] == [0, 0] and sum("already prepared" in o for o in outs) == 1, outs
     alone = prepare(str(src), "bpe:400", tmp_path / "alone")
     assert load_prepared(tmp_path / "same").meta["bin_sha256"] == alone.meta["bin_sha256"]
+
+
+def test_a_mail_folder_with_latin1_files_is_refused_by_full_path_or_read_with_replacement(tmp_path, capsys):
+    mail = tmp_path / "mail"
+    (mail / "inbox").mkdir(parents=True)
+    (mail / "1.txt").write_text("Hello Bob,\nall well \ufffd here.\n", encoding="utf-8")  # one U+FFFD of its own
+    latin = "Caf\xe9 d\xe9j\xe0 vu,\nna\xefve r\xe9sum\xe9.\n"  # 6 characters that are not ASCII
+    (mail / "inbox" / "2.txt").write_bytes(latin.encode("latin-1"))
+    (mail / "inbox" / "3.txt").write_text("Lunch at noon?\n" * 20, encoding="utf-8")
+    bad = str(mail / "inbox" / "2.txt")
+    assert main(["prepare", "--data", str(mail), "--tokenizer", "char", "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{bad}: not UTF-8 text (byte 0xe9 at offset 3)" in err and "--encoding-errors replace" in err
+    assert len(err.splitlines()) == 1
+    data = prepare(str(mail), "char", tmp_path / "r", encoding_errors="replace")
+    assert data.meta["encoding_errors"] == "replace" and data.meta["replaced_characters"] == 6
+    text = data.tokenizer().decode(np.concatenate([data.train, data.val]).tolist())
+    assert text.count("\ufffd") == 7 and "Caf\ufffd d\ufffdj\ufffd vu" in text
+    strict_key = prep.prepare_key(str(mail), prep.TokenizerSpec.parse("char"), "document", 0.1)
+    assert data.meta["key"] != strict_key  # a replaced corpus is never mistaken for a strict one
+    with pytest.raises(UserError, match="encoding_errors='ignore' is not allowed"):
+        prepare(str(mail), "char", tmp_path / "x", encoding_errors="ignore")

@@ -215,3 +215,20 @@ def test_command_settings(capsys, tmp_path):
     assert main(["retrofit", "a", str(tmp_path / "b"), "--kv-heads", "1", "--print-config", "json"]) == 0
     body = json.loads(capsys.readouterr().out)
     assert body["kv_heads"] == 1 and body["to"] == "Q-K=V" and not (tmp_path / "b").exists()
+
+
+def test_retrofit_refuses_bad_target_and_layers_before_any_work(trained, capsys, monkeypatch):
+    """--to is refused before a model is loaded, --layers before any text is read or scored."""
+    from qkvlab.convert import retrofit as rf
+
+    monkeypatch.setattr(rf, "load_source", lambda *a: pytest.fail("loaded the model before checking --to"))
+    argv = ["retrofit", str(trained / "teacher"), str(trained / "bad"), "--steps", "0", "--quiet"]
+    assert main(argv + ["--to", "Id-K-V"]) == 2
+    err = capsys.readouterr().err
+    assert "--to Id-K-V: retrofit fits" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.undo()
+    monkeypatch.setattr(rf, "corpus_tokens", lambda *a: pytest.fail("read text before checking --layers"))
+    assert main(argv + ["--layers", "99"]) == 2
+    err = capsys.readouterr().err
+    assert "layer 99 is out of range" in err and len(err.strip().splitlines()) == 1
+    assert not (trained / "bad").exists()

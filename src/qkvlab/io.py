@@ -201,7 +201,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
 def build_model_from_state(
     cls: Callable[[ModelConfig], torch.nn.Module], cfg: ModelConfig, state: dict[str, torch.Tensor], where: str
 ) -> torch.nn.Module:
-    """`cls(cfg)` holding `state`'s tensors, built on the meta device (see `load_model`).
+    """`cls(cfg)` holding `state`'s tensors, built on the meta device (see `load_model`): the one
+    way qkvlab turns tensors into a model (files, converters, imports). Every key must fit, by name
+    and shape; a state from a live model may hold tied aliases (`tied_aliases`) equal to their first name.
 
     A file of one float dtype gives a model of that dtype (its computed tables too); mixed float
     dtypes are read as float32. Computed tables (non-persistent buffers: rotary, sinusoids) are
@@ -219,6 +221,7 @@ def build_model_from_state(
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the caller's RNG stays untouched
         model = cls(cfg)  # (a model draws its init seed from it even on meta: init.py)
     aliases = tied_aliases(model)
+    state = _fold_aliases(state, aliases, where)
     check_state(model, state, aliases, where)
     # copies in fresh (64-byte aligned) memory: safetensors' tensors sit at arbitrary offsets of
     # one buffer, and float kernels may sum in another order on unaligned data (not bit-identical)
@@ -234,6 +237,15 @@ def build_model_from_state(
     if len({t.dtype for t in state.values()}) == 1:
         model.to(target)  # the tables follow the weights' dtype, as after GPT(cfg).to(dtype)
     return model
+
+
+def _fold_aliases(state: dict[str, torch.Tensor], aliases: dict[str, str], where: str) -> dict[str, torch.Tensor]:
+    """A state as `model.state_dict()` gives it (tied aliases present) -> as a file holds it. An alias
+    holding another tensor than its first name is refused by name: the config ties them."""
+    for alias, first in aliases.items():
+        if alias in state and first in state and not torch.equal(state[alias], state[first]):
+            raise UserError(f"{where}: {alias} differs from {first}, which this config ties it to")
+    return {k: v for k, v in state.items() if k not in aliases}
 
 
 def check_state(model: torch.nn.Module, state: dict[str, torch.Tensor], aliases: dict[str, str], where: str) -> None:

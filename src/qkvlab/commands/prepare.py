@@ -36,6 +36,7 @@ def run(args) -> int:
         force=cfg.force,
         progress=not cfg.quiet,
         threads=cfg.threads,
+        encoding_errors=cfg.encoding_errors,
     )
     m, seconds = data.meta, time.perf_counter() - t0
     tokens = m["tokens"]["train"] + m["tokens"]["val"]
@@ -43,5 +44,6 @@ def run(args) -> int:
     print(
         f"{data.out_dir}: {how}; {m['documents']:,} documents, {tokens:,} tokens "
         f"(train {m['tokens']['train']:,}, val {m['tokens']['val']:,}, {m['dtype']}), tokenizer {m['tokenizer']}"
+        + (f"; {m['replaced_characters']:,} undecodable bytes read as U+FFFD" if m.get("replaced_characters") else "")
     )
     return 0

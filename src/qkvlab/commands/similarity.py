@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from qkvlab.analysis.similarity import SimilarityConfig, format_report, similarity
+from qkvlab.convert.load import load_any
 from qkvlab.errors import UserError
-from qkvlab.io import is_model_folder, load_model
 from qkvlab.settings import add_config_options, add_options, load, print_config
 
 MAX_ROW = 1024  # tokens per sequence of the batch (at most the model's context)
@@ -26,43 +26,6 @@ MAX_ROW = 1024  # tokens per sequence of the batch (at most the model's context)
 def add_arguments(p) -> None:
     add_config_options(p, "similarity settings")
     add_options(p, SimilarityConfig)
-
-
-def load_any(path: Path, tokenizer: str | None = None):
-    """(GPT, ModelConfig, tokenizer or None) from a qkvlab folder (the tokenizer it records, or
-    `tokenizer`: gpt2, bytes or a folder), or imported from a transformers folder / GGUF (`tokenizer`,
-    else their own tokenizer when they ship one)."""
-    if not path.exists():
-        raise UserError(f"{path}: no such file or folder")
-    if path.is_dir():
-        from qkvlab.cli import find_model_dir
-
-        path = find_model_dir(str(path))  # a run folder still training: its checkpoint
-    if is_model_folder(path):
-        from qkvlab.data.tokenizer import resolve_tokenizer
-
-        model, cfg, body = load_model(path)
-        return model, cfg, resolve_tokenizer(tokenizer, path, body)
-    from qkvlab.convert.hf import from_hf, load_hf, quiet
-    from qkvlab.data.tokenizer import resolve_tokenizer
-
-    quiet()
-    model, cfg = from_hf(load_hf(path))
-    return model, cfg, resolve_tokenizer(tokenizer, path, {}) if tokenizer else hf_tokenizer(path)
-
-
-def hf_tokenizer(path: Path):
-    """The tokenizer shipped beside a transformers folder or .gguf; None when there is none."""
-    from transformers import AutoTokenizer
-
-    from qkvlab.convert.hf import gguf_cache_folder
-
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf_cache_folder(path) if path.is_file() else path)
-    except Exception:  # transformers raises many types for a folder without tokenizer files
-        return None
-    # without tokenizer files some classes (GPT2Tokenizer) come back empty instead of raising
-    return tok if tok.vocab_size and tok.encode("the text") else None
 
 
 def text_ids(tok, text_file: str | None, n_tokens: int, context: int, vocab_size: int) -> torch.Tensor:
@@ -96,7 +59,8 @@ def run(args) -> int:
     cfg = load(SimilarityConfig, args.config, args)
     if print_config(args, asdict(cfg)):
         return 0
-    model, model_cfg, tok = load_any(Path(cfg.model), cfg.tokenizer)
+    loaded = load_any(Path(cfg.model), cfg.tokenizer)
+    model, model_cfg, tok = loaded.model, loaded.cfg, loaded.tokenizer
     ids = None
     if tok is not None:
         ids = text_ids(tok, cfg.text, cfg.tokens, model_cfg.context, model_cfg.vocab_size)

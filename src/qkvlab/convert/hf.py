@@ -1,10 +1,8 @@
 """Hugging Face interop: import GPT2LMHeadModel / LlamaForCausalLM, export to them.
 
-Import maps a transformers model's weights onto a qkvlab ``GPT`` of the same architecture:
-GPT-2 (Conv1D weights are stored (in, out): transposed; ``gelu_new`` = our ``gelu_tanh``;
-LayerNorm with bias; learned positions; tied head; scale 1/sqrt(d_h)) and Llama (RMSNorm, rotary
-in the rotate_half layout = our ``Rotary``, SwiGLU = ``mlp.gate/up/down``, GQA, untied or tied
-head). A GGUF file is read through transformers (``gguf_file=``); its dequantised weights are
+Import maps a transformers model's weights onto a qkvlab ``GPT`` of the same architecture through
+that architecture's state-dict adapter (hf_gpt2.py, hf_llama.py: a name map each way, see
+hf_adapter.py) and the one loader, qkvlab.io.build_model_from_state (strict). A GGUF file is read through transformers (``gguf_file=``); its dequantised weights are
 cached as a safetensors checkpoint keyed by the file's sha256, so dequantisation runs once.
 
 Export writes any qkvlab model a standard class can hold, with the reduced projections made
@@ -12,9 +10,6 @@ explicit: an identity role becomes W = (s * sqrt(d_h)) * I under the class's fix
 scale (s is qkvlab's score scale, folded into the query), shared roles become duplicated weights,
 GQA becomes Llama's num_key_value_heads (GPT-2 has none: key/value heads are repeated). The memory
 savings of the reduced schemes are lost in the export; they need qkvlab's own runtime.
-
-Over 400 lines: two architectures (GPT-2, Llama) in both directions, each a flat weight map
-that reads best in one place.
 """
 
 from __future__ import annotations
@@ -25,15 +20,17 @@ from pathlib import Path
 import torch
 
 from qkvlab.config import ModelConfig
+from qkvlab.convert.hf_adapter import StateDictAdapter
+from qkvlab.convert.hf_gpt2 import GPT2Adapter
+from qkvlab.convert.hf_llama import LlamaAdapter
 from qkvlab.convert.reparam import role_weights
 from qkvlab.errors import UserError
-from qkvlab.io import file_sha256, is_model_folder, read_json
+from qkvlab.io import build_model_from_state, file_sha256, is_model_folder, read_json
 from qkvlab.model import GPT
 from qkvlab.spec import ROLES
 
-GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
-GPT2_ACT_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
-FORMATS = ("gpt2", "llama")
+ADAPTERS: dict[str, StateDictAdapter] = {a.model_type: a for a in (GPT2Adapter(), LlamaAdapter())}
+FORMATS = tuple(ADAPTERS)
 
 
 def _transformers():
@@ -143,155 +140,27 @@ def _load_gguf(file: Path, *, cache: bool):
     return tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True).eval()
 
 
-# ---- import ---------------------------------------------------------------------------------
+# ---- import ----------------------------------------------------------------------------------
+def adapter(model_type: str | None) -> StateDictAdapter:
+    if model_type not in ADAPTERS:
+        raise UserError(f"model_type {model_type!r} is not supported; qkvlab imports {', '.join(FORMATS)}")
+    return ADAPTERS[model_type]
+
+
 def from_hf(hf_model) -> tuple[GPT, ModelConfig]:
     """qkvlab GPT (float32) with the weights of a GPT2LMHeadModel or LlamaForCausalLM."""
-    kind = getattr(hf_model.config, "model_type", None)
-    if kind == "gpt2":
-        return _from_gpt2(hf_model)
-    if kind == "llama":
-        return _from_llama(hf_model)
-    raise UserError(f"model_type {kind!r} is not supported; qkvlab imports {', '.join(FORMATS)}")
-
-
-def _build(cfg: ModelConfig, st: dict[str, torch.Tensor]) -> tuple[GPT, ModelConfig]:
-    model = GPT(cfg)
-    expected = model.state_dict()
-    for name, t in st.items():
-        if name not in expected or tuple(t.shape) != tuple(expected[name].shape):
-            raise UserError(
-                f"weight {name}: shape {tuple(t.shape)} does not fit the config ({tuple(expected.get(name, torch.empty(0)).shape)})"
-            )
-    missing = [n for n in expected if n not in st and not (n == "lm_head.weight" and cfg.tie_embeddings)]
-    for n in missing:  # biases the source lacks (e.g. Llama's MLP when only attention has them) are zero
-        if n.endswith(".bias"):
-            st[n] = torch.zeros_like(expected[n])
-        else:
-            raise UserError(f"the checkpoint has no weight for {n}")
-    model.load_state_dict({k: v.float() for k, v in st.items()}, strict=False)
-    return model.eval(), cfg
-
-
-def _from_gpt2(hf) -> tuple[GPT, ModelConfig]:
-    c = hf.config
-    if c.activation_function not in GPT2_ACT:
-        raise UserError(
-            f"GPT-2 activation_function={c.activation_function!r} is not supported; allowed: {', '.join(GPT2_ACT)}"
-        )
-    if getattr(c, "scale_attn_by_inverse_layer_idx", False):
-        raise UserError(
-            "GPT-2 scale_attn_by_inverse_layer_idx=True: a per-layer score scale has no qkvlab config value"
-        )
-    if getattr(c, "add_cross_attention", False):
-        raise UserError("GPT-2 add_cross_attention=True: cross-attention is not part of a decoder-only qkvlab model")
-    d, nh = c.n_embd, c.n_head
-    cfg = ModelConfig(
-        attn="Q-K-V",
-        n_layer=c.n_layer,
-        n_head=nh,
-        d_model=d,
-        mlp=GPT2_ACT[c.activation_function],
-        mlp_hidden=c.n_inner or 4 * d,
-        norm="layernorm",
-        norm_eps=c.layer_norm_epsilon,
-        pos="learned",
-        vocab_size=c.vocab_size,
-        context=c.n_positions,
-        bias=True,
-        dropout=0.0,
-        tie_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
-        attn_scale=None if c.scale_attn_weights else 1.0,
-    ).validate()
-    sd = hf.state_dict()
-    st = {
-        "tok_emb.weight": sd["transformer.wte.weight"],
-        "pos_emb.weight": sd["transformer.wpe.weight"],
-        "trunk.norm.weight": sd["transformer.ln_f.weight"],
-        "trunk.norm.bias": sd["transformer.ln_f.bias"],
-    }
-    if not cfg.tie_embeddings:
-        st["lm_head.weight"] = sd["lm_head.weight"]
-    for i in range(c.n_layer):
-        h, p = f"transformer.h.{i}.", f"trunk.blocks.{i}."
-        for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
-            st[p + ours + ".weight"], st[p + ours + ".bias"] = sd[h + theirs + ".weight"], sd[h + theirs + ".bias"]
-        # Conv1D stores (in, out): our Linear wants (out, in).
-        for ours, theirs in (
-            ("attn.in_proj", "attn.c_attn"),
-            ("attn.out_proj", "attn.c_proj"),
-            ("mlp.up", "mlp.c_fc"),
-            ("mlp.down", "mlp.c_proj"),
-        ):
-            st[p + ours + ".weight"] = sd[h + theirs + ".weight"].T.contiguous()
-            st[p + ours + ".bias"] = sd[h + theirs + ".bias"]
-    return _build(cfg, st)
-
-
-def _rope_theta(c) -> float:
-    params = getattr(c, "rope_parameters", None) or {}
-    kind = params.get("rope_type", "default")
-    scaling = getattr(c, "rope_scaling", None)
-    if kind != "default" or (
-        isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (None, "default")
-    ):
-        raise UserError(f"Llama rope_type={kind!r}: only the default rotary embedding maps onto qkvlab's pos=rope")
-    return float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
-
-
-def _from_llama(hf) -> tuple[GPT, ModelConfig]:
-    c = hf.config
-    if c.hidden_act != "silu":
-        raise UserError(
-            f"Llama hidden_act={c.hidden_act!r}: qkvlab's gated MLP is SwiGLU (silu); other gates have no config value"
-        )
-    nh = c.num_attention_heads
-    hd = getattr(c, "head_dim", None) or c.hidden_size // nh
-    bias = bool(getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False))
-    cfg = ModelConfig(
-        attn="Q-K-V",
-        n_layer=c.num_hidden_layers,
-        n_head=nh,
-        d_model=c.hidden_size,
-        d_head=hd,
-        kv_heads=c.num_key_value_heads or nh,
-        mlp="swiglu",
-        mlp_hidden=c.intermediate_size,
-        norm="rmsnorm",
-        norm_eps=float(c.rms_norm_eps),
-        pos="rope",
-        rope_theta=_rope_theta(c),
-        vocab_size=c.vocab_size,
-        context=c.max_position_embeddings,
-        bias=bias,
-        dropout=0.0,
-        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-    ).validate()
-    sd = hf.state_dict()
-    st = {"tok_emb.weight": sd["model.embed_tokens.weight"], "trunk.norm.weight": sd["model.norm.weight"]}
-    if not cfg.tie_embeddings:
-        st["lm_head.weight"] = sd["lm_head.weight"]
-    for i in range(c.num_hidden_layers):
-        h, p = f"model.layers.{i}.", f"trunk.blocks.{i}."
-        st[p + "norm1.weight"] = sd[h + "input_layernorm.weight"]
-        st[p + "norm2.weight"] = sd[h + "post_attention_layernorm.weight"]
-        st[p + "attn.in_proj.weight"] = torch.cat([sd[h + f"self_attn.{r}_proj.weight"] for r in "qkv"], 0)
-        if h + "self_attn.q_proj.bias" in sd:
-            st[p + "attn.in_proj.bias"] = torch.cat([sd[h + f"self_attn.{r}_proj.bias"] for r in "qkv"], 0)
-        for ours, theirs in (
-            ("attn.out_proj", "self_attn.o_proj"),
-            ("mlp.gate", "mlp.gate_proj"),
-            ("mlp.up", "mlp.up_proj"),
-            ("mlp.down", "mlp.down_proj"),
-        ):
-            st[p + ours + ".weight"] = sd[h + theirs + ".weight"]
-            if h + theirs + ".bias" in sd:
-                st[p + ours + ".bias"] = sd[h + theirs + ".bias"]
-    return _build(cfg, st)
+    a = adapter(getattr(hf_model.config, "model_type", None))
+    cfg = a.model_config(hf_model.config)
+    st = {k: v.float() for k, v in a.from_hf(hf_model.state_dict()).items()}
+    with torch.device("meta"):  # biases the source lacks (e.g. Llama's MLP when only attention has them) are zero
+        expected = GPT(cfg).state_dict()
+    st.update({k: torch.zeros(t.shape) for k, t in expected.items() if k.endswith(".bias") and k not in st})
+    return build_model_from_state(GPT, cfg, st, f"the {a.model_type} checkpoint").eval(), cfg
 
 
 # ---- export ---------------------------------------------------------------------------------
-def _check_exportable(cfg: ModelConfig, fmt: str) -> None:
-    why = f"cannot export {cfg.scheme_label} to {fmt}"
+def _check_exportable(cfg: ModelConfig, a: StateDictAdapter) -> None:
+    why = f"cannot export {cfg.scheme_label} to {a.model_type}"
     if any(lc.spec.plus for lc in cfg.layer_configs()):
         raise UserError(f"{why}: the '+' schemes' learned 2D score term has no place in a standard transformers class")
     if not cfg.mlp_skip:
@@ -300,17 +169,7 @@ def _check_exportable(cfg: ModelConfig, fmt: str) -> None:
         raise UserError(f"{why}: a bidirectional model is not a causal LM")
     if cfg.norm_position != "pre":
         raise UserError(f"{why}: norm_position={cfg.norm_position} (that class has pre-norm blocks)")
-    need = {
-        "gpt2": dict(norm=("layernorm",), pos=("learned", "none"), mlp=tuple(GPT2_ACT_OUT)),
-        "llama": dict(norm=("rmsnorm",), pos=("rope",), mlp=("swiglu",)),
-    }[fmt]
-    for key, allowed in need.items():
-        if getattr(cfg, key) not in allowed:
-            raise UserError(f"{why}: {key}={getattr(cfg, key)} (that class needs {' or '.join(allowed)})")
-    if fmt == "gpt2" and cfg.n_head * cfg.head_dim != cfg.d_model:
-        raise UserError(
-            f"{why}: GPT-2 needs n_head*d_head == d_model, got {cfg.n_head}*{cfg.head_dim} != {cfg.d_model}"
-        )
+    a.check_export(cfg, why)
 
 
 def _explicit_roles(block, cfg: ModelConfig, dtype, device) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -328,128 +187,47 @@ def _explicit_roles(block, cfg: ModelConfig, dtype, device) -> dict[str, tuple[t
     return out
 
 
+def _repeat_heads(w: torch.Tensor, b: torch.Tensor | None, hd: int, heads: int):
+    """Each of w's heads repeated for the `heads` it must become (GQA -> fewer-kv or no-GQA classes)."""
+    have = w.shape[0] // hd
+    if have == heads:
+        return w, b
+    rep = heads // have
+    w = w.view(have, hd, -1).repeat_interleave(rep, 0).reshape(heads * hd, -1)
+    return w, None if b is None else b.view(have, hd).repeat_interleave(rep, 0).reshape(-1)
+
+
+def explicit_state(model: GPT, cfg: ModelConfig, kv_heads: int) -> dict[str, torch.Tensor]:
+    """model's state as a plain Q-K-V model of kv_heads key/value heads would hold it: every layer
+    its own block (shared layers repeated), each in_proj the explicit query, key and value rows
+    (identity roles as matrices, shared roles duplicated, kv heads repeated)."""
+    dtype, device = model.tok_emb.weight.dtype, model.tok_emb.weight.device
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    st = {k: v for k, v in sd.items() if not k.startswith("trunk.blocks.")}
+    for i in range(cfg.n_layer):
+        src, dst = f"trunk.blocks.{0 if cfg.share_layers else i}.", f"trunk.blocks.{i}."
+        st.update({dst + k[len(src) :]: v for k, v in sd.items() if k.startswith(src) and ".in_proj." not in k})
+        roles = _explicit_roles(model.trunk.layer(i), cfg.layer_config(i), dtype, device)
+        rows = {r: _repeat_heads(*roles[r], cfg.head_dim, cfg.n_head if r == "q" else kv_heads) for r in ROLES}
+        st[dst + "attn.in_proj.weight"] = torch.cat([rows[r][0] for r in ROLES], 0)
+        if any(b is not None for _, b in rows.values()):
+            zeros = lambda w: torch.zeros(w.shape[0], dtype=dtype, device=device)  # noqa: E731
+            st[dst + "attn.in_proj.bias"] = torch.cat([zeros(w) if b is None else b for w, b in rows.values()], 0)
+    return st
+
+
 def to_hf(model: GPT, cfg: ModelConfig, fmt: str):
     """A transformers model (same dtype as `model`) computing the same logits."""
     tf = _transformers()
     if fmt not in FORMATS:
         raise UserError(f"--to-hf {fmt!r}: allowed {', '.join(FORMATS)}")
-    _check_exportable(cfg, fmt)
-    dtype, device = model.tok_emb.weight.dtype, model.tok_emb.weight.device  # every tensor made here goes there
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    nh, hd, d = cfg.n_head, cfg.head_dim, cfg.d_model
-    # One num_key_value_heads for all layers: layers with fewer kv heads repeat theirs (exact: query
-    # head h reads kv head h // (nh / kv) either way).
-    kv = math.lcm(*(lc.n_kv_heads for lc in cfg.layer_configs()))
-    st: dict[str, torch.Tensor] = {}
-
-    def bias_or_zero(b, n):
-        return b if b is not None else torch.zeros(n, dtype=dtype, device=device)
-
-    if fmt == "gpt2":
-        hf_cfg = tf.GPT2Config(
-            vocab_size=cfg.vocab_size,
-            n_positions=cfg.context,
-            n_embd=d,
-            n_layer=cfg.n_layer,
-            n_head=nh,
-            n_inner=cfg.hidden,
-            activation_function=GPT2_ACT_OUT[cfg.mlp],
-            layer_norm_epsilon=cfg.norm_eps,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            tie_word_embeddings=cfg.tie_embeddings,
-            bos_token_id=None,
-            eos_token_id=None,  # GPT-2's 50256 need not exist in this vocabulary
-        )
-        st["transformer.wte.weight"] = sd["tok_emb.weight"]
-        st["transformer.wpe.weight"] = (
-            sd["pos_emb.weight"] if cfg.pos == "learned" else torch.zeros(cfg.context, d, dtype=dtype, device=device)
-        )
-        st["transformer.ln_f.weight"] = sd["trunk.norm.weight"]
-        st["transformer.ln_f.bias"] = bias_or_zero(sd.get("trunk.norm.bias"), d)
-        for i in range(cfg.n_layer):
-            blk, p, h = model.trunk.layer(i), f"trunk.blocks.{0 if cfg.share_layers else i}.", f"transformer.h.{i}."
-            roles = _explicit_roles(blk, cfg.layer_config(i), dtype, device)
-            ws, bs = [], []
-            for r in ROLES:  # GPT-2 has no GQA: repeat each key/value head for its query heads
-                w, b = roles[r]
-                n_heads_r = w.shape[0] // hd
-                if n_heads_r != nh:
-                    rep = nh // n_heads_r
-                    w = w.view(n_heads_r, hd, d).repeat_interleave(rep, 0).reshape(nh * hd, d)
-                    b = None if b is None else b.view(n_heads_r, hd).repeat_interleave(rep, 0).reshape(-1)
-                ws.append(w)
-                bs.append(bias_or_zero(b, nh * hd))
-            st[h + "attn.c_attn.weight"] = torch.cat(ws, 0).T.contiguous()
-            st[h + "attn.c_attn.bias"] = torch.cat(bs, 0)
-            for ours, theirs, n_out in (
-                ("attn.out_proj", "attn.c_proj", d),
-                ("mlp.up", "mlp.c_fc", cfg.hidden),
-                ("mlp.down", "mlp.c_proj", d),
-            ):
-                st[h + theirs + ".weight"] = sd[p + ours + ".weight"].T.contiguous()
-                st[h + theirs + ".bias"] = bias_or_zero(sd.get(p + ours + ".bias"), n_out)
-            for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
-                st[h + theirs + ".weight"] = sd[p + ours + ".weight"]
-                st[h + theirs + ".bias"] = bias_or_zero(sd.get(p + ours + ".bias"), d)
-        if not cfg.tie_embeddings:
-            st["lm_head.weight"] = sd["lm_head.weight"]
-        hf = tf.GPT2LMHeadModel(hf_cfg)
-    else:
-        hf_cfg = tf.LlamaConfig(
-            vocab_size=cfg.vocab_size,
-            hidden_size=d,
-            intermediate_size=cfg.hidden,
-            num_hidden_layers=cfg.n_layer,
-            num_attention_heads=nh,
-            num_key_value_heads=kv,
-            head_dim=hd,
-            hidden_act="silu",
-            max_position_embeddings=cfg.context,
-            rms_norm_eps=cfg.norm_eps,
-            tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            attention_bias=cfg.bias,
-            mlp_bias=cfg.bias,
-            attention_dropout=0.0,
-        )
-        st["model.embed_tokens.weight"] = sd["tok_emb.weight"]
-        st["model.norm.weight"] = sd["trunk.norm.weight"]
-        for i in range(cfg.n_layer):
-            blk, p, h = model.trunk.layer(i), f"trunk.blocks.{0 if cfg.share_layers else i}.", f"model.layers.{i}."
-            roles = _explicit_roles(blk, cfg.layer_config(i), dtype, device)
-            for r in ROLES:
-                w, b = roles[r]
-                n_heads_r = w.shape[0] // hd
-                if r != "q" and n_heads_r != kv:
-                    w = w.view(n_heads_r, hd, d).repeat_interleave(kv // n_heads_r, 0).reshape(kv * hd, d)
-                    b = None if b is None else b.view(n_heads_r, hd).repeat_interleave(kv // n_heads_r, 0).reshape(-1)
-                st[h + f"self_attn.{r}_proj.weight"] = w.clone()  # K=V: two copies of one tensor
-                if cfg.bias:
-                    st[h + f"self_attn.{r}_proj.bias"] = bias_or_zero(b, w.shape[0]).clone()
-            for ours, theirs in (
-                ("attn.out_proj", "self_attn.o_proj"),
-                ("mlp.gate", "mlp.gate_proj"),
-                ("mlp.up", "mlp.up_proj"),
-                ("mlp.down", "mlp.down_proj"),
-            ):
-                st[h + theirs + ".weight"] = sd[p + ours + ".weight"]
-                if cfg.bias:
-                    st[h + theirs + ".bias"] = sd[p + ours + ".bias"]
-            st[h + "input_layernorm.weight"] = sd[p + "norm1.weight"]
-            st[h + "post_attention_layernorm.weight"] = sd[p + "norm2.weight"]
-        if not cfg.tie_embeddings:
-            st["lm_head.weight"] = sd["lm_head.weight"]
-        hf = tf.LlamaForCausalLM(hf_cfg)
-    hf = hf.to(dtype)
-    expected = set(hf.state_dict())
-    if cfg.tie_embeddings:
-        expected.discard("lm_head.weight")
-    missing = expected - set(st)
-    if missing:  # a mapping bug, not bad input
-        raise RuntimeError(f"export to {fmt}: no value for {sorted(missing)[0]}")
-    hf.load_state_dict({k: v.contiguous().clone() for k, v in st.items()}, strict=False)
+    a = ADAPTERS[fmt]
+    _check_exportable(cfg, a)
+    kv = a.export_kv_heads(cfg)
+    st = a.to_hf(explicit_state(model, cfg, kv), (cfg.n_head * cfg.head_dim, *[kv * cfg.head_dim] * 2))
+    hf = getattr(tf, a.hf_class)(a.hf_config(tf, cfg, kv)).to(model.tok_emb.weight.dtype)
+    st = a.complete(st, hf.state_dict(), model.tok_emb.weight.device)
+    hf.load_state_dict({k: v.contiguous() for k, v in st.items()}, strict=True)
     if cfg.tie_embeddings:
         hf.tie_weights()
     return hf.eval()

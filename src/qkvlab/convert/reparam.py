@@ -31,6 +31,7 @@ import torch
 
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
+from qkvlab.io import build_model_from_state
 from qkvlab.model import GPT
 from qkvlab.spec import ROLES, ProjectionSpec, format_layers, parse_scheme
 
@@ -79,20 +80,38 @@ def role_change(src: ProjectionSpec, dst: ProjectionSpec) -> tuple[str, str]:
     return ("remove" if dst.is_identity(role) else "insert"), role
 
 
+def _split_rows(weight, bias, widths) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """{source index: (weight rows (out, d), bias or None)} of a fused in_proj (weight None: no projection)."""
+    if weight is None:
+        return {}
+    ws = weight.split(widths, dim=0)
+    bs = bias.split(widths) if bias is not None else [None] * len(ws)
+    return dict(enumerate(zip(ws, bs)))
+
+
+def _by_role(parts: dict, spec: ProjectionSpec) -> dict[str, tuple[torch.Tensor, torch.Tensor | None] | None]:
+    return {r: None if spec.is_identity(r) else parts[spec.role_source(r)] for r in ROLES}
+
+
 def split_in_proj(block, spec: ProjectionSpec) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
     """{source index: (weight rows (out, d), bias or None)} of one block's fused in_proj."""
     attn = block.attn
     if attn.in_proj is None:
         return {}
-    ws = attn.in_proj.weight.split(attn.proj_widths, dim=0)
-    bs = attn.in_proj.bias.split(attn.proj_widths) if attn.in_proj.bias is not None else [None] * len(ws)
-    return dict(enumerate(zip(ws, bs)))
+    return _split_rows(attn.in_proj.weight, attn.in_proj.bias, attn.proj_widths)
 
 
 def role_weights(block, spec: ProjectionSpec) -> dict[str, tuple[torch.Tensor, torch.Tensor | None] | None]:
     """{role: (weight, bias) or None for an identity role}."""
-    parts = split_in_proj(block, spec)
-    return {r: None if spec.is_identity(r) else parts[spec.role_source(r)] for r in ROLES}
+    return _by_role(split_in_proj(block, spec), spec)
+
+
+def _state_roles(
+    st: dict[str, torch.Tensor], i: int, attn
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None] | None]:
+    """`role_weights` of block i read from a state dict (attn: that block's module, for the widths)."""
+    p = f"trunk.blocks.{i}.attn.in_proj."
+    return _by_role(_split_rows(st.get(p + "weight"), st.get(p + "bias"), attn.proj_widths), attn.spec)
 
 
 def _fuse(dst: ProjectionSpec, rows: dict[str, tuple[torch.Tensor, torch.Tensor | None]]):
@@ -140,7 +159,7 @@ def convert(
             raise UserError("--layer applies to removing a projection; inserting one is done in every layer")
         out_cfg = _target_cfg(cfg, dst, untie=False, table=[(dst.name, kv) for _, kv in cfg.layer_table()])
         return _rebuild(
-            m,
+            m.state_dict(),
             out_cfg,
             _insert_rows(m, cfg, dst, role),
             dtype,
@@ -151,10 +170,47 @@ def convert(
 
 def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int | None, max_cond: float, dtype):
     name = f"W_{role.upper()}"
+    d = _check_removable(m, cfg, role, layer)
+    n = cfg.n_layer
+    todo = list(range(len(m.trunk.blocks))) if cfg.share_layers else ([layer] if layer is not None else list(range(n)))
+    if role == "v" and cfg.bias:
+        _fold_value_bias(m, todo)
+    theta, notes = _bases(m, cfg, role, todo, max_cond)
+    eye, zero = torch.eye(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+    # Basis (A, c) of the stream entering each block, and of the stream the unembedding reads.
+    if cfg.mlp_skip or cfg.share_layers:
+        basis, final = [theta[todo[0]]] * n, theta[todo[0]]
+    else:
+        basis, final = [theta.get(l, (eye, zero)) for l in range(n)], (eye, zero)
+    st = _change_basis({k: v.clone() for k, v in m.state_dict().items()}, cfg, len(m.trunk.blocks), basis, final)
+    # The removed role's rows are now exactly I (and its bias 0): drop them in the converted layers.
+    table = list(cfg.layer_table())
+    for i in theta if not cfg.share_layers else range(n):
+        table[i] = (dst.name, table[i][1])
+    fused = []
+    for i, block in enumerate(m.trunk.blocks):
+        rows = _state_roles(st, i, block.attn)
+        if i in theta:
+            w, b = rows[role]
+            rows[role] = (eye.clone(), None if b is None else torch.zeros_like(b))
+        fused.append(_fuse(parse_scheme(table[i][0]), rows))
+    out_cfg = _target_cfg(cfg, dst, untie=True, table=table)
+    if cfg.share_layers or len(todo) == n:  # every layer ends with the identity role
+        notes.append(f"{name} removed in every layer: scheme {cfg.scheme_label} -> {out_cfg.scheme_label}")
+    else:
+        notes.append(  # W is square (`_check_removable`)
+            f"layer {todo[0]}'s {name} removed: layers={out_cfg.layers!r} ({d * d} fewer parameters in that layer)"
+        )
+    return _rebuild(st, out_cfg, fused, dtype, notes)
+
+
+def _check_removable(m: GPT, cfg: ModelConfig, role: str, layer: int | None) -> int:
+    """Refuse, in one line, a model whose W_role no change of basis removes exactly; -> d_model."""
+    name = f"W_{role.upper()}"
     if cfg.norm != "none":
         raise UserError(
             f"norm={cfg.norm}: a normalization layer does not commute with a general change of basis, so "
-            f"{name} cannot be removed exactly (the theorems need norm=none; otherwise W_{role.upper()} = Id is reachable only by training)"
+            f"{name} cannot be removed exactly (the theorems need norm=none; otherwise {name} = Id is reachable only by training)"
         )
     if cfg.pos == "sinusoidal":
         raise UserError(
@@ -172,12 +228,11 @@ def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int
         raise UserError(
             f"{name} is {width}x{d}, not square (n_head*d_head must equal d_model={d}); no change of basis makes it Id"
         )
-    n = cfg.n_layer
     if cfg.share_layers and layer is not None:
         raise UserError(
             "--layer: with share_layers every layer uses one block, so all layers are converted together; drop --layer"
         )
-    if layer is None and n > 1 and cfg.mlp_skip and not cfg.share_layers:
+    if layer is None and cfg.n_layer > 1 and cfg.mlp_skip and not cfg.share_layers:
         raise UserError(
             "mlp_skip=True: with a skip around the MLP every layer shares one basis of the residual stream, so only one "
             f"layer's {name} can be removed exactly; pass --layer L (theorem a), or use a model without the MLP skip "
@@ -190,22 +245,27 @@ def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int
                 f"layer {fixed[0]} already has an identity role, which reads the residual stream as it is; with a skip "
                 f"around the MLP one change of basis serves every layer, so no other layer's {name} can be removed exactly"
             )
-    todo = list(range(len(m.trunk.blocks))) if cfg.share_layers else ([layer] if layer is not None else list(range(n)))
-    # Which layers end with the identity role: all of them in the result's config, or just one.
-    whole = cfg.share_layers or len(todo) == n
+    return d
+
+
+@torch.no_grad()
+def _fold_value_bias(m: GPT, todo: list[int]) -> None:
+    """A value bias reaches the output as A·1·b_v = b_v (attention rows sum to 1): out_proj's bias takes it."""
+    for l in todo:
+        blk = m.trunk.blocks[l]
+        _, b_v = role_weights(blk, blk.attn.spec)["v"]
+        blk.attn.out_proj.bias += blk.attn.out_proj.weight @ b_v
+
+
+def _bases(m: GPT, cfg: ModelConfig, role: str, todo: list[int], max_cond: float):
+    """-> ({layer: (A, c)} with A = W_role (math layout) and x' = x A + c, notes). Refuses an
+    ill-conditioned W, and a bias the change of basis cannot carry."""
+    name = f"W_{role.upper()}"
     # A key bias adds q_i . b_k to row i of the scores: constant along the row, so softmax ignores it,
     # unless rotary turns it into q_i R_(j-i) b_k. Then (and always for a query bias) it moves into c.
-    # A value bias reaches the output as A·1·b_v = b_v (attention rows sum to 1): out_proj's bias takes it.
+    # A value bias was folded into out_proj (`_fold_value_bias`).
     drop_bias = (role == "k" and cfg.pos != "rope") or role == "v"
-    if role == "v" and cfg.bias:
-        with torch.no_grad():
-            for l in todo:
-                blk = m.trunk.blocks[l]
-                _, b_v = role_weights(blk, blk.attn.spec)["v"]
-                blk.attn.out_proj.bias += blk.attn.out_proj.weight @ b_v
-
-    eye = torch.eye(d, dtype=torch.float64)
-    zero = torch.zeros(d, dtype=torch.float64)
+    zero = torch.zeros(cfg.d_model, dtype=torch.float64)
     theta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     notes = []
     for l in todo:
@@ -218,27 +278,26 @@ def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int
             )
         notes.append(f"layer {l}: cond({name}) = {cond:.4g}")
         c = b.detach().clone() if (b is not None and not drop_bias) else zero
-        theta[l] = (w.detach().T.clone(), c)  # A = W (math layout): x' = x A + c
+        theta[l] = (w.detach().T.clone(), c)
     if (cfg.mlp_skip or cfg.share_layers) and any(c.abs().max() > 0 for _, c in theta.values()):
         raise UserError(
             f"{name} has a nonzero bias: removing it shifts the residual stream by that bias, and with "
             f"{'shared layers' if cfg.share_layers else 'a skip around the MLP'} the shift reaches the unembedding, which has "
             "no bias; exact removal needs a bias-free (or zero-bias) projection"
         )
-    # Basis (A, c) of the stream entering each block, and of the stream the unembedding reads.
-    if cfg.mlp_skip or cfg.share_layers:
-        basis = [theta[todo[0]]] * n
-        final = basis[0]
-    else:
-        basis = [theta.get(l, (eye, zero)) for l in range(n)]
-        final = (eye, zero)
-    st = {k: v.clone() for k, v in m.state_dict().items()}
+    return theta, notes
+
+
+def _change_basis(st: dict[str, torch.Tensor], cfg: ModelConfig, n_blocks: int, basis, final):
+    """Every reader and writer of the residual stream rewritten for block i's basis[i] = (A, c) and the
+    unembedding's `final` (the table in the module doc). st is changed in place and returned."""
+    n = cfg.n_layer
     A0, c0 = basis[0]
     st["tok_emb.weight"] = st["tok_emb.weight"] @ A0 + c0
     if "pos_emb.weight" in st:
         st["pos_emb.weight"] = st["pos_emb.weight"] @ A0
-    st["lm_head.weight"] = st["lm_head.weight"] @ torch.linalg.inv(final[0]).T
-    for i in range(len(m.trunk.blocks)):
+    st["lm_head.weight"] = st["lm_head.weight"] @ torch.linalg.inv(final[0]).T  # untied from here
+    for i in range(n_blocks):
         A, c = basis[i]
         A_next, c_next = basis[i] if cfg.mlp_skip else (basis[i + 1] if i + 1 < n else final)
         if cfg.share_layers:
@@ -256,34 +315,9 @@ def _remove(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str, layer: int
             st[p + "attn.out_proj.bias"] = A.T @ st[p + "attn.out_proj.bias"]
         st[p + "mlp.down.weight"] = A_next.T @ st[p + "mlp.down.weight"]
         if p + "mlp.down.bias" in st:
-            add = zero if cfg.mlp_skip else c_next
+            add = torch.zeros_like(c) if cfg.mlp_skip else c_next
             st[p + "mlp.down.bias"] = A_next.T @ st[p + "mlp.down.bias"] + add
-    m.load_state_dict(st, strict=True) if not cfg.tie_embeddings else _load_untied(m, st)
-    # The removed role's rows are now exactly I (and its bias 0): drop them in the converted layers.
-    table = list(cfg.layer_table())
-    for i in theta if not cfg.share_layers else range(n):
-        table[i] = (dst.name, table[i][1])
-    fused = []
-    for i, block in enumerate(m.trunk.blocks):
-        rows = role_weights(block, block.attn.spec)
-        if i in theta:
-            w, b = rows[role]
-            rows[role] = (eye.clone(), None if b is None else torch.zeros_like(b))
-        fused.append(_fuse(parse_scheme(table[i][0]), rows))
-    out_cfg = _target_cfg(cfg, dst, untie=True, table=table)
-    if whole:
-        notes.append(f"{name} removed in every layer: scheme {cfg.scheme_label} -> {out_cfg.scheme_label}")
-    else:
-        notes.append(
-            f"layer {todo[0]}'s {name} removed: layers={out_cfg.layers!r} ({d * width} fewer parameters in that layer)"
-        )
-    return _rebuild(m, out_cfg, fused, dtype, notes)
-
-
-def _load_untied(m: GPT, st: dict[str, torch.Tensor]) -> None:
-    """Untie the head before loading a state whose head differs from the embedding."""
-    m.lm_head.weight = torch.nn.Parameter(st["lm_head.weight"].clone())
-    m.load_state_dict(st, strict=True)
+    return st
 
 
 def _insert_rows(m: GPT, cfg: ModelConfig, dst: ProjectionSpec, role: str):
@@ -320,25 +354,19 @@ def _target_cfg(cfg: ModelConfig, dst: ProjectionSpec, *, untie: bool, table=Non
 
 
 def _float64_copy(model: GPT) -> GPT:
-    m = GPT(model.cfg).to(torch.float64)
-    m.load_state_dict({k: v.to(torch.float64) for k, v in model.state_dict().items()})
-    return m.eval()
+    state = {k: v.detach().to(torch.float64) for k, v in model.state_dict().items()}
+    return build_model_from_state(GPT, model.cfg, state, "the model").eval()
 
 
-def _rebuild(m: GPT, out_cfg: ModelConfig, fused, dtype, notes) -> Result:
-    """A GPT(out_cfg) holding m's weights with each block's in_proj replaced by `fused`."""
-    st = {k: v for k, v in m.state_dict().items() if not k.endswith(("attn.in_proj.weight", "attn.in_proj.bias"))}
+def _rebuild(st: dict[str, torch.Tensor], out_cfg: ModelConfig, fused, dtype, notes) -> Result:
+    """A GPT(out_cfg) holding st's weights with each block's in_proj replaced by `fused`."""
+    st = {k: v for k, v in st.items() if not k.endswith(("attn.in_proj.weight", "attn.in_proj.bias"))}
     for i, (w, b) in enumerate(fused):
         if w is not None:
             st[f"trunk.blocks.{i}.attn.in_proj.weight"] = w
             if b is not None:
                 st[f"trunk.blocks.{i}.attn.in_proj.bias"] = b
-    out = GPT(out_cfg).to(torch.float64)
-    if out_cfg.tie_embeddings:
-        st.pop("lm_head.weight", None)
-        out.load_state_dict(st, strict=False)
-    else:
-        out.load_state_dict(st, strict=True)
+    out = build_model_from_state(GPT, out_cfg, st, f"the converted {out_cfg.scheme_label} model")
     return Result(out.to(dtype).eval(), out_cfg, notes)
 
 

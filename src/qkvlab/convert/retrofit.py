@@ -1,24 +1,15 @@
 """Retrofit a trained model to K=V and/or fewer key/value heads: fit, then uptrain by distillation.
 
-Per converted layer (any selection of layers; the result is a per-layer model, docs/schemes.md):
+The fit (retrofit_fit.py) keeps the keys and fits the values on calibration text, folding the fit
+into the output projection; this module is the whole procedure around it:
 
-- keys are kept exactly when the kv heads stay (so rotary stays exact); with fewer kv heads each
-  group of key heads is mean-pooled, as the GQA paper (Ainslie et al. 2023) does;
-- the new value tensor is the (pooled) key for K=V, else the mean-pooled values; every source
-  value head g is then fitted from it by least squares on calibration activations of real text,
-  V_g ≈ V'_G M_g (+ c_g when out_proj has a bias), and M_g is folded into the output projection
-  columns of the query heads that read g: W_O,h ← W_O,h M_gᵀ (b_O += W_O,h c_g). With
-  pool="mean" and separate values the GQA paper's plain mean is kept (M = I).
-  R² = 1 - SSE/SST of that fit is the layer's fit quality; with a cache budget the layers with the
-  best R² are converted first until the KV cache is at most that fraction of the original's.
-- then uptraining with the training engine (train/loop.py, resumable, checkpoints): the `distill`
-  task (tasks/distill.py), LM loss plus KL(teacher || student) at temperature 1.
-
-The report holds held-out perplexity of the original, after the fit and after uptraining, and the
-KV-cache bytes per token before and after (bf16).
-
-Over 400 lines: one method (calibrate, fit, fold, select layers, uptrain, report) whose
-steps share the calibration activations.
+- the source, through the one loader (convert/load.py): a qkvlab folder with its tokenizer/, or
+  a Hugging Face folder or .gguf with its tokenizer files;
+- text: every document's first (1 - f) tokens calibrate and train, its last f are held out;
+- uptraining with the training engine (train/loop.py, resumable, checkpoints): the `distill`
+  task (tasks/distill.py), LM loss plus KL(teacher || student) at temperature 1;
+- the report: held-out perplexity of the original, after the fit and after uptraining, and the
+  KV-cache bytes per token before and after (bf16).
 """
 
 from __future__ import annotations
@@ -28,7 +19,7 @@ import json
 import math
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,22 +27,49 @@ import torch
 
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
-from qkvlab.convert.reparam import role_weights
+from qkvlab.convert.load import TOKENIZER_DIR, load_any
+from qkvlab.convert.retrofit_fit import (
+    POOLS,
+    TARGETS,
+    FitResult,
+    LayerFit,
+    attention_inputs,
+    candidate_layers,
+    check_target,
+    fit,
+    fit_layer,
+)
+from qkvlab.data.tokenizer import load_tokenizer
 from qkvlab.devices import DEVICE_HELP, TRAIN_DTYPES, check_device, check_dtype, dtype_choices, select_device
 from qkvlab.errors import UserError
-from qkvlab.files import atomic_dir, atomic_path
-from qkvlab.io import is_model_folder
+from qkvlab.files import atomic_dir
+from qkvlab.io import atomic_write, json_text, load_model, write_model_files
 from qkvlab.model import GPT
 from qkvlab.settings import check, setting
-from qkvlab.spec import format_layers, parse_scheme, select_layers
+from qkvlab.spec import select_layers
 
-TARGETS = ("Q-K-V", "Q-K=V")  # what a fit can reach: a learned query and key; values shared or not
-POOLS = ("fit", "mean")
+# The fit's names, for `from qkvlab.convert.retrofit import ...` (the library entry point).
+__all__ = [
+    "POOLS",
+    "TARGETS",
+    "FitResult",
+    "LayerFit",
+    "RetrofitOptions",
+    "Source",
+    "attention_inputs",
+    "corpus_tokens",
+    "fit",
+    "fit_layer",
+    "load_source",
+    "perplexity",
+    "retrofit",
+    "summary_line",
+]
 TOKENS_FILE = "tokens.safetensors"
 REPORT = "retrofit.json"
 
 
-# ---- sources: a qkvlab folder or a Hugging Face folder / .gguf ------------------------------------
+# ---- the source: any model the one loader reads, with its tokenizer ---------------------------------
 @dataclass
 class Source:
     model: GPT
@@ -64,35 +82,22 @@ class Source:
 
 
 def load_source(path: str | Path) -> Source:
-    """The model (float32 or as stored) and its tokenizer."""
-    path = Path(path)
-    if is_model_folder(path):
-        from qkvlab.data.tokenizer import load_tokenizer
-        from qkvlab.io import load_model
-
-        model, cfg, _ = load_model(path)
-        tok_dir = path / "tokenizer"
+    """The model (float32 or as stored) and its tokenizer (convert/load.py)."""
+    m = load_any(path)
+    if m.kind == "qkvlab":
+        tok_dir = m.folder / TOKENIZER_DIR
         if not tok_dir.is_dir():
             raise UserError(f"{path}: no tokenizer/ folder (qkvlab train writes one); retrofit needs it to read text")
         tok = load_tokenizer(tok_dir)
-        return Source(model, cfg, tok.encode, tok.eot_id, "qkvlab", tok_dir, tok.decode)
-    from qkvlab.convert.hf import _transformers, from_hf, gguf_cache_folder, load_hf, quiet
-
-    quiet()
-    hf = load_hf(path)
-    model, cfg = from_hf(hf)
-    del hf
-    ggufs = [path] if path.is_file() else sorted(path.glob("*.gguf"))
-    tok_folder = path if (path.is_dir() and (path / "config.json").exists()) else gguf_cache_folder(ggufs[0])
-    try:
-        tok = _transformers().AutoTokenizer.from_pretrained(tok_folder)
-    except Exception as e:  # transformers raises many kinds
-        raise UserError(f"{path}: no usable tokenizer beside the weights ({str(e).splitlines()[0][:160]})") from None
+        return Source(m.model, m.cfg, tok.encode, tok.eot_id, "qkvlab", tok_dir, tok.decode)
+    tok = m.tokenizer
+    if tok is None:
+        raise UserError(f"{path}: no usable tokenizer beside the weights (no tokenizer files in {m.folder})")
 
     def encode(text: str) -> list[int]:
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    return Source(model, cfg, encode, tok.eos_token_id, "hf", None, tok.decode)
+    return Source(m.model, m.cfg, encode, tok.eos_token_id, "hf", None, tok.decode)
 
 
 # ---- text: calibration/training tokens and held-out tokens ----------------------------------------
@@ -116,10 +121,10 @@ def corpus_tokens(src: Source, data: Any = None, heldout_fraction: float = 0.1) 
 
 
 def write_tokens(path: Path, train: torch.Tensor, held: torch.Tensor) -> None:
-    from safetensors.torch import save_file
+    """Atomically (qkvlab.io): a resumed retrofit must never read a half-written file."""
+    from safetensors.torch import save
 
-    with atomic_path(path) as tmp:
-        save_file({"train": train.contiguous(), "val": held.contiguous()}, str(tmp))
+    atomic_write(path, save({"train": train.contiguous(), "val": held.contiguous()}))
 
 
 @torch.no_grad()
@@ -138,214 +143,6 @@ def perplexity(model: GPT, tokens: torch.Tensor, *, block: int, max_tokens: int,
         _, loss = model(x, y)
         total += float(loss) * len(rows)
     return math.exp(total / n)
-
-
-# ---- the fit ----------------------------------------------------------------------------------------
-@dataclass
-class LayerFit:
-    layer: int
-    r2: float  # of the source values from the new value tensor (1.0: nothing fitted)
-    cache_bytes_before: int  # per token, bf16
-    cache_bytes_after: int
-
-
-@torch.no_grad()
-def attention_inputs(model: GPT, tokens: torch.Tensor, n_tokens: int, block: int) -> list[torch.Tensor]:
-    """Each layer's attention input (after norm1) on the first n_tokens calibration tokens: (N, d)."""
-    n = max(1, min(n_tokens, len(tokens) - 1) // block)
-    x = tokens[: n * block].view(n, block)
-    captured: list[list[torch.Tensor]] = [[] for _ in model.trunk.blocks]
-    hooks = [
-        blk.attn.register_forward_pre_hook(lambda m, args, i=i: captured[i].append(args[0].detach().flatten(0, 1)))
-        for i, blk in enumerate(model.trunk.blocks)
-    ]
-    try:
-        model.eval()
-        p = next(model.parameters())
-        for row in x.split(4):
-            model(row.to(p.device))
-    finally:
-        for h in hooks:
-            h.remove()
-    return [torch.cat(c).double().cpu() for c in captured]
-
-
-def _heads(w: torch.Tensor, b: torch.Tensor | None, heads: int, hd: int):
-    return w.view(heads, hd, -1), None if b is None else b.view(heads, hd)
-
-
-def _pool(w: torch.Tensor, b: torch.Tensor | None, r: int):
-    """Mean of each group of r consecutive heads: (h, hd, d) -> (h / r, hd, d)."""
-    h = w.shape[0]
-    wp = w.view(h // r, r, *w.shape[1:]).mean(1)
-    return wp, None if b is None else b.view(h // r, r, -1).mean(1)
-
-
-def fit_layer(block, x: torch.Tensor, dst_scheme: str, dst_kv: int, pool: str, ridge: float = 1e-10):
-    """New fused in_proj rows, out_proj (weight, bias) and R² for one block; x: its (N, d) inputs."""
-    attn = block.attn
-    spec = attn.spec
-    nh, hd, src_kv = attn.n_head, attn.head_dim, attn.kv_heads
-    roles = role_weights(block, spec)
-    if any(roles[r] is None for r in ("q", "k", "v")) or spec.plus or spec.shared("q", "k"):
-        raise UserError(
-            f"retrofit reads a layer with learned, separate query and key projections (Q-K-V, Q-K=V); this one is "
-            f"{spec.name}"
-        )
-    if src_kv % dst_kv:
-        raise UserError(f"kv_heads={dst_kv} must divide the layer's {src_kv} kv heads (heads are pooled, never split)")
-    r = src_kv // dst_kv
-    f64 = lambda t: None if t is None else t.detach().double()  # noqa: E731
-    wq, bq = map(f64, roles["q"])
-    wk, bk = _heads(f64(roles["k"][0]), f64(roles["k"][1]), src_kv, hd)
-    wv, bv = _heads(f64(roles["v"][0]), f64(roles["v"][1]), src_kv, hd)
-    wk2, bk2 = _pool(wk, bk, r)  # keys: exact when r == 1
-    shared = parse_scheme(dst_scheme).shared("k", "v")
-    wv2, bv2 = (wk2, bk2) if shared else _pool(wv, bv, r)
-
-    def act(w, b):  # (N, heads, hd)
-        out = torch.einsum("nd,hed->nhe", x, w)
-        return out if b is None else out + b
-
-    v_src, v_new = act(wv, bv), act(wv2, bv2)
-    W_O = attn.out_proj.weight.detach().double().clone()  # (d, nh*hd)
-    b_O = None if attn.out_proj.bias is None else attn.out_proj.bias.detach().double().clone()
-    fit = shared or pool == "fit"
-    sse = sst = 0.0
-    maps = []
-    for g in range(src_kv):
-        target = v_src[:, g]  # (N, hd)
-        sst += float(((target - target.mean(0)) ** 2).sum())
-        if not fit:
-            maps.append((torch.eye(hd, dtype=torch.float64), None))
-            sse += float(((target - v_new[:, g // r]) ** 2).sum())
-            continue
-        A = v_new[:, g // r]
-        if b_O is not None:  # an intercept can be folded into the output bias
-            A = torch.cat([A, torch.ones(len(A), 1, dtype=A.dtype)], 1)
-        gram = A.T @ A
-        gram += ridge * gram.diagonal().mean() * torch.eye(len(gram), dtype=gram.dtype)
-        sol = torch.linalg.solve(gram, A.T @ target)  # (hd [+1], hd)
-        sse += float(((A @ sol - target) ** 2).sum())
-        maps.append((sol[:hd], sol[hd] if b_O is not None else None))
-    per_kv = nh // src_kv
-    old = W_O.clone()
-    for h in range(nh):
-        M, c = maps[h // per_kv]
-        cols = slice(h * hd, (h + 1) * hd)
-        W_O[:, cols] = old[:, cols] @ M.T
-        if c is not None:
-            b_O += old[:, cols] @ c
-    flat = lambda w, b: (w.reshape(-1, w.shape[-1]), None if b is None else b.reshape(-1))  # noqa: E731
-    rows = {"q": (wq, bq), "k": flat(wk2, bk2), "v": flat(wv2, bv2)}
-    r2 = 1.0 - sse / sst if sst > 0 else 1.0
-    return rows, (W_O, b_O), r2
-
-
-def check_target(to: str):
-    """The target scheme's spec, if a fit can reach it (before any model is read)."""
-    dst = parse_scheme(to)
-    if dst.name not in TARGETS:
-        raise UserError(
-            f"--to {to}: retrofit fits {' or '.join(TARGETS)} (with --kv-heads for GQA/MQA); an identity projection "
-            "is removed exactly by `qkvlab convert`, a shared query/key has no fit that keeps the keys"
-        )
-    return dst
-
-
-@dataclass
-class FitResult:
-    model: GPT
-    cfg: ModelConfig
-    layers: list[LayerFit] = field(default_factory=list)  # every candidate layer, converted or not
-    converted: list[int] = field(default_factory=list)
-
-
-def fit(
-    model: GPT,
-    cfg: ModelConfig,
-    calib: torch.Tensor,
-    *,
-    to: str = "Q-K=V",
-    kv_heads: int | None = None,
-    layers: str | None = None,
-    cache_budget: float | None = None,
-    pool: str = "fit",
-    calib_tokens: int = 2048,
-    block: int | None = None,
-    inputs: list[torch.Tensor] | None = None,
-) -> FitResult:
-    """The retrofitted model (in the source's dtype) and per-layer fit quality; see the module doc.
-    inputs: the layers' calibration inputs from `attention_inputs` (computed here when None)."""
-    dst = check_target(to)
-    if pool not in POOLS:
-        raise UserError(f"pool={pool!r} is not allowed; use one of {', '.join(POOLS)}")
-    if kv_heads is not None and (kv_heads <= 0 or cfg.n_head % kv_heads):
-        raise UserError(f"--kv-heads {kv_heads} must divide n_head={cfg.n_head}")
-    if cache_budget is not None and not 0 < cache_budget <= 1:
-        raise UserError(f"--cache-budget {cache_budget} must be a fraction in (0, 1]")
-    if cfg.share_layers:
-        raise UserError("share_layers=True: one block serves every layer, so layers cannot be retrofitted one by one")
-    candidates = select_layers(layers, cfg.n_layer) if layers else list(range(cfg.n_layer))
-    table = list(cfg.layer_table())
-    block = block or min(cfg.context, 256)
-    xs = inputs if inputs is not None else attention_inputs(model, calib, calib_tokens, block)
-    fits: dict[int, tuple] = {}
-    report: list[LayerFit] = []
-    for i in candidates:
-        lc = cfg.layer_config(i)
-        kv = kv_heads or lc.n_kv_heads
-        rows, out, r2 = fit_layer(model.trunk.blocks[i], xs[i], dst.name, kv, pool)
-        fits[i] = (rows, out, kv)
-        after = cfg.replace(attn=dst.name, kv_heads=kv, layers=None, match_params=None, n_layer=1)
-        before = lc.replace(n_layer=1, layers=None, match_params=None)
-        report.append(LayerFit(i, r2, kv_cache_bytes_per_token(before), kv_cache_bytes_per_token(after)))
-    chosen = candidates
-    if cache_budget is not None:
-        total = kv_cache_bytes_per_token(cfg)
-        goal = cache_budget * total
-        chosen, now = [], total
-        for lf in sorted(report, key=lambda f: -f.r2):  # best-fitting layers first
-            if now <= goal + 1e-9:
-                break
-            if lf.cache_bytes_after < lf.cache_bytes_before:
-                chosen.append(lf.layer)
-                now -= lf.cache_bytes_before - lf.cache_bytes_after
-        if now > goal + 1e-9:
-            raise UserError(
-                f"--cache-budget {cache_budget}: converting every candidate layer to {dst.name}"
-                f"{'' if kv_heads is None else f'/{kv_heads}'} leaves {now / total:.3f} of the cache; "
-                "allow more layers or fewer kv heads"
-            )
-        chosen.sort()
-    for i in chosen:
-        table[i] = (dst.name, fits[i][2])
-    uniform = len(set(table)) == 1
-    out_cfg = cfg.replace(
-        attn=table[0][0] if uniform else cfg.attn,
-        kv_heads=table[0][1] if uniform else cfg.kv_heads,
-        layers=None if uniform else format_layers(tuple(table), (cfg.attn, cfg.kv_heads)),
-        attn_scale=cfg.scale,
-        mlp_hidden=cfg.hidden,
-        match_params=None,
-    ).validate()
-    st = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for i in chosen:
-        rows, (w_o, b_o), _ = fits[i]
-        p = f"trunk.blocks.{i}.attn."
-        projections = parse_scheme(table[i][0]).projections
-        st[p + "in_proj.weight"] = torch.cat([rows[roles[0]][0] for roles in projections], 0)
-        if p + "in_proj.bias" in st:
-            st[p + "in_proj.bias"] = torch.cat([rows[roles[0]][1] for roles in projections], 0)
-        st[p + "out_proj.weight"] = w_o
-        if b_o is not None:
-            st[p + "out_proj.bias"] = b_o
-    dtype = next(model.parameters()).dtype
-    new = GPT(out_cfg).to(dtype)
-    if out_cfg.tie_embeddings:
-        st.pop("lm_head.weight", None)
-    new.load_state_dict({k: v.to(dtype) for k, v in st.items()}, strict=not out_cfg.tie_embeddings)
-    return FitResult(new.eval(), out_cfg, report, chosen)
 
 
 # ---- the whole procedure ------------------------------------------------------------------------------
@@ -395,11 +192,11 @@ class RetrofitOptions:
 
     def validate(self) -> RetrofitOptions:
         check(self)  # types, choices and bounds of every field; below: the rules across fields
-        check_target(self.to)
         if not self.heldout_fraction < 1:
             raise UserError(f"heldout_fraction={self.heldout_fraction} must be in (0, 1)")
         if self.layers is not None and self.cache_budget is not None:
             raise UserError("give --layers or --cache-budget, not both (the budget chooses the layers)")
+        check_target(self.to, self.pool, self.cache_budget)  # before any model is loaded
         check_dtype(self.dtype, TRAIN_DTYPES)
         check_device(self.device)
         return self
@@ -484,21 +281,19 @@ def retrofit(
 
 
 def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, progress: bool) -> dict[str, Any]:
-    from qkvlab.io import atomic_write, json_text, load_model, write_model_files
-
     device = select_device(opts.device)
     src = load_source(source)
     check_layers((src.cfg.n_layer, src.cfg.n_head), opts)  # a .gguf: known only now, still before any perplexity
     model, cfg = src.model.float().to(device), src.cfg
+    candidate_layers(cfg, opts.layers, opts.kv_heads)  # refused before any text is read or scored
     block = opts.block_size or min(cfg.context, 256)
     train_ids, held_ids = corpus_tokens(src, opts.data, opts.heldout_fraction)
-    tokens = out / TOKENS_FILE
-    write_tokens(tokens, train_ids, held_ids)
+    write_tokens(out / TOKENS_FILE, train_ids, held_ids)
     claim.keep = True  # from here OUT is a retrofit folder that --resume continues
     say = print if progress else (lambda *a, **k: None)
     ppl = lambda m: perplexity(m, held_ids, block=block, max_tokens=opts.eval_tokens)  # noqa: E731
-    ppl_original = ppl(model)
-    say(f"original {cfg.scheme_label}: held-out ppl {ppl_original:.4g}")
+    ppls = {"ppl_original": ppl(model)}
+    say(f"original {cfg.scheme_label}: held-out ppl {ppls['ppl_original']:.4g}")
     res = fit(
         model,
         cfg,
@@ -520,66 +315,75 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     (out / "fit").mkdir(exist_ok=True)
     meta = {"retrofit_from": str(source), "retrofit": asdict(opts)}
     write_model_files(out / "fit", res.model, res.cfg, meta)
-    ppl_fit = ppl(res.model)
-    say(f"fit {res.cfg.scheme_label}: held-out ppl {ppl_fit:.4g}")
-    final, ppl_up, train_info = res.model, None, None
+    ppls["ppl_fit"] = ppl(res.model)
+    say(f"fit {res.cfg.scheme_label}: held-out ppl {ppls['ppl_fit']:.4g}")
+    final, ppls["ppl_uptrained"], train_info = res.model, None, None
     if opts.steps > 0:
-        from qkvlab.train.config import TrainConfig
-        from qkvlab.train.loop import train
-
-        tc = TrainConfig(
-            task="distill",
-            task_options={
-                "teacher": str(Path(source).resolve()),
-                "student": str((out / "fit").resolve()),
-                "tokens": str(tokens.resolve()),
-                "kl_weight": opts.kl_weight,
-                "lm_weight": opts.lm_weight,
-                "block_size": block,
-            },
-            model=res.cfg,
-            seed=opts.seed,
-            max_steps=opts.steps,
-            batch_size=opts.batch_size,
-            lr=opts.lr,
-            warmup_steps=min(opts.warmup_steps, opts.steps),
-            eval_every=min(opts.eval_every, opts.steps),
-            eval_batches=opts.eval_batches,
-            device=opts.device,
-            dtype=opts.dtype,
-            log_tensorboard=False,
-        )
-        result = train(tc, out / "uptrain", resume=resume, progress=progress)
+        result = _uptrain(source, out, opts, res.cfg, block, resume=resume, progress=progress)
         final, _, _ = load_model(out / "uptrain", device=device, dtype=torch.float32)
-        ppl_up = ppl(final)
+        ppls["ppl_uptrained"] = ppl(final)
         train_info = {"steps": result.step, "tokens": result.tokens, "last": result.metrics}
-        say(f"uptrained ({result.step} steps): held-out ppl {ppl_up:.4g}")
-    before, after = kv_cache_bytes_per_token(cfg), kv_cache_bytes_per_token(res.cfg)
-    report = {
-        "source": str(source),
-        "original_scheme": cfg.scheme_label,
-        "scheme": res.cfg.scheme_label,
-        "converted_layers": res.converted,
-        "layers": [asdict(lf) for lf in res.layers],
-        "options": asdict(opts),
-        "heldout_tokens_evaluated": min(len(held_ids) - 1, opts.eval_tokens) // block * block,
-        "calibration_tokens": min(opts.calib_tokens, len(train_ids) - 1) // block * block,
-        "params_before": analytic_params(cfg).total,
-        "params_after": analytic_params(res.cfg).total,
-        "kv_cache_bytes_per_token_before": before,
-        "kv_cache_bytes_per_token_after": after,
-        "cache_ratio": after / before,
-        "ppl_original": ppl_original,
-        "ppl_fit": ppl_fit,
-        "ppl_uptrained": ppl_up,
-        "uptraining": train_info,
-    }
+        say(f"uptrained ({result.step} steps): held-out ppl {ppls['ppl_uptrained']:.4g}")
+    counts = {"train": len(train_ids), "held": len(held_ids), "block": block}
+    report = _report(source, cfg, res, opts, counts, ppls, train_info)
     write_model_files(out, final, res.cfg, {**meta, "retrofit_report": REPORT})
     if src.tokenizer_dir is not None:
         with atomic_dir(out / "tokenizer") as tmp:
             shutil.copytree(src.tokenizer_dir, tmp, dirs_exist_ok=True)
     atomic_write(out / REPORT, json_text(report, indent=2))
     return report
+
+
+def _uptrain(source, out: Path, opts: RetrofitOptions, cfg: ModelConfig, block: int, *, resume: bool, progress: bool):
+    """Distil the source into out/fit with the training engine, into out/uptrain (resumable)."""
+    from qkvlab.train.config import TrainConfig
+    from qkvlab.train.loop import train
+
+    tc = TrainConfig(
+        task="distill",
+        task_options={
+            "teacher": str(Path(source).resolve()),
+            "student": str((out / "fit").resolve()),
+            "tokens": str((out / TOKENS_FILE).resolve()),
+            "kl_weight": opts.kl_weight,
+            "lm_weight": opts.lm_weight,
+            "block_size": block,
+        },
+        model=cfg,
+        seed=opts.seed,
+        max_steps=opts.steps,
+        batch_size=opts.batch_size,
+        lr=opts.lr,
+        warmup_steps=min(opts.warmup_steps, opts.steps),
+        eval_every=min(opts.eval_every, opts.steps),
+        eval_batches=opts.eval_batches,
+        device=opts.device,
+        dtype=opts.dtype,
+        log_tensorboard=False,
+    )
+    return train(tc, out / "uptrain", resume=resume, progress=progress)
+
+
+def _report(source, cfg: ModelConfig, res: FitResult, opts: RetrofitOptions, counts, ppls, train_info) -> dict:
+    before, after = kv_cache_bytes_per_token(cfg), kv_cache_bytes_per_token(res.cfg)
+    block = counts["block"]
+    return {
+        "source": str(source),
+        "original_scheme": cfg.scheme_label,
+        "scheme": res.cfg.scheme_label,
+        "converted_layers": res.converted,
+        "layers": [asdict(lf) for lf in res.layers],
+        "options": asdict(opts),
+        "heldout_tokens_evaluated": min(counts["held"] - 1, opts.eval_tokens) // block * block,
+        "calibration_tokens": min(opts.calib_tokens, counts["train"] - 1) // block * block,
+        "params_before": analytic_params(cfg).total,
+        "params_after": analytic_params(res.cfg).total,
+        "kv_cache_bytes_per_token_before": before,
+        "kv_cache_bytes_per_token_after": after,
+        "cache_ratio": after / before,
+        **ppls,
+        "uptraining": train_info,
+    }
 
 
 def summary_line(report: dict[str, Any]) -> str:

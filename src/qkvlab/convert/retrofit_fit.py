@@ -1,0 +1,249 @@
+"""The retrofit's fit: keep the keys, fit the values, fold the fit into the output projection.
+
+Per converted layer (any selection of layers; the result is a per-layer model, docs/schemes.md):
+
+- keys are kept exactly when the kv heads stay (so rotary stays exact); with fewer kv heads each
+  group of key heads is mean-pooled, as the GQA paper (Ainslie et al. 2023) does;
+- the new value tensor is the (pooled) key for K=V, else the mean-pooled values; every source
+  value head g is then fitted from it by least squares on calibration activations of real text,
+  V_g ≈ V'_G M_g (+ c_g when out_proj has a bias), and M_g is folded into the output projection
+  columns of the query heads that read g: W_O,h ← W_O,h M_gᵀ (b_O += W_O,h c_g). With
+  pool="mean" and separate values the GQA paper's plain mean is kept (M = I).
+  R² = 1 - SSE/SST of that fit is the layer's fit quality; with a cache budget the layers with the
+  best R² are converted first until the KV cache is at most that fraction of the original's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qkvlab.accounting import kv_cache_bytes_per_token
+from qkvlab.config import ModelConfig
+from qkvlab.convert.reparam import role_weights
+from qkvlab.errors import UserError
+from qkvlab.io import build_model_from_state
+from qkvlab.model import GPT
+from qkvlab.spec import format_layers, parse_scheme, select_layers
+
+TARGETS = ("Q-K-V", "Q-K=V")  # what a fit can reach: a learned query and key; values shared or not
+POOLS = ("fit", "mean")
+
+
+# ---- the fit ----------------------------------------------------------------------------------------
+@dataclass
+class LayerFit:
+    layer: int
+    r2: float  # of the source values from the new value tensor (1.0: nothing fitted)
+    cache_bytes_before: int  # per token, bf16
+    cache_bytes_after: int
+
+
+@torch.no_grad()
+def attention_inputs(model: GPT, tokens: torch.Tensor, n_tokens: int, block: int) -> list[torch.Tensor]:
+    """Each layer's attention input (after norm1) on the first n_tokens calibration tokens: (N, d)."""
+    n = max(1, min(n_tokens, len(tokens) - 1) // block)
+    x = tokens[: n * block].view(n, block)
+    captured: list[list[torch.Tensor]] = [[] for _ in model.trunk.blocks]
+    hooks = [
+        blk.attn.register_forward_pre_hook(lambda m, args, i=i: captured[i].append(args[0].detach().flatten(0, 1)))
+        for i, blk in enumerate(model.trunk.blocks)
+    ]
+    try:
+        model.eval()
+        p = next(model.parameters())
+        for row in x.split(4):
+            model(row.to(p.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [torch.cat(c).double().cpu() for c in captured]
+
+
+def _heads(w: torch.Tensor, b: torch.Tensor | None, heads: int, hd: int):
+    return w.view(heads, hd, -1), None if b is None else b.view(heads, hd)
+
+
+def _pool(w: torch.Tensor, b: torch.Tensor | None, r: int):
+    """Mean of each group of r consecutive heads: (h, hd, d) -> (h / r, hd, d)."""
+    h = w.shape[0]
+    wp = w.view(h // r, r, *w.shape[1:]).mean(1)
+    return wp, None if b is None else b.view(h // r, r, -1).mean(1)
+
+
+def fit_layer(block, x: torch.Tensor, dst_scheme: str, dst_kv: int, pool: str, ridge: float = 1e-10):
+    """New fused in_proj rows, out_proj (weight, bias) and R² for one block; x: its (N, d) inputs."""
+    attn = block.attn
+    spec = attn.spec
+    nh, hd, src_kv = attn.n_head, attn.head_dim, attn.kv_heads
+    roles = role_weights(block, spec)
+    if any(roles[r] is None for r in ("q", "k", "v")) or spec.plus or spec.shared("q", "k"):
+        raise UserError(
+            f"retrofit reads a layer with learned, separate query and key projections (Q-K-V, Q-K=V); this one is "
+            f"{spec.name}"
+        )
+    if src_kv % dst_kv:
+        raise UserError(f"kv_heads={dst_kv} must divide the layer's {src_kv} kv heads (heads are pooled, never split)")
+    r = src_kv // dst_kv
+    f64 = lambda t: None if t is None else t.detach().double()  # noqa: E731
+    wq, bq = map(f64, roles["q"])
+    wk, bk = _heads(f64(roles["k"][0]), f64(roles["k"][1]), src_kv, hd)
+    wv, bv = _heads(f64(roles["v"][0]), f64(roles["v"][1]), src_kv, hd)
+    wk2, bk2 = _pool(wk, bk, r)  # keys: exact when r == 1
+    shared = parse_scheme(dst_scheme).shared("k", "v")
+    wv2, bv2 = (wk2, bk2) if shared else _pool(wv, bv, r)
+
+    def act(w, b):  # (N, heads, hd)
+        out = torch.einsum("nd,hed->nhe", x, w)
+        return out if b is None else out + b
+
+    v_src, v_new = act(wv, bv), act(wv2, bv2)
+    W_O = attn.out_proj.weight.detach().double().clone()  # (d, nh*hd)
+    b_O = None if attn.out_proj.bias is None else attn.out_proj.bias.detach().double().clone()
+    fit = shared or pool == "fit"
+    sse = sst = 0.0
+    maps = []
+    for g in range(src_kv):
+        target = v_src[:, g]  # (N, hd)
+        sst += float(((target - target.mean(0)) ** 2).sum())
+        if not fit:
+            maps.append((torch.eye(hd, dtype=torch.float64), None))
+            sse += float(((target - v_new[:, g // r]) ** 2).sum())
+            continue
+        A = v_new[:, g // r]
+        if b_O is not None:  # an intercept can be folded into the output bias
+            A = torch.cat([A, torch.ones(len(A), 1, dtype=A.dtype)], 1)
+        gram = A.T @ A
+        gram += ridge * gram.diagonal().mean() * torch.eye(len(gram), dtype=gram.dtype)
+        sol = torch.linalg.solve(gram, A.T @ target)  # (hd [+1], hd)
+        sse += float(((A @ sol - target) ** 2).sum())
+        maps.append((sol[:hd], sol[hd] if b_O is not None else None))
+    per_kv = nh // src_kv
+    old = W_O.clone()
+    for h in range(nh):
+        M, c = maps[h // per_kv]
+        cols = slice(h * hd, (h + 1) * hd)
+        W_O[:, cols] = old[:, cols] @ M.T
+        if c is not None:
+            b_O += old[:, cols] @ c
+    flat = lambda w, b: (w.reshape(-1, w.shape[-1]), None if b is None else b.reshape(-1))  # noqa: E731
+    rows = {"q": (wq, bq), "k": flat(wk2, bk2), "v": flat(wv2, bv2)}
+    r2 = 1.0 - sse / sst if sst > 0 else 1.0
+    return rows, (W_O, b_O), r2
+
+
+@dataclass
+class FitResult:
+    model: GPT
+    cfg: ModelConfig
+    layers: list[LayerFit] = field(default_factory=list)  # every candidate layer, converted or not
+    converted: list[int] = field(default_factory=list)
+
+
+def check_target(to: str, pool: str = "fit", cache_budget: float | None = None) -> str:
+    """The target scheme's name; what needs no model is refused before one is loaded."""
+    dst = parse_scheme(to)
+    if dst.name not in TARGETS:
+        raise UserError(
+            f"--to {to}: retrofit fits {' or '.join(TARGETS)} (with --kv-heads for GQA/MQA); an identity projection "
+            "is removed exactly by `qkvlab convert`, a shared query/key has no fit that keeps the keys"
+        )
+    if pool not in POOLS:
+        raise UserError(f"pool={pool!r} is not allowed; use one of {', '.join(POOLS)}")
+    if cache_budget is not None and not 0 < cache_budget <= 1:
+        raise UserError(f"--cache-budget {cache_budget} must be a fraction in (0, 1]")
+    return dst.name
+
+
+def candidate_layers(cfg: ModelConfig, layers: str | None, kv_heads: int | None) -> list[int]:
+    """The layers a fit may convert; what does not fit this model is refused before any work."""
+    if kv_heads is not None and (kv_heads <= 0 or cfg.n_head % kv_heads):
+        raise UserError(f"--kv-heads {kv_heads} must divide n_head={cfg.n_head}")
+    if cfg.share_layers:
+        raise UserError("share_layers=True: one block serves every layer, so layers cannot be retrofitted one by one")
+    return select_layers(layers, cfg.n_layer) if layers else list(range(cfg.n_layer))
+
+
+def fit(
+    model: GPT,
+    cfg: ModelConfig,
+    calib: torch.Tensor,
+    *,
+    to: str = "Q-K=V",
+    kv_heads: int | None = None,
+    layers: str | None = None,
+    cache_budget: float | None = None,
+    pool: str = "fit",
+    calib_tokens: int = 2048,
+    block: int | None = None,
+    inputs: list[torch.Tensor] | None = None,
+) -> FitResult:
+    """The retrofitted model (in the source's dtype) and per-layer fit quality; see the module doc.
+    inputs: the layers' calibration inputs from `attention_inputs` (computed here when None)."""
+    dst = check_target(to, pool, cache_budget)
+    candidates = candidate_layers(cfg, layers, kv_heads)
+    block = block or min(cfg.context, 256)
+    xs = inputs if inputs is not None else attention_inputs(model, calib, calib_tokens, block)
+    fits: dict[int, tuple] = {}
+    report: list[LayerFit] = []
+    for i in candidates:
+        lc = cfg.layer_config(i)
+        kv = kv_heads or lc.n_kv_heads
+        fits[i] = fit_layer(model.trunk.blocks[i], xs[i], dst, kv, pool) + (kv,)
+        after = cfg.replace(attn=dst, kv_heads=kv, layers=None, match_params=None, n_layer=1)
+        before = lc.replace(n_layer=1, layers=None, match_params=None)
+        report.append(LayerFit(i, fits[i][2], kv_cache_bytes_per_token(before), kv_cache_bytes_per_token(after)))
+    chosen = candidates
+    if cache_budget is not None:
+        chosen = _within_budget(cfg, report, cache_budget, f"{dst}{'' if kv_heads is None else f'/{kv_heads}'}")
+    table = list(cfg.layer_table())
+    for i in chosen:
+        table[i] = (dst, fits[i][3])
+    uniform = len(set(table)) == 1
+    out_cfg = cfg.replace(
+        attn=table[0][0] if uniform else cfg.attn,
+        kv_heads=table[0][1] if uniform else cfg.kv_heads,
+        layers=None if uniform else format_layers(tuple(table), (cfg.attn, cfg.kv_heads)),
+        attn_scale=cfg.scale,
+        mlp_hidden=cfg.hidden,
+        match_params=None,
+    ).validate()
+    new = build_model_from_state(GPT, out_cfg, _fitted_state(model, table, fits, chosen), "the fitted model")
+    return FitResult(new.eval(), out_cfg, report, chosen)
+
+
+def _within_budget(cfg: ModelConfig, report: list[LayerFit], budget: float, target: str) -> list[int]:
+    """The best-fitting layers (R²) whose conversion brings the KV cache to at most `budget` of it."""
+    total = kv_cache_bytes_per_token(cfg)
+    goal = budget * total
+    chosen, now = [], total
+    for lf in sorted(report, key=lambda f: -f.r2):  # best-fitting layers first
+        if now <= goal + 1e-9:
+            break
+        if lf.cache_bytes_after < lf.cache_bytes_before:
+            chosen.append(lf.layer)
+            now -= lf.cache_bytes_before - lf.cache_bytes_after
+    if now > goal + 1e-9:
+        raise UserError(
+            f"--cache-budget {budget}: converting every candidate layer to {target} leaves {now / total:.3f} of "
+            "the cache; allow more layers or fewer kv heads"
+        )
+    return sorted(chosen)
+
+
+def _fitted_state(model: GPT, table, fits: dict[int, tuple], chosen: list[int]) -> dict[str, torch.Tensor]:
+    """model's state (its dtype, on the CPU) with each chosen layer's fitted in_proj rows and out_proj."""
+    dtype = next(model.parameters()).dtype
+    st = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for i in chosen:
+        rows, (w_o, b_o), _, _ = fits[i]
+        p = f"trunk.blocks.{i}.attn."
+        projections = parse_scheme(table[i][0]).projections
+        st[p + "in_proj.weight"] = torch.cat([rows[roles[0]][0] for roles in projections], 0)
+        if p + "in_proj.bias" in st:
+            st[p + "in_proj.bias"] = torch.cat([rows[roles[0]][1] for roles in projections], 0)
+        st[p + "out_proj.weight"] = w_o
+        if b_o is not None:
+            st[p + "out_proj.bias"] = b_o
+    return {k: v.to("cpu", dtype) for k, v in st.items()}
