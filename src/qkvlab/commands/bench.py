@@ -40,8 +40,9 @@ def config_from_args(args) -> BenchConfig:
         raise UserError(f"bad bench settings: {e}") from None
 
 
-def _fmt(x, spec=".1f") -> str:
-    return "-" if x is None else format(x, spec)
+def _fmt(x, spec=".1f", unmeasured="-") -> str:
+    return unmeasured if x is None else format(x, spec)
+
 
 
 def _is_bench_json(path: Path) -> bool:
@@ -61,7 +62,13 @@ def run(args) -> int:
         raise UserError(f"{cfg.compare_dir}: no results.csv (expected the output folder of qkvlab compare)")
     if cfg.json:  # before minutes of measuring
         check_file_target(cfg.json, "--json", same_kind=_is_bench_json)
-    result = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    from qkvlab.loadavg import NoisyMachine
+
+    try:
+        result = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    except NoisyMachine as e:
+        print(f"qkvlab bench: {e}", file=sys.stderr)
+        return e.exit_code
     rows = result["schemes"]
     keys = [str(b) for b in dict.fromkeys(cfg.decode_batches)]
     head = ["variant", "train tok/s", "MFU %"]
@@ -74,8 +81,9 @@ def run(args) -> int:
         row = [name, _fmt(r.get("train_tokens_per_s"), ".0f"), _fmt(r.get("train_mfu") and 100 * r["train_mfu"], ".1f")]
         for b in keys:
             limit = r["bandwidth_fraction_by_batch"][b]
-            row += [_fmt(r["prefill_tokens_per_s_by_batch"][b], ".0f"), _fmt(ours[b]), _fmt(theirs.get(b))]
-            row += [_fmt(100 * limit, ".0f")]
+            hf = "unmeasured" if b in theirs and theirs[b] is None else _fmt(theirs.get(b))
+            row += [_fmt(r["prefill_tokens_per_s_by_batch"][b], ".0f"), _fmt(ours[b], unmeasured="unmeasured"), hf]
+            row += [_fmt(limit and 100 * limit, ".0f")]
         row += [
             f"{r['kv_cache_bytes_allocated']:,}",
             f"{r['kv_cache_bytes_analytic']:,}",
@@ -96,6 +104,9 @@ def run(args) -> int:
     )
     for row in table:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    from qkvlab.loadavg import describe
+
+    print(f"train dtype {result['train_dtype']}; machine: {describe(result['load'])}")
     mismatch = [n for n, r in rows.items() if r["kv_cache_bytes_allocated"] != r["kv_cache_bytes_analytic"]]
     if mismatch:
         print(f"cache bytes differ from the analytic figure for: {', '.join(mismatch)}", file=sys.stderr)
@@ -107,4 +118,7 @@ def run(args) -> int:
         from qkvlab.analysis.plots import plot_cache_vs_quality
 
         print(f"wrote {plot_cache_vs_quality(cfg.compare_dir, cfg.plot)}")
+    if cfg.require_quiet and result["load"]["noisy"]:
+        print("qkvlab bench: noisy machine during the run (--require-quiet); figures kept, marked noisy", file=sys.stderr)
+        return 3
     return 1 if mismatch else 0

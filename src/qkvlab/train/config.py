@@ -65,7 +65,7 @@ class TrainConfig:
     compile: bool = setting(False, help="torch.compile the model", resumable=True)
     dtype: str = setting(
         "auto",
-        help="autocast dtype (auto: bf16 on CUDA, fp32 elsewhere)",
+        help="autocast dtype (auto: bf16 on CUDA and on CPUs with native bf16, fp32 elsewhere)",
         choices=("auto", *TRAIN_DTYPES, "float32", "bfloat16"),
     )
     device: str = setting(
