@@ -237,7 +237,9 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_line(monkeypatch, capsy
     monkeypatch.setitem(gen._COMPILED, "reduce-overhead", broken)
     model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
     reports = []
-    got = generate(model, [[1, 2, 3]], 6, Sampling(temperature=0), compile="reduce-overhead", on_compiled=reports.append)
+    got = generate(
+        model, [[1, 2, 3]], 6, Sampling(temperature=0), compile="reduce-overhead", on_compiled=reports.append
+    )
     assert got == generate(model, [[1, 2, 3]], 6, Sampling(temperature=0))
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "compiling the decode step failed" in err[0] and "RuntimeError" in err[0]

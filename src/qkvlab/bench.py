@@ -79,7 +79,9 @@ class BenchConfig:
         choices=("auto", "fp32", "bf16", "fp16"),
     )
     compile: bool = setting(False, help="decode with the static step under torch.compile (compiled once per shape)")
-    require_quiet: bool = setting(False, help="exit 3 if the machine is noisy (qkvlab.loadavg) before or during the run")
+    require_quiet: bool = setting(
+        False, help="exit 3 if the machine is noisy (qkvlab.loadavg) before or during the run"
+    )
     hf: bool = setting(True, help="time transformers' generate on the same weights")
     train: bool = setting(True, help="measure training throughput")
     threads: int | None = setting(None, help="torch CPU threads (default: torch's)")

@@ -227,7 +227,9 @@ def compile_or_fall_back(step: Callable, model, cache: KVCache) -> tuple[Callabl
         return step, warm_up(step, model, cache)
     except Exception as e:  # noqa: BLE001 - whatever the compiler raised, eager decoding still works
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        print(f"qkvlab: compiling the decode step failed ({type(e).__name__}: {first}); decoding eager", file=sys.stderr)
+        print(
+            f"qkvlab: compiling the decode step failed ({type(e).__name__}: {first}); decoding eager", file=sys.stderr
+        )
         cache.reset()
         return decode_step, None
 

@@ -20,7 +20,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from qkvlab.generate import compiled_step, decode_layout, decode_step, eager_static, left_pad, new_cache, prefill, warm_up
+from qkvlab.generate import (
+    compiled_step,
+    decode_layout,
+    decode_step,
+    eager_static,
+    left_pad,
+    new_cache,
+    prefill,
+    warm_up,
+)
 from qkvlab.loadavg import rate
 
 
@@ -84,7 +93,9 @@ class DecodeTiming:
         return rate(self.batch * self.new_tokens, self.prefill_s + (self.new_tokens - 1) * self.step_s)
 
 
-DECODE_MODES = "eager (the default: dynamic on the CPU, static on CUDA), dynamic, static, compiled or a torch.compile mode"
+DECODE_MODES = (
+    "eager (the default: dynamic on the CPU, static on CUDA), dynamic, static, compiled or a torch.compile mode"
+)
 
 
 def decode_step_fn(mode: str, device: torch.device | str = "cpu") -> tuple[Callable, bool]:

@@ -44,7 +44,6 @@ def _fmt(x, spec=".1f", unmeasured="-") -> str:
     return unmeasured if x is None else format(x, spec)
 
 
-
 def _is_bench_json(path: Path) -> bool:
     try:
         return "schemes" in json.loads(path.read_text(encoding="utf-8"))
@@ -119,6 +118,8 @@ def run(args) -> int:
 
         print(f"wrote {plot_cache_vs_quality(cfg.compare_dir, cfg.plot)}")
     if cfg.require_quiet and result["load"]["noisy"]:
-        print("qkvlab bench: noisy machine during the run (--require-quiet); figures kept, marked noisy", file=sys.stderr)
+        print(
+            "qkvlab bench: noisy machine during the run (--require-quiet); figures kept, marked noisy", file=sys.stderr
+        )
         return 3
     return 1 if mismatch else 0
