@@ -189,13 +189,15 @@ def warm_up(step: Callable, model, cache: KVCache, calls: int = 3) -> float:
 
 @contextlib.contextmanager
 def decode_layout(model, batch_size: int) -> Iterator[None]:
-    """While eager decoding on the CPU at small batch, every Linear weight is held transposed in memory
+    """While eager decoding on the CPU at small batch, every Linear weight with more outputs than
+    inputs (the fused projection, the MLP's up, the output head) is held transposed in memory
     (column-major: the same shape and values, only the strides differ), and put back afterwards.
 
-    Why: a one-token step is a chain of matrix-vector products bound by memory; the CPU BLAS streams
-    an (in, out) row-major matrix (transformers' Conv1D layout) near the copy rate but nn.Linear's
-    (out, in) one at about 60% of it (benchmarks/decode.py --layout-probe; 10 vs 17 GB/s at d 384).
-    Costs one copy of the Linear weights per call (in the prefill's time) and that much memory while
+    Why: a one-token step is a chain of matrix-vector products bound by memory, and the CPU BLAS
+    streams a matrix near the copy rate when its contiguous rows are long, at ~60% of it when they
+    are short (measured at d 384, 2 threads: 17 vs 10 GB/s for 1152 x 384, either way round), so the
+    longer dimension is made the contiguous one (transformers' Conv1D layout for these matrices).
+    Costs one copy of those weights per call (in the prefill's time) and that much memory while
     decoding. Elsewhere (CUDA, batches above LAYOUT_MAX_BATCH) it does nothing."""
     p = next(model.parameters())
     if p.device.type != "cpu" or batch_size > LAYOUT_MAX_BATCH:
@@ -204,7 +206,7 @@ def decode_layout(model, batch_size: int) -> Iterator[None]:
     originals: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
     for m in model.modules():
         w = getattr(m, "weight", None)
-        if isinstance(m, nn.Linear) and id(w) not in originals and w.dim() == 2 and w.is_contiguous():
+        if isinstance(m, nn.Linear) and id(w) not in originals and w.is_contiguous() and w.shape[0] > w.shape[1]:
             originals[id(w)] = (w, w.data)
             w.data = w.data.t().contiguous().t()
     try:

@@ -133,7 +133,8 @@ class LoadWatch:
     def before_summary(self) -> str:
         """The verdict on the load before the work alone (for --require-quiet's early refusal)."""
         noisy, reasons = verdict(self.cores, self.load_before, None, None)
-        return f"load {self.load_before if self.load_before is not None else '?'} (1-min, {self.cores} cores): " + (
+        load = "?" if self.load_before is None else f"{self.load_before:.2f}"
+        return f"load {load} (1-min, {self.cores} cores): " + (
             "NOISY (" + "; ".join(reasons) + ")" if noisy else "quiet"
         )
 
@@ -183,3 +184,52 @@ def require_quiet(watch: LoadWatch, *, during: bool) -> None:
         raise NoisyMachine(f"noisy machine: {watch.summary()} (--require-quiet)")
     if not during and watch.noisy_before:
         raise NoisyMachine(f"noisy machine before starting: {watch.before_summary()} (--require-quiet)")
+
+
+# ---- for the scripts in benchmarks/ -------------------------------------------------------------
+def add_options(parser) -> None:
+    """--require-quiet and --json FILE, as `qkvlab bench` has them."""
+    parser.add_argument("--require-quiet", action="store_true", help="exit 3 if the machine is noisy (qkvlab.loadavg)")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures and the load as JSON to FILE")
+
+
+class ScriptRun:
+    """A benchmark script's load record: `ScriptRun(args)` first (prints the load before, exits 3 under
+    --require-quiet on a busy machine), `tag()` beside each printed figure, `finish(figures)` last
+    (prints the verdict, writes --json, returns the exit code: 3 if noisy under --require-quiet)."""
+
+    def __init__(self, args, name: str):
+        self.args, self.name = args, name
+        json_path = getattr(args, "json", None)
+        if json_path:
+            from qkvlab.folders import check_file_target
+
+            check_file_target(json_path, "--json", same_kind=lambda p: True)
+        self.watch = LoadWatch.start()
+        print(f"machine before the run: {self.watch.before_summary()}", flush=True)
+        if getattr(args, "require_quiet", False) and self.watch.noisy_before:
+            print(f"{name}: noisy machine, not measuring (--require-quiet)", flush=True)
+            raise SystemExit(QUIET_EXIT_CODE)
+
+    @staticmethod
+    def load1() -> float | None:
+        now = read_loadavg()
+        return None if now is None else now[0]
+
+    @staticmethod
+    def tag() -> str:
+        """'[load 0.42]': the 1-min load now, printed beside a figure."""
+        return f"[load {fmt(ScriptRun.load1(), '.2f', '?')}]"
+
+    def finish(self, figures: dict) -> int:
+        self.watch.finish()
+        print(f"machine during the run: {self.watch.summary()}", flush=True)
+        if getattr(self.args, "json", None):
+            from qkvlab.io import atomic_write, json_text
+
+            options = {
+                k: v for k, v in vars(self.args).items() if isinstance(v, (int, float, str, bool, list, type(None)))
+            }
+            body = {"benchmark": self.name, "options": options, "load": self.watch.to_dict(), **figures}
+            atomic_write(self.args.json, json_text(body, indent=2))
+        return QUIET_EXIT_CODE if getattr(self.args, "require_quiet", False) and self.watch.noisy else 0
