@@ -105,7 +105,8 @@ def select_device(requested: str, local_rank: int, world: int, cuda_count: int):
     """The device this process trains on, always with an index when it is CUDA (set_device needs one).
 
     requested: "auto", "cpu", "mps", "cuda" or "cuda:N"; cuda_count: visible CUDA devices (0 without
-    CUDA). "auto" and "cuda" pick cuda:LOCAL_RANK (one process per GPU under torchrun; cuda:0 alone).
+    CUDA). "auto" and "cuda" pick cuda:LOCAL_RANK (one process per GPU under torchrun; cuda:0 alone);
+    an explicit cuda:N is refused with more than one rank (every rank would share that GPU).
     Pure: a torch.device is only a name. The training ranks' resolver (train.distributed.setup)."""
     import torch
 
@@ -115,6 +116,11 @@ def select_device(requested: str, local_rank: int, world: int, cuda_count: int):
         return dev
     if cuda_count == 0:
         raise UserError(f"device={requested}: no CUDA device on this machine; use cpu or auto")
+    if dev.index is not None and world > 1:
+        raise UserError(
+            f"device={requested} with {world} ranks would put every rank on one GPU; "
+            "use --device cuda or auto (each rank takes cuda:LOCAL_RANK; CUDA_VISIBLE_DEVICES picks the GPUs)"
+        )
     index = local_rank if dev.index is None else dev.index
     if index >= cuda_count:
         who = f"LOCAL_RANK={local_rank} of world size {world}" if dev.index is None else f"device={requested}"
