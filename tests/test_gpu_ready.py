@@ -424,10 +424,12 @@ def test_compiled_forward_has_no_graph_break_with_the_plus_term_under_autocast()
 # ---------------------------------------------------------------- first-day GPU fixes, on the CPU
 
 
-def test_fsdp_bf16_policy_computes_what_ddp_autocast_computes(tmp_path):
+@pytest.mark.parametrize("scheme", ["Q-K=V", "(Q=K-V)+"])
+def test_fsdp_bf16_policy_computes_what_ddp_autocast_computes(scheme, tmp_path):
     """FSDP2's bf16 policy (train.distributed.shard) against autocast on the unsharded model (what each
     DDP rank runs): the residual stream stays fp32 into every block, norms read fp32 weights, and the
-    loss and gradients agree. Norm weights are moved off 1 and 0, so a bf16-rounded copy would show."""
+    loss and gradients agree. Norm weights are moved off 1 and 0, so a bf16-rounded copy would show.
+    "+": its weights are gathered in bf16 (docs/gpu.md), so only closely there."""
     import copy
 
     import torch.distributed as dist
@@ -436,7 +438,8 @@ def test_fsdp_bf16_policy_computes_what_ddp_autocast_computes(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        cfg = ModelConfig(attn="Q-K=V", n_layer=2, n_head=4, d_model=32, vocab_size=64, context=16, bias=True)
+        cfg = ModelConfig(attn=scheme, n_layer=2, n_head=4, d_model=32, vocab_size=64, context=16, bias=True)
+        tol = 1e-6 if "+" not in scheme else 2e-2
         torch.manual_seed(0)
         ref = GPT(cfg.validate())
         with torch.no_grad():
@@ -456,9 +459,9 @@ def test_fsdp_bf16_policy_computes_what_ddp_autocast_computes(tmp_path):
             loss.backward()
             losses.append(loss.detach())
         assert seen == [torch.float32] * cfg.n_layer
-        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-6)
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=tol)
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-3, atol=1e-6, msg=name)
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-3 + tol, atol=tol, msg=name)
     finally:
         dist.destroy_process_group()
 
@@ -511,3 +514,49 @@ def test_a_filesystem_without_locks_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(fcntl, "flock", no_locks)
     with pytest.raises(UserError, match=r"--out .*run: cannot lock .*No locks available.*does not support file locks"):
         claim_folder(tmp_path / "run", accept=(), advice={})
+
+
+# ---------------------------------------------------------------- benchmarks/gpu_check.sh, dry
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_gpu_checks_cpu_dry_runs_every_check_or_skips_it(tmp_path):
+    """benchmarks/gpu_checks.py --cpu-dry: one line per check in summary.txt, the CUDA-only ones
+    SKIP, none FAIL; only summary.txt and checks.json in the output folder."""
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_checks.py"), "--cpu-dry", "--out", str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = (out / "summary.txt").read_text().splitlines()
+    verdicts = {line.split()[1].rstrip(":"): line.split()[0] for line in lines}
+    assert verdicts == {"flash": "PASS", "plus": "PASS", "memory": "SKIP", "mfu": "PASS", "fsdp": "PASS", "graphs": "SKIP"}
+    assert sorted(p.name for p in out.iterdir()) == ["checks.json", "summary.txt"]
+    figures = json.loads((out / "checks.json").read_text())
+    assert figures["fsdp"]["verdict"] == "PASS" and "DCP" in figures["fsdp"]["figure"]
+
+
+def test_gpu_check_sh_continues_past_failures_and_keeps_work_files_out(tmp_path):
+    """With a Python that fails every command, the script still runs every check, writes a FAIL line
+    for each, exits 1, and leaves only summary.txt and log.txt in OUT (work files in a temp folder)."""
+    out = tmp_path / "out"
+    run = subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu_check.sh"), "--cpu-dry"],
+        env={**os.environ, "OUT": str(out), "PYTHON": "false"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 1
+    lines = (out / "summary.txt").read_text().splitlines()
+    names = [line.split()[1].rstrip(":") for line in lines]
+    assert names == ["gpu_checks", "cli-prepare", "cli-train", "cli-generate", "cli-bench"]
+    assert all(line.startswith("FAIL ") for line in lines)
+    assert sorted(p.name for p in out.iterdir()) == ["log.txt", "summary.txt"]
+    assert list(tmp_path.iterdir()) == [out]

@@ -97,9 +97,10 @@ def shard(model: nn.Module, env: Env, *, param_dtype: torch.dtype | None = None,
     param_dtype (bf16, used with autocast in the same dtype as DDP is): the blocks' Linear weights and
     biases are all-gathered and computed in it, gradients reduced in fp32, the fp32 master copy
     sharded. Made to compute exactly what DDP + autocast computes (tested): the blocks' inputs are
-    not cast (the residual stream stays fp32, as under autocast); the other parameters (norms, the
-    "+" term: their own small units inside each block) and the root (embeddings, final norm, head)
-    are gathered in fp32, as autocast reads them (it casts the head's matmul to bf16 as under DDP).
+    not cast (the residual stream stays fp32, as under autocast); the blocks' norms (their own small
+    units) and the root (embeddings, final norm, head) are gathered in fp32, as autocast reads them
+    (it casts the head's matmul to bf16 as under DDP). One difference remains: the "+" term's weights
+    are gathered in bf16, so sum(w) (its score scale) is summed from bf16-rounded values (docs/gpu.md).
     compile: each block compiled before it is sharded (torchtitan's order: no graph breaks at the
     FSDP hooks between blocks)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -123,12 +124,13 @@ def shard(model: nn.Module, env: Env, *, param_dtype: torch.dtype | None = None,
 
 
 def _fp32_units(block: nn.Module) -> list[nn.Module]:
-    """Sub-modules of a block holding parameters of their own that autocast reads in fp32 (norms, the
-    "+" score term): everything but the Linears."""
+    """A block's norms: autocast reads their parameters in fp32. (The "+" term's parameters stay in
+    the block's unit: it is called through key_term, not forward, so FSDP's hooks would not gather
+    it as a unit of its own.)"""
     return [
         m
         for m in block.modules()
-        if m is not block and not isinstance(m, nn.Linear) and any(True for _ in m.parameters(recurse=False))
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and any(True for _ in m.parameters(recurse=False))
     ]
 
 
