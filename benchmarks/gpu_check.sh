@@ -25,16 +25,23 @@ PY=${PYTHON:-python3}
 LOG="$OUT/log.txt"
 : >"$LOG"
 START=$SECONDS
+BUDGET=${BUDGET_S:-420}  # the whole script's seconds (7 min); --cpu-dry: no budget
+[ -n "$DRY" ] && BUDGET=100000
 
 # 1. the library checks, one process (writes summary.txt and checks.json itself)
-timeout 330 "$PY" "$ROOT/benchmarks/gpu_checks.py" --out "$OUT" $DRY 2>&1 | tee -a "$LOG"
+timeout $((BUDGET * 6 / 10)) "$PY" "$ROOT/benchmarks/gpu_checks.py" --out "$OUT" $DRY 2>&1 | tee -a "$LOG"
 [ -s "$OUT/summary.txt" ] || echo "FAIL gpu_checks: no summary (see log.txt)" >>"$OUT/summary.txt"
 
 # 2. the command line end to end: check NAME SECONDS COMMAND... -> one line with the output's last line
 check() {
   local name=$1 limit=$2
   shift 2
-  local t0=$SECONDS out rc
+  local t0=$SECONDS out rc left=$((START + BUDGET - SECONDS))
+  if [ "$left" -lt 15 ]; then
+    echo "FAIL cli-$name: not run, the ${BUDGET} s budget is spent" | tee -a "$LOG" >>"$OUT/summary.txt"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   out=$(timeout "$limit" "$@" 2>&1)
   rc=$?
   printf '%s\n' "$out" >>"$LOG"

@@ -117,7 +117,9 @@ def check_flash(c: Checks):
             if not any("flash" in n.lower() for n in names):
                 missing.append(f"{scheme} hd{hd}")
     n = len(ran)
-    figure = f"flash ran in {n - len(missing)}/{n} (scheme, head dim)" + (f"; not in {', '.join(missing)}" if missing else "")
+    figure = f"flash ran in {n - len(missing)}/{n} (scheme, head dim)" + (
+        f"; not in {', '.join(missing)}" if missing else ""
+    )
     return not missing, figure, {"kernels": ran}
 
 
@@ -183,7 +185,12 @@ def check_mfu(c: Checks):
     from qkvlab.train.optim import make_optimizer
 
     if c.dry:  # tiny, eager: the code path, not a figure
-        cfg, batch, steps, dtype = ModelConfig(n_layer=1, n_head=2, d_model=32, vocab_size=64, context=16), 2, 2, torch.float32
+        cfg, batch, steps, dtype = (
+            ModelConfig(n_layer=1, n_head=2, d_model=32, vocab_size=64, context=16),
+            2,
+            2,
+            torch.float32,
+        )
     else:
         cfg, batch, steps, dtype = preset("gpt2-124m"), 16, 20, torch.bfloat16
     model = GPT(cfg).to(c.device)
@@ -210,7 +217,6 @@ def check_mfu(c: Checks):
     tps = batch * cfg.context * steps / (time.perf_counter() - t0)
     peak = matmul_flops_per_s(c.device, dtype, seconds=0.05 if c.dry else 0.5)
     mfu = tps * flops_per_token(cfg) / peak
-    del model, opt, fwd
     if c.device.type == "cuda":
         torch.cuda.empty_cache()
     figure = f"{tps:,.0f} tok/s, MFU {mfu:.1%} of the measured {peak / 1e12:.1f} TFLOP/s (compile {compile_s:.0f} s)"
@@ -261,7 +267,11 @@ def check_fsdp(c: Checks):
         finally:
             dist.destroy_process_group()
     ok = diff == 0.0 and torch.isfinite(loss).item()
-    return ok, f"2 bf16-policy steps, loss {loss.item():.3f}; DCP save/load max |diff| {diff:.1e}", {"loss": loss.item()}
+    return (
+        ok,
+        f"2 bf16-policy steps, loss {loss.item():.3f}; DCP save/load max |diff| {diff:.1e}",
+        {"loss": loss.item()},
+    )
 
 
 # ---- 6. CUDA-graph decode ---------------------------------------------------------------------------

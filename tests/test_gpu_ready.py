@@ -535,7 +535,14 @@ def test_gpu_checks_cpu_dry_runs_every_check_or_skips_it(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = (out / "summary.txt").read_text().splitlines()
     verdicts = {line.split()[1].rstrip(":"): line.split()[0] for line in lines}
-    assert verdicts == {"flash": "PASS", "plus": "PASS", "memory": "SKIP", "mfu": "PASS", "fsdp": "PASS", "graphs": "SKIP"}
+    assert verdicts == {
+        "flash": "PASS",
+        "plus": "PASS",
+        "memory": "SKIP",
+        "mfu": "PASS",
+        "fsdp": "PASS",
+        "graphs": "SKIP",
+    }
     assert sorted(p.name for p in out.iterdir()) == ["checks.json", "summary.txt"]
     figures = json.loads((out / "checks.json").read_text())
     assert figures["fsdp"]["verdict"] == "PASS" and "DCP" in figures["fsdp"]["figure"]
@@ -560,3 +567,16 @@ def test_gpu_check_sh_continues_past_failures_and_keeps_work_files_out(tmp_path)
     assert all(line.startswith("FAIL ") for line in lines)
     assert sorted(p.name for p in out.iterdir()) == ["log.txt", "summary.txt"]
     assert list(tmp_path.iterdir()) == [out]
+
+
+def test_auto_autocast_is_bf16_only_where_the_cpu_has_bf16_instructions():
+    from qkvlab.devices import autocast_dtype_name, cpu_has_bf16, dtype_name
+
+    sapphire = "processor : 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    epyc = "processor : 0\nflags\t\t: fpu sse avx avx2 fma\n"
+    assert cpu_has_bf16(sapphire) and not cpu_has_bf16(epyc)
+    assert autocast_dtype_name("auto", "cpu", has_bf16=True) == "bf16"
+    assert autocast_dtype_name("auto", "cpu", has_bf16=False) == "fp32"
+    assert autocast_dtype_name("auto", "cuda", has_bf16=False) == "bf16"
+    assert autocast_dtype_name("fp32", "cpu", has_bf16=True) == "fp32"  # an explicit choice stands
+    assert dtype_name("auto", device_type="cpu") == "fp32"  # weights and caches: unchanged
