@@ -336,6 +336,7 @@ EXPORTS = [
     ("gpt2", dict(attn="Q=K-V", norm="layernorm", mlp="gelu", bias=True, tie_embeddings=False, share_layers=True)),
     ("llama", dict(attn="Q-K=V", kv_heads=2, norm="rmsnorm", pos="rope", mlp="swiglu")),
     ("llama", dict(attn="Id-K-V", norm="rmsnorm", pos="rope", mlp="swiglu", bias=True, tie_embeddings=False)),
+    ("llama", dict(attn="Q=V-K", norm="rmsnorm", pos="rope", mlp="swiglu")),
 ]
 
 

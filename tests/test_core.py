@@ -26,6 +26,8 @@ ALL_SCHEMES = [
     "(Q=K=V)+",
     "(Q-K=V)+",
     "Q-K-Id",
+    "Q=V-K",
+    "(Q=V-K)+",
 ]
 
 

@@ -424,3 +424,16 @@ def test_mean_iou():
     assert mean_iou(torch.tensor([[4]]), torch.tensor([[3]]), 5) == 0.0
     with pytest.raises(UserError, match="0..2"):
         mean_iou(torch.tensor([3]), torch.tensor([0]), 3)
+
+
+def test_anomaly_odd_slot_last_keeps_the_items():
+    y = torch.arange(400) % 5
+    idx_r, slot_r = anomaly_set_indices(y, 300, seed=0)
+    idx_l, slot_l = anomaly_set_indices(y, 300, seed=0, odd_slot="last")
+    assert (slot_l == 9).all() and len(slot_r.unique()) == 10
+    rows = torch.arange(300)
+    assert torch.equal(idx_l[:, 9], idx_r[rows, slot_r])  # the same odd item, moved to the last slot
+    odd = y[idx_l]
+    assert (odd[:, :9] == odd[:, :1]).all() and (odd[:, 9] != odd[:, 0]).all()
+    with pytest.raises(UserError, match="odd_slot='first'"):
+        anomaly_set_indices(y, 5, 0, odd_slot="first")

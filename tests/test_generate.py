@@ -41,6 +41,8 @@ SCHEMES = [
     "Q=K=V",
     "Id-K=V",
     "Q-K-Id",
+    "Q=V-K",
+    "(Q=V-K)+",
     "(Q-K-V)+",
     "(Id-K-V)+",
     "(Q=K-V)+",

@@ -1,5 +1,5 @@
-"""t quantiles, t-intervals and least squares (analysis/intervals.py) against textbook values and
-an independent matrix computation."""
+"""t quantiles, t-intervals, exact binomial intervals, Holm and least squares (analysis/intervals.py)
+against textbook values and an independent matrix computation."""
 
 import math
 import random
@@ -7,7 +7,17 @@ import random
 import numpy as np
 import pytest
 
-from qkvlab.analysis.intervals import Interval, mean_interval, ols, paired_differences, t_critical
+from qkvlab.analysis.intervals import (
+    Interval,
+    Rate,
+    RateDifference,
+    clopper_pearson,
+    mean_estimate,
+    mean_interval,
+    ols,
+    paired_differences,
+    t_critical,
+)
 
 # Two-sided 95% critical values of Student's t (printed tables, 4 decimals).
 TABLE_95 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 10: 2.2281, 30: 2.0423, 100: 1.9840, 1000: 1.9623}
@@ -18,15 +28,14 @@ def test_t_critical_matches_printed_table(df, value):
     assert t_critical(df) == pytest.approx(value, abs=6e-5)
 
 
-def test_t_critical_matches_scipy_to_1e9():
-    stats = pytest.importorskip("scipy.stats")
-    for df in list(range(1, 260)) + [500, 5000, 10**6]:
-        for level in (0.8, 0.95, 0.99):
-            assert t_critical(df, level) == pytest.approx(stats.t.ppf(0.5 + level / 2, df), rel=1e-9)
+def test_t_critical_fractional_and_infinite_df():
+    # Welch-Satterthwaite gives fractional df; a known variance gives the normal quantile
+    assert t_critical(math.inf) == pytest.approx(1.959963984540054, abs=1e-12)
+    assert TABLE_95[2] > t_critical(2.5) > TABLE_95[3]
 
 
 def test_t_critical_rejects_bad_input():
-    for df in (0, -1, 2.5):
+    for df in (0, -1, math.nan, True):
         with pytest.raises(ValueError):
             t_critical(df)
     with pytest.raises(ValueError):
@@ -85,3 +94,48 @@ def test_ols_two_points_has_no_interval_and_needs_distinct_x():
     assert fit.slope == 2.0 and not fit.slope_interval().defined and not fit.predict(2.0).defined
     with pytest.raises(ValueError):
         ols([1.0, 1.0, 1.0], [0.0, 1.0, 2.0])
+
+
+# Clopper-Pearson 95% limits (Clopper & Pearson 1934; e.g. Newcombe 1998 Table I, method 5)
+CP_95 = {(0, 10): (0.0, 0.3085), (10, 10): (0.6915, 1.0), (5, 10): (0.1871, 0.8129), (1, 29): (0.0009, 0.1776)}
+
+
+@pytest.mark.parametrize("kn,limits", sorted(CP_95.items()))
+def test_clopper_pearson_known_values(kn, limits):
+    assert clopper_pearson(*kn) == pytest.approx(limits, abs=5e-5)
+
+
+def test_clopper_pearson_closed_forms_at_the_edges():
+    for n in (1, 3, 17):
+        assert clopper_pearson(0, n)[1] == pytest.approx(1 - 0.025 ** (1 / n), rel=1e-12)
+        assert clopper_pearson(n, n)[0] == pytest.approx(0.025 ** (1 / n), rel=1e-12)
+    with pytest.raises(ValueError):
+        clopper_pearson(4, 3)
+
+
+def test_rate_tests_are_exact_binomial_tails():
+    r = Rate(7, 10)
+    assert r.p_above(0.4) == pytest.approx(sum(math.comb(10, i) * 0.4**i * 0.6 ** (10 - i) for i in range(7, 11)))
+    assert r.p_below(0.9) == pytest.approx(sum(math.comb(10, i) * 0.9**i * 0.1 ** (10 - i) for i in range(0, 8)))
+
+
+def test_rate_difference_p_value_inverts_its_interval():
+    d = RateDifference(Rate(9, 10), Rate(2, 10))
+    p = d.p_above(0.1)
+    iv = d.interval(1 - 2 * p)  # at the p-value's level the one-sided bound sits on 0.1
+    assert iv.lo == pytest.approx(0.1, abs=1e-9)
+    assert d.p_below(0.1) == 1.0 and 0 < d.p_above(0.0) < p
+    assert d.with_n(20) == RateDifference(Rate(18, 20), Rate(4, 20))
+
+
+def test_mean_estimate_known_eval_variance_and_projection():
+    est = mean_estimate([1.0, 2.0, 4.0], eval_var=0.25)
+    s2 = ((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2
+    assert est.se == pytest.approx(math.sqrt(s2 / 3 + 0.25), rel=1e-12)
+    assert est.df == pytest.approx((s2 / 3 + 0.25) ** 2 / ((s2 / 3) ** 2 / 2), rel=1e-12)
+    big = est.with_n(300)
+    assert big.seed_var == est.seed_var and big.se == pytest.approx(math.sqrt(s2 / 300 + 0.25), rel=1e-12)
+    one = mean_estimate([3.0])
+    assert not one.usable and not one.interval().defined  # one value, no evaluation error: no interval
+    flat = mean_estimate([2.0, 2.0, 2.0])
+    assert not flat.interval().defined  # identical values: no zero-width interval

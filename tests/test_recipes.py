@@ -261,7 +261,7 @@ def test_vision_paper_recipe_and_grid():
     assert (cfg.model.hidden, cfg.model.head, cfg.model.norm_position, cfg.model.mlp) == (256, "mlp", "pre", "gelu")
     assert cfg.model.scale == pytest.approx(1 / 16)  # d_model^-1/2, not d_head^-1/2
     assert (cfg.max_steps, cfg.batch_size, cfg.lr, cfg.final_lr, cfg.weight_decay) == (40 * 351, 128, 1e-4, 1e-4, 0.01)
-    assert paper_recipe("mnist", {"d_model": 64, "lr": 1e-3})["max_steps"] == 20 * 300
+    assert paper_recipe("mnist", {"d_model": 64, "lr": 1e-3})["max_steps"] == 20 * 270  # 20 epochs of 54k
     with pytest.raises(UserError, match="n_train"):  # a dataset without a known training-set size
         paper_recipe("tinyimagenet", {"d_model": 64, "lr": 1e-3})
     assert paper_recipe("tinyimagenet", {"d_model": 64, "lr": 1e-3, "n_train": 12_800})["max_steps"] == 50 * 100

@@ -1,6 +1,6 @@
-"""Scaling analysis (analysis/scaling.py): paired gaps per size, the log-linear fit and its
-prediction interval at the papers' sizes, the verdict words, and the files it writes from run
-folders."""
+"""Scaling analysis (analysis/scaling.py, scaling_report.py): paired gaps per size, the log-linear
+fit with its slope interval and word, no prediction beyond 10x the largest size, the test split
+when every run has one, and the files it writes from run folders (or from its own results.csv)."""
 
 import csv
 import json
@@ -11,24 +11,23 @@ import numpy as np
 import pytest
 
 from qkvlab.accounting import analytic_params
-from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import t_critical
 from qkvlab.analysis.scaling import (
-    EXTRAPOLATION_MARGIN_PCT,
+    MAX_EXTRAPOLATION,
     ScalingRun,
     analyse,
+    predict_gap,
     read_runs,
     write_scaling_results,
 )
-from qkvlab.analysis.verdicts import CONTRADICTED, INCONCLUSIVE, REPRODUCED
+from qkvlab.analysis.trends import FLAT, GROWING, SHRINKING
 from qkvlab.config import ModelConfig
 from qkvlab.variants import parse_variant
 
 SIZES = {"s1": 10_000, "s2": 40_000, "s3": 160_000, "s4": 640_000}
-PAPER_N = {"A": 85_000_000, "B": 250_000_000}
 
 
-def synthetic_runs(loss_diff, seeds=2, noise=0.0, rng_seed=0):
+def synthetic_runs(loss_diff, seeds=2, noise=0.0, rng_seed=0, se=0.0):
     """Q-K-V and Q-K=V at 4 sizes; Q-K=V's loss is Q-K-V's + loss_diff(N) (+ noise)."""
     rng = random.Random(rng_seed)
     runs = []
@@ -37,7 +36,7 @@ def synthetic_runs(loss_diff, seeds=2, noise=0.0, rng_seed=0):
             base = 5.0 - 0.3 * math.log10(n) + rng.gauss(0, 0.1)
             d = loss_diff(n) + rng.gauss(0, noise)
             for v, loss in (("Q-K-V", base), ("Q-K=V", base + d)):
-                runs.append(ScalingRun(size, v, s, n, 2 * n, n, 5 * n, loss, 100))
+                runs.append(ScalingRun(size, v, s, n, 2 * n, n, 5 * n, loss, 100, se=se))
     return runs
 
 
@@ -46,20 +45,31 @@ def pct(d):
 
 
 def test_exact_log_linear_gap_is_recovered():
-    sc = analyse(synthetic_runs(lambda n: 0.1 - 0.02 * math.log10(n)), PAPER_N)
-    assert sc.sizes == list(SIZES)
+    sc = analyse(synthetic_runs(lambda n: 0.1 - 0.02 * math.log10(n)))
+    assert sc.sizes == list(SIZES) and sc.largest == 640_000
     (v,) = sc.variants
     for size, n in SIZES.items():
         assert v.gaps[size].estimate == pytest.approx(pct(0.1 - 0.02 * math.log10(n)), abs=1e-9)
     assert v.fit_params.slope == pytest.approx(-0.02, abs=1e-12)
     # compute C = 6 N (5 N): log10 C = log10(30) + 2 log10 N -> slope per decade of compute is half
     assert v.fit_compute.slope == pytest.approx(-0.01, abs=1e-12)
-    assert v.extrapolated["B"].estimate == pytest.approx(pct(0.1 - 0.02 * math.log10(250e6)), abs=1e-9)
 
 
-def test_prediction_interval_matches_matrix_formula():
+def test_no_prediction_beyond_ten_times_the_largest_size():
     runs = synthetic_runs(lambda n: 0.08 - 0.015 * math.log10(n), seeds=3, noise=0.01, rng_seed=4)
-    sc = analyse(runs, PAPER_N)
+    sc = analyse(runs)
+    (v,) = sc.variants
+    at = MAX_EXTRAPOLATION * sc.largest
+    assert predict_gap(v.fit_params, at, sc.largest).defined
+    with pytest.raises(ValueError, match="10x"):
+        predict_gap(v.fit_params, at * 1.01, sc.largest)
+    with pytest.raises(ValueError):
+        predict_gap(v.fit_params, 85e6, sc.largest)  # Paper A's 124M: 2 decades beyond
+
+
+def test_prediction_interval_matches_matrix_formula_within_range():
+    runs = synthetic_runs(lambda n: 0.08 - 0.015 * math.log10(n), seeds=3, noise=0.01, rng_seed=4)
+    sc = analyse(runs)
     (v,) = sc.variants
     xs = np.array([math.log10(SIZES[s]) for s, _ in v.points])
     ys = np.array([d for _, d in v.points])
@@ -67,42 +77,44 @@ def test_prediction_interval_matches_matrix_formula():
     beta, *_ = np.linalg.lstsq(X, ys, rcond=None)
     resid = ys - X @ beta
     s2 = float(resid @ resid) / (len(ys) - 2)
-    x0 = np.array([1.0, math.log10(PAPER_N["A"])])
+    x0 = np.array([1.0, math.log10(2e6)])
     half = t_critical(len(ys) - 2) * math.sqrt(s2 * (1 + float(x0 @ np.linalg.inv(X.T @ X) @ x0)))
-    pi = v.extrapolated["A"]
+    pi = predict_gap(v.fit_params, 2e6, sc.largest)
     y0 = float(x0 @ beta)
-    assert pi.estimate == pytest.approx(pct(y0), abs=1e-9)
-    assert (pi.lo, pi.hi) == pytest.approx((pct(y0 - half), pct(y0 + half)), abs=1e-9)
-    # per-size gap: paired t-interval over the 3 seeds
-    assert all(iv.n == 3 and iv.defined for iv in v.gaps.values())
-
-
-def _runs_hitting(target_pct, noise):
-    """Q-K=V's gap is flat at target_pct (paper: +3.1% at 300M)."""
-    return synthetic_runs(lambda n: math.log1p(target_pct / 100), seeds=3, noise=noise, rng_seed=2)
+    assert (pi.lo, pi.estimate, pi.hi) == pytest.approx((pct(y0 - half), pct(y0), pct(y0 + half)), abs=1e-9)
+    # slope interval: t(df) * s / sqrt(Sxx)
+    si = v.fit_params.slope_interval()
+    assert si.hi - si.estimate == pytest.approx(
+        t_critical(len(ys) - 2) * math.sqrt(s2 / float(((xs - xs.mean()) ** 2).sum()))
+    )
+    assert all(iv.n == 3 and iv.defined for iv in v.gaps.values())  # per-size paired intervals
 
 
 @pytest.mark.parametrize(
-    "target,noise,word",
+    "diff,word",
     [
-        (pf.PAPER_B_LM_PPL_CHANGE["Q-K=V"], 0.001, REPRODUCED),  # tight PI around the paper's figure
-        (pf.PAPER_B_LM_PPL_CHANGE["Q-K=V"] + 10 * EXTRAPOLATION_MARGIN_PCT, 0.001, CONTRADICTED),
-        (pf.PAPER_B_LM_PPL_CHANGE["Q-K=V"], 0.02, INCONCLUSIVE),  # PI far wider than the margin
+        (lambda n: 0.12 - 0.02 * math.log10(n), SHRINKING),  # positive gap falling toward 0
+        (lambda n: 0.02 * math.log10(n) - 0.05, GROWING),  # positive gap rising
+        (lambda n: -0.12 + 0.02 * math.log10(n), SHRINKING),  # negative gap rising toward 0
+        (lambda n: 0.03, FLAT),
     ],
 )
-def test_extrapolation_verdict_words(target, noise, word):
-    (v,) = analyse(_runs_hitting(target, noise), PAPER_N).variants
-    assert v.paper_key == "B"
-    assert v.word == word
+def test_slope_words(diff, word):
+    (v,) = analyse(synthetic_runs(diff, seeds=3, noise=0.002, rng_seed=1)).variants
+    assert v.slope_word == word
 
 
-def test_one_seed_per_size_still_fits_but_sizes_have_no_interval():
-    (v,) = analyse(synthetic_runs(lambda n: 0.05 + 0.001 * math.log10(n), seeds=1, noise=0.001), PAPER_N).variants
-    assert not any(iv.defined for iv in v.gaps.values())
-    assert v.fit_params is not None and v.extrapolated["A"].defined  # 4 points, df 2
+def test_per_size_gaps_carry_evaluation_noise():
+    one = analyse(synthetic_runs(lambda n: 0.05, seeds=1, noise=0.001)).variants[0]
+    assert not any(iv.defined for iv in one.gaps.values())  # one seed, no se: no interval
+    assert one.fit_params is not None and one.fit_params.slope_interval().defined  # 4 points, df 2
+    with_se = analyse(synthetic_runs(lambda n: 0.05, seeds=1, noise=0.001, se=0.003)).variants[0]
+    iv = with_se.gaps["s1"]
+    half = 1.959963984540054 * math.sqrt(2 * 0.003**2)
+    assert iv.hi == pytest.approx(pct(math.log1p(iv.estimate / 100) + half), abs=1e-9)
 
 
-def _write_run(root, size, name, model: ModelConfig, seed, loss, tokens, finished=True):
+def _write_run(root, size, name, model: ModelConfig, seed, loss, tokens, finished=True, test=None):
     d = root / size / parse_variant(name).slug / f"seed{seed}"
     d.mkdir(parents=True)
     rows = [
@@ -114,28 +126,51 @@ def _write_run(root, size, name, model: ModelConfig, seed, loss, tokens, finishe
         train = {"finished": True, "step": 10, "tokens": tokens, "config": {"seed": seed}}
         (d / "config.json").write_text(json.dumps({"model": model.to_dict(), "train": train}))
         (d / "model.safetensors").write_bytes(b"")
+    if test is not None:
+        (d / "test.json").write_text(json.dumps(test))
     return d
 
 
-def test_write_scaling_results_from_run_folders(tmp_path):
-    runs_dir, out = tmp_path / "runs", tmp_path / "out"
-    shapes = {"d16-L1": (16, 1, 2), "d32-L2": (32, 2, 2), "d64-L2": (64, 2, 4), "d96-L3": (96, 3, 6)}
-    variants = ["Q-K-V", "Id-K-V", "Q-K=V/MQA", "Id-K-V/mlp"]
+SHAPES = {"d16-L1": (16, 1, 2), "d32-L2": (32, 2, 2), "d64-L2": (64, 2, 4), "d96-L3": (96, 3, 6)}
+VARIANTS = ["Q-K-V", "Id-K-V", "Q-K=V/MQA", "Id-K-V/mlp"]
+
+
+def _sweep(runs_dir, test_se=None):
+    """2 seeds x 4 variants x 4 sizes of run folders; with test_se, each with a test.json whose loss
+    is the validation loss + 0.01."""
     rng = random.Random(0)
     expected_params = {}
-    for size, (d, L, h) in shapes.items():
+    for size, (d, L, h) in SHAPES.items():
         base = ModelConfig(d_model=d, n_layer=L, n_head=h, vocab_size=64, context=16)
         n = analytic_params(base).non_embedding
         for seed in range(2):
             level = 3.0 - 0.2 * math.log10(n) + rng.gauss(0, 0.05)
-            for i, name in enumerate(variants):
+            for i, name in enumerate(VARIANTS):
                 model = parse_variant(name).apply(base)
                 expected_params[(size, parse_variant(name).name, seed)] = analytic_params(model).non_embedding
-                _write_run(runs_dir, size, name, model, seed, level + 0.02 * i + rng.gauss(0, 0.003), 5 * n)
+                loss = level + 0.02 * i + rng.gauss(0, 0.003)
+                test = (
+                    None
+                    if test_se is None
+                    else {
+                        "split": "test",
+                        "metric": "loss",
+                        "loss": loss + 0.01,
+                        "se": test_se,
+                        "n": 100,
+                        "units": "windows",
+                    }
+                )
+                _write_run(runs_dir, size, name, model, seed, loss, 5 * n, test=test)
     _write_run(runs_dir, "d96-L3", "Q=K=V", parse_variant("Q=K=V").apply(base), 0, 3.0, 10, finished=False)
+    return expected_params
 
-    runs, unfinished = read_runs(runs_dir)
-    assert len(runs) == 32 and unfinished == ["d96-L3/Q=K=V/seed0"]
+
+def test_write_scaling_results_from_run_folders(tmp_path):
+    runs_dir, out = tmp_path / "runs", tmp_path / "out"
+    expected_params = _sweep(runs_dir)
+    runs, unfinished, source = read_runs(runs_dir)
+    assert len(runs) == 32 and unfinished == ["d96-L3/Q=K=V/seed0"] and source == "validation"
     sc = write_scaling_results(runs_dir, out, command="qkvlab compare --sweep")
     assert sorted(p.name for p in out.iterdir()) == [
         "gap_vs_compute.png",
@@ -147,13 +182,40 @@ def test_write_scaling_results_from_run_folders(tmp_path):
     assert len(rows) == 32
     for r in rows:
         assert int(r["params"]) == expected_params[(r["size"], r["variant"], int(r["seed"]))]
-    assert {r["variant"] for r in rows} == {"Q-K-V", "Id-K-V", "Q-K=V/MQA", "Id-K-V/mlp"}
     assert [v.variant for v in sc.variants] == ["Id-K-V", "Id-K-V/mlp", "Q-K=V/MQA"]
-    assert sc.sizes == list(shapes)  # ascending N
+    assert sc.sizes == list(SHAPES)  # ascending N
     md = (out / "results.md").read_text()
-    assert "4 sizes spanning" in md and "at 124M" in md and "at 300M" in md and "Not finished (1)" in md
+    assert "4 sizes spanning" in md and "Not finished (1)" in md and "no prediction beyond 10x" in md
+    assert "at 124M" not in md and "verdict" not in md  # no extrapolation, no verdict at the papers' sizes
     assert "qkvlab compare --sweep" in md and "![gap_vs_params](gap_vs_params.png)" in md
     assert "training time summed over 32 finished runs: 0.0 min" in md
     for v in sc.variants:
-        assert v.word in (REPRODUCED, CONTRADICTED, INCONCLUSIVE)
-        assert f"**{v.word}**" in md
+        assert f"| {v.slope_word} |" in md
+
+
+def test_test_split_when_every_run_has_it(tmp_path):
+    _sweep(tmp_path / "runs", test_se=0.002)
+    runs, _, source = read_runs(tmp_path / "runs")
+    assert source == "test split" and all(r.se == 0.002 for r in runs)
+    for r in runs:  # the LM task's test.json calls the loss "loss": it stands for val_loss
+        metrics = [json.loads(x) for x in (tmp_path / "runs" / r.dir / "metrics.jsonl").read_text().splitlines()]
+        assert r.val_loss == pytest.approx(metrics[-1]["val_loss"] + 0.01, abs=1e-12)
+    sc = write_scaling_results(tmp_path / "runs", tmp_path / "out", plots=False)
+    assert sc.source == "test split" and "test split" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_rerender_from_results_csv_alone(tmp_path):
+    _sweep(tmp_path / "runs")
+    first = write_scaling_results(tmp_path / "runs", tmp_path / "out", command="qkvlab compare --sweep", plots=False)
+    only_csv = tmp_path / "docs"
+    only_csv.mkdir()
+    (only_csv / "results.csv").write_bytes((tmp_path / "out" / "results.csv").read_bytes())
+    again = write_scaling_results(only_csv, only_csv, command="qkvlab compare --sweep", plots=False)
+    rendered = (only_csv / "results.csv").read_text()
+    write_scaling_results(only_csv, only_csv, plots=False)
+    assert (only_csv / "results.csv").read_text() == rendered  # re-rendering its own output changes nothing
+    for v, w in zip(again.variants, first.variants):  # losses were rounded to 1e-6 in the csv
+        for s in v.gaps:
+            assert (v.gaps[s].lo, v.gaps[s].hi) == pytest.approx((w.gaps[s].lo, w.gaps[s].hi), abs=1e-3)
+    md = (only_csv / "results.md").read_text()
+    assert "rendered from results.csv: the run folders are not on disk" in md

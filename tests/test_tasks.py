@@ -205,12 +205,14 @@ def test_synthetic_learns(name):
     t = get_task(name, length=8, n_train=2000, n_val=300, n_test=300)
     m = _train(t, 40)
     assert t.evaluate(m, batch_size=512)["accuracy"] > 0.9  # chance 0.1
-    assert t.test(m, batch_size=512)["test_accuracy"] > 0.9
+    scored = t.test(m, batch_size=512)
+    assert scored["split"] == "test" and scored["n"] == 300 and scored["units"] == "list"
+    assert scored["accuracy"] > 0.9 and 0 <= scored["se"] < 0.05
 
 
 def test_digits_anomaly_segmentation_learn():
     d = task("digits")
-    assert d.evaluate(_train(d, 60), batch_size=512)["accuracy"] > 0.3  # chance 0.1
+    assert d.evaluate(_train(d, 150), batch_size=512)["accuracy"] > 0.5  # chance 0.1 (0.75-0.85 over init seeds)
     a = get_task("anomaly", n_train=2000, n_val=300, n_test=50, features="pixels")
     assert a.evaluate(_train(a, 40), batch_size=512)["accuracy"] > 0.3  # chance 0.1
     s = task("segmentation")

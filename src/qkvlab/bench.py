@@ -41,13 +41,12 @@ from qkvlab.devices import (
 from qkvlab.errors import UserError
 from qkvlab.loadavg import LoadWatch, NoisyMachine, fmt
 from qkvlab.model import GPT
-from qkvlab.settings import setting
+from qkvlab.settings import byte_size, setting
 from qkvlab.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
 from qkvlab.speed import copy_rate as measured_copy_rate
 from qkvlab.variants import parse_variants
 
 DEFAULT_VARIANTS = "Q-K-V,Id-K-V,Q-K=V,Q=K=V,Id-K=V,Q-K=V/MQA"
-SIZE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 @dataclass
@@ -123,15 +122,7 @@ class BenchConfig:
     def budget_bytes(self) -> int | None:
         if self.memory_budget is None:
             return None
-        t = self.memory_budget.strip().upper()
-        num = t.rstrip("KMGTIB")
-        try:
-            value = float(num) * SIZE_UNITS[t[len(num) :]]
-        except (ValueError, KeyError):
-            raise UserError(f"--memory-budget {self.memory_budget!r}: write a size like 24GB, 80GiB or 512MB") from None
-        if not value > 0 or value == float("inf"):
-            raise UserError(f"--memory-budget {self.memory_budget!r} must be positive")
-        return int(value)
+        return byte_size(self.memory_budget, "--memory-budget")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

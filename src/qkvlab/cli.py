@@ -27,6 +27,7 @@ COMMANDS = {
     "similarity": "Q/K/V similarity: activation CKA on text, weight cosine, effective rank",
     "generate": "generate text from a trained model with a KV cache",
     "bench": "throughput, cache bytes and capacity per scheme",
+    "serve": "an OpenAI-compatible HTTP endpoint with continuous batching on the spec-sized KV cache",
 }
 
 DEFAULT_PRESET = "small"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -11,6 +9,7 @@ import torch.nn.functional as F
 from qkvlab.attention import Attention, dropout
 from qkvlab.cache import KVCache
 from qkvlab.config import ModelConfig
+from qkvlab.init import draw_seed, init_paired
 from qkvlab.positions import Rotary, SinusoidalPositions
 
 
@@ -113,25 +112,12 @@ class Trunk(nn.Module):
         return self.norm(x)
 
 
-def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
-    """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 n_layer)."""
-    for name, p in model.named_parameters():
-        if "score_term" in name:
-            continue
-        if p.dim() >= 2:
-            std = cfg.init_std
-            if name.endswith(("attn.out_proj.weight", "mlp.down.weight")):
-                std /= math.sqrt(2 * cfg.n_layer)
-            nn.init.normal_(p, 0.0, std)
-        elif name.endswith(".bias"):
-            nn.init.zeros_(p)
-
-
 class GPT(nn.Module):
     """Decoder-only language model."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        init_seed = draw_seed()  # before any module is built: variants at one seed pair (init.py)
         cfg.validate()
         if cfg.head != "linear":
             from qkvlab.errors import UserError
@@ -144,7 +130,7 @@ class GPT(nn.Module):
         self.drop = dropout(cfg.dropout)
         self.trunk = Trunk(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        init_weights(self, cfg)
+        init_paired(self, cfg, init_seed)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
@@ -260,6 +246,7 @@ class Encoder(nn.Module):
         super().__init__()
         from qkvlab.errors import UserError
 
+        init_seed = draw_seed()
         if head not in HEADS:
             raise UserError(f"head={head!r} is not allowed; use one of {', '.join(HEADS)}")
         cfg = cfg.replace(causal=False)
@@ -268,7 +255,7 @@ class Encoder(nn.Module):
         self.inputs = inputs
         self.trunk = Trunk(cfg)
         self.head = output_head(cfg, 1 if head == "element" else n_out)
-        init_weights(self.trunk, cfg)
+        init_paired(self, cfg, init_seed, gpt2_part=self.trunk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inputs(x)  # (B, N, d)

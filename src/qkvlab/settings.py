@@ -95,6 +95,24 @@ def nonempty(text: str) -> str:
     return text
 
 
+SIZE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def byte_size(text: str, flag: str = "size") -> int:
+    """A memory size as qkvlab spells it everywhere: 8MB, 24GB, 80GiB, 512MiB or plain bytes."""
+    from qkvlab.errors import UserError
+
+    t = str(text).strip().upper()
+    num = t.rstrip("KMGTIB")
+    try:
+        value = float(num) * SIZE_UNITS[t[len(num) :]]
+    except (ValueError, KeyError):
+        raise UserError(f"{flag} {text!r}: write a size like 24GB, 80GiB or 512MB") from None
+    if not value > 0 or value == float("inf"):
+        raise UserError(f"{flag} {text!r} must be positive")
+    return int(value)
+
+
 def float_list(text: str) -> tuple[float, ...]:
     try:
         return tuple(finite_float(x) for x in nonempty(text).split(","))
@@ -121,9 +139,19 @@ def _base_type(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
+def int_or_word(text: str) -> int | str:
+    """A whole number, or a word (e.g. --seeds auto); the field's choices name the words."""
+    try:
+        return integer(text)
+    except argparse.ArgumentTypeError:
+        return nonempty(text)
+
+
 def _parser_for(hint: Any):
     kind, _ = _base_type(hint)
     origin = typing.get_origin(kind)
+    if set(typing.get_args(kind)) - {type(None)} == {int, str}:
+        return int_or_word
     if kind is bool:
         return None
     if kind is int:

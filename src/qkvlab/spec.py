@@ -30,6 +30,7 @@ KNOWN_SCHEMES = {
     "Q=K-V": "Paper B: one projection shared by query and key (symmetric scores), one for value",
     "Q-K=V": "Paper B: one projection shared by key and value (caches one tensor: 50%)",
     "Q=K=V": "Paper B: one projection for all three roles",
+    "Q=V-K": "qkvlab: query and value share one projection, key apart (the control for Paper B's K=V)",
     "Id-K=V": "qkvlab: identity query plus one shared key/value projection",
     "(Q=K-V)+": "Q=K-V with the learned 2D positional score term",
     "(Q=K=V)+": "Q=K=V with the learned 2D positional score term",
@@ -123,11 +124,15 @@ def _parse(text: str) -> ProjectionSpec:
         if not _ROLE_TOKEN.match(norm):
             raise UserError(f"attention scheme {text!r}: role {name!r} is not one of Q, K, V, Id")
         names[i] = norm
-    for pos, (name, role) in enumerate(zip(names, ("Q", "K", "V"))):
+    # Roles go in the order Q, K, V, except Q=V-K (query and value share, key apart): the one pairing
+    # that cannot be written with adjacent roles. order[t] is the role index of token t.
+    order = [0, 2, 1] if names[1] == "V" and names[0] == "Q" and seps == ["=", "-"] else [0, 1, 2]
+    for pos, name in enumerate(names):
+        role = "QKV"[order[pos]]
         if name not in ("Id", role):
             raise UserError(
-                f"attention scheme {text!r}: position {pos + 1} is the {ROLES[pos]} role, write {role} or Id there "
-                "(roles go in the order Q, K, V)"
+                f"attention scheme {text!r}: position {pos + 1} is the {ROLES[order[pos]]} role, write {role} or Id "
+                "there (roles go in the order Q, K, V; Q=V-K shares the query and value projections)"
             )
     n_identity = names.count("Id")
     if n_identity > 1:
@@ -144,8 +149,9 @@ def _parse(text: str) -> ProjectionSpec:
             groups.append([i + 1])
     source = [0, 0, 0]
     projections: list[tuple[str, ...]] = []
-    for group in groups:
-        if any(names[i] == "Id" for i in group):
+    for tokens in groups:
+        group = sorted(order[t] for t in tokens)
+        if any(names[t] == "Id" for t in tokens):
             if len(group) > 1:
                 raise UserError(
                     f"attention scheme {text!r}: the identity cannot be shared with another role "
@@ -161,7 +167,11 @@ def _parse(text: str) -> ProjectionSpec:
 
 
 def format_scheme(spec: ProjectionSpec) -> str:
-    """Canonical notation, e.g. ``Id-K=V`` or ``(Q=K-V)+``."""
+    """Canonical notation, e.g. ``Id-K=V``, ``Q=V-K`` or ``(Q=K-V)+``: one spelling per spec."""
+    q, k, v = spec.source
+    if q == v != IDENTITY and k != q:
+        body = "Q=V-" + ("Id" if k == IDENTITY else "K")
+        return f"({body})+" if spec.plus else body
     parts = []
     for i, role in enumerate(ROLES):
         parts.append("Id" if spec.source[i] == IDENTITY else role.upper())

@@ -1,9 +1,10 @@
-"""Small-sample intervals without scipy: Student t quantiles, t-intervals of a mean (of paired
-differences), and ordinary least squares with slope and prediction intervals.
+"""Small-sample intervals and one-sided tests: means with a standard error and Welch-Satterthwaite
+degrees of freedom, exact binomial (Clopper-Pearson) intervals, Newcombe's square-and-add interval
+for a difference of two rates, Holm's step-down rule, and least squares with slope and prediction
+intervals. Quantiles come from scipy.stats.
 
-The t quantile is exact for integer degrees of freedom: the two-sided mass P(|T| <= t) has a
-finite closed form in theta = atan(t / sqrt(df)) (Abramowitz & Stegun 26.7.3-4), inverted by
-bisection to double precision.
+Every estimate answers the same three questions the verdicts ask: its two-sided interval at a
+level, and the p-values of the one-sided tests "the true value is above x" / "below x".
 """
 
 from __future__ import annotations
@@ -11,58 +12,27 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from statistics import NormalDist
 
-LEVEL = 0.95
+from scipy import stats
 
-
-def _t_mass(theta: float, df: int) -> float:
-    """P(|T| <= sqrt(df) tan(theta)) for Student's t with df degrees of freedom."""
-    s, c = math.sin(theta), math.cos(theta)
-    if df % 2 == 1:  # theta + sin(theta) (cos + 2/3 cos^3 + 2*4/(3*5) cos^5 + ...), up to cos^(df-2)
-        term, total = c, 0.0
-        for k in range(1, (df - 1) // 2 + 1):
-            total += term
-            term *= c * c * (2 * k) / (2 * k + 1)
-        return 2.0 / math.pi * (theta + s * total)
-    term, total = 1.0, 0.0  # sin(theta) (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...), up to cos^(df-2)
-    for k in range(1, df // 2 + 1):
-        total += term
-        term *= c * c * (2 * k - 1) / (2 * k)
-    return s * total
+LEVEL = 0.95  # descriptive two-sided intervals (tables, trends, scaling)
+ALPHA = 0.05  # every one-sided test of a verdict; its two-sided interval is the 1 - 2 ALPHA = 90% one
 
 
-def t_critical(df: int, level: float = LEVEL) -> float:
-    """The t such that P(|T| <= t) = level (e.g. 2.776 for df 4 at 95%)."""
-    if df < 1 or int(df) != df:
-        raise ValueError(f"degrees of freedom must be a positive integer, got {df}")
+def t_critical(df: float, level: float = LEVEL) -> float:
+    """The t with P(|T| <= t) = level for Student's t with df degrees of freedom (df may be
+    fractional, as Welch-Satterthwaite's is; math.inf gives the normal quantile)."""
+    if isinstance(df, bool) or not isinstance(df, (int, float)) or not df > 0:
+        raise ValueError(f"degrees of freedom must be positive, got {df}")
     if not 0.0 < level < 1.0:
         raise ValueError(f"level must lie in (0, 1), got {level}")
-    df = int(df)
-    if df > 200:  # the series has df/2 terms; Cornish-Fisher's expansion is exact to ~1e-10 here
-        z = NormalDist().inv_cdf(0.5 + level / 2)
-        return (
-            z
-            + (z**3 + z) / (4 * df)
-            + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
-            + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * df**4)
-        )
-    lo, hi = 0.0, math.pi / 2
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if mid in (lo, hi):
-            break
-        if _t_mass(mid, df) < level:
-            lo = mid
-        else:
-            hi = mid
-    return math.sqrt(df) * math.tan(0.5 * (lo + hi))
+    q = 0.5 + level / 2
+    return float(stats.norm.ppf(q) if df == math.inf else stats.t.ppf(q, df))
 
 
 @dataclass(frozen=True)
 class Interval:
-    """An estimate with a two-sided interval; lo/hi are nan when undefined (fewer than 2 values)."""
+    """An estimate with a two-sided interval; lo/hi are nan when undefined."""
 
     estimate: float
     lo: float = math.nan
@@ -86,17 +56,71 @@ class Interval:
         return self.map(lambda x: k * x) if k >= 0 else Interval(k * self.estimate, k * self.hi, k * self.lo, self.n)
 
 
-def mean_interval(xs: Sequence[float], level: float = LEVEL) -> Interval:
-    """Mean with its t-interval (sample std, df n-1); undefined for one value."""
+# ---- means -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MeanEstimate:
+    """A mean with its standard error and degrees of freedom (math.inf: the variance is known).
+    se == 0 or nan: no interval and no test (a zero-width interval would claim certainty)."""
+
+    estimate: float
+    se: float
+    df: float
+    n: int
+    seed_var: float = math.nan  # sample variance over values (nan with one value): what with_n keeps
+    eval_var: float = 0.0  # the evaluation's known variance of the mean
+
+    @property
+    def usable(self) -> bool:
+        return self.se > 0 and math.isfinite(self.se) and self.df > 0
+
+    def interval(self, level: float = LEVEL) -> Interval:
+        if not self.usable:
+            return Interval(self.estimate, n=self.n)
+        half = t_critical(self.df, level) * self.se
+        return Interval(self.estimate, self.estimate - half, self.estimate + half, self.n)
+
+    def _dist(self):
+        return stats.norm if self.df == math.inf else stats.t(self.df)
+
+    def p_above(self, x: float) -> float:
+        """p-value of H0 "true <= x" against "true > x" (1.0 without a usable se)."""
+        return float(self._dist().sf((self.estimate - x) / self.se)) if self.usable else 1.0
+
+    def p_below(self, x: float) -> float:
+        """p-value of H0 "true >= x" against "true < x"."""
+        return float(self._dist().cdf((self.estimate - x) / self.se)) if self.usable else 1.0
+
+    def with_n(self, n: int) -> MeanEstimate:
+        """The same spread with n values instead of self.n (what n seeds would give)."""
+        return mean_estimate_from(self.estimate, self.seed_var, self.eval_var, n)
+
+
+def mean_estimate_from(mean: float, seed_var: float, eval_var: float, n: int) -> MeanEstimate:
+    """Var(mean) = seed_var / n + eval_var, df by Welch-Satterthwaite (eval_var is known: infinite
+    df). n == 1 or seed_var nan: the evaluation's variance alone, df infinite."""
+    if n < 2 or math.isnan(seed_var):
+        se = math.sqrt(eval_var)
+        return MeanEstimate(mean, se, math.inf, n, seed_var, eval_var)
+    a = seed_var / n
+    var = a + eval_var
+    df = (var * var) / (a * a / (n - 1)) if a > 0 else math.inf
+    return MeanEstimate(mean, math.sqrt(var), df, n, seed_var, eval_var)
+
+
+def mean_estimate(xs: Sequence[float], eval_var: float = 0.0) -> MeanEstimate:
+    """Mean of xs, its sample variance over values, plus a known evaluation variance of the mean."""
     n = len(xs)
     if n == 0:
-        raise ValueError("mean_interval of no values")
+        raise ValueError("mean_estimate of no values")
     m = sum(xs) / n
-    if n == 1:
-        return Interval(m, n=1)
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
-    half = t_critical(n - 1, level) * sd / math.sqrt(n)
-    return Interval(m, m - half, m + half, n)
+    s2 = sum((x - m) ** 2 for x in xs) / (n - 1) if n > 1 else math.nan
+    return mean_estimate_from(m, s2, eval_var, n)
+
+
+def mean_interval(xs: Sequence[float], level: float = LEVEL, eval_var: float = 0.0) -> Interval:
+    """Mean with its t-interval (sample variance over values, plus eval_var); one value: the
+    interval of eval_var alone (none without it)."""
+    return mean_estimate(xs, eval_var).interval(level)
 
 
 def paired_differences(a: Mapping[Hashable, float], b: Mapping[Hashable, float]) -> list[float]:
@@ -105,6 +129,110 @@ def paired_differences(a: Mapping[Hashable, float], b: Mapping[Hashable, float])
     return [a[k] - b[k] for k in keys]
 
 
+# ---- rates -------------------------------------------------------------------------------------
+def clopper_pearson(k: int, n: int, level: float = LEVEL) -> tuple[float, float]:
+    """Exact two-sided interval of a binomial rate k/n (each side holds (1 - level) / 2)."""
+    if n < 1 or not 0 <= k <= n:
+        raise ValueError(f"need 0 <= k <= n and n >= 1, got k={k}, n={n}")
+    a = (1 - level) / 2
+    lo = 0.0 if k == 0 else float(stats.beta.ppf(a, k, n - k + 1))
+    hi = 1.0 if k == n else float(stats.beta.ppf(1 - a, k + 1, n - k))
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class Rate:
+    """k successes in n trials: exact one-sided binomial tests, Clopper-Pearson interval."""
+
+    k: int
+    n: int
+
+    @property
+    def estimate(self) -> float:
+        return self.k / self.n
+
+    def interval(self, level: float = LEVEL) -> Interval:
+        lo, hi = clopper_pearson(self.k, self.n, level)
+        return Interval(self.estimate, lo, hi, self.n)
+
+    def p_above(self, x: float) -> float:
+        """P(K >= k | rate x): H0 "rate <= x"."""
+        return 1.0 if x >= 1 else float(stats.binom.sf(self.k - 1, self.n, x))
+
+    def p_below(self, x: float) -> float:
+        """P(K <= k | rate x): H0 "rate >= x"."""
+        return 1.0 if x <= 0 else float(stats.binom.cdf(self.k, self.n, x))
+
+
+def rate_difference(a: Rate, b: Rate, level: float = LEVEL) -> Interval:
+    """Newcombe's square-and-add (MOVER) interval of a.rate - b.rate for independent samples, with
+    Clopper-Pearson limits for each rate (Newcombe 1998, method 10, exact limits in place of Wilson)."""
+    pa, pb = a.estimate, b.estimate
+    la, ua = clopper_pearson(a.k, a.n, level)
+    lb, ub = clopper_pearson(b.k, b.n, level)
+    d = pa - pb
+    lo = d - math.sqrt((pa - la) ** 2 + (ub - pb) ** 2)
+    hi = d + math.sqrt((ua - pa) ** 2 + (pb - lb) ** 2)
+    return Interval(d, lo, hi, min(a.n, b.n))
+
+
+@dataclass(frozen=True)
+class RateDifference:
+    """a - b of two solve rates; tests by inverting the Newcombe interval (the p-value is the
+    one-sided level at which the interval's bound reaches x)."""
+
+    a: Rate
+    b: Rate
+
+    @property
+    def estimate(self) -> float:
+        return self.a.estimate - self.b.estimate
+
+    @property
+    def n(self) -> int:
+        return min(self.a.n, self.b.n)
+
+    def interval(self, level: float = LEVEL) -> Interval:
+        return rate_difference(self.a, self.b, level)
+
+    def _p(self, x: float, lower: bool) -> float:
+        def excludes(p: float) -> bool:  # the one-sided (1 - p) bound lies beyond x
+            iv = rate_difference(self.a, self.b, 1 - 2 * p)
+            return iv.lo > x if lower else iv.hi < x
+
+        if not excludes(0.5 - 1e-12):
+            return 1.0
+        lo, hi = 1e-15, 0.5 - 1e-12
+        if excludes(lo):
+            return lo
+        for _ in range(60):  # bisection in log p: the bound moves monotonically with p
+            mid = math.sqrt(lo * hi)
+            lo, hi = (lo, mid) if excludes(mid) else (mid, hi)
+        return hi
+
+    def p_above(self, x: float) -> float:
+        return self._p(x, lower=True)
+
+    def p_below(self, x: float) -> float:
+        return self._p(x, lower=False)
+
+    def with_n(self, n: int) -> RateDifference:
+        """The same observed rates with n runs per variant (k rounded)."""
+        return RateDifference(Rate(round(self.a.estimate * n), n), Rate(round(self.b.estimate * n), n))
+
+
+def holm(pvalues: Sequence[float], alpha: float = ALPHA) -> list[bool]:
+    """Holm's step-down rule: which hypotheses to reject with familywise error <= alpha."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    reject = [False] * len(pvalues)
+    for rank, i in enumerate(order):
+        if pvalues[i] > alpha / (len(pvalues) - rank):
+            break
+        reject[i] = True
+    return reject
+
+
+# ---- least squares -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Fit:
     """y = intercept + slope * x by ordinary least squares, with what intervals need."""

@@ -16,7 +16,8 @@ from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import Interval
 from qkvlab.analysis.results import Results, collect
 from qkvlab.analysis.trends import trends_markdown
-from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, verdicts_markdown
+from qkvlab.analysis.verdict_table import verdicts_markdown
+from qkvlab.analysis.verdicts import PERPLEXITY_METRIC
 from qkvlab.variants import BASELINE, parse_variant
 
 # ---- writing ----------------------------------------------------------------------------------
@@ -33,6 +34,7 @@ CSV_COLUMNS = (
     "metric",
     "metric_mean",
     "metric_std",
+    "scored_on",
     "val_loss_mean",
     "val_loss_std",
     "ppl_change_pct_mean",
@@ -83,6 +85,7 @@ def csv_rows(res: Results) -> list[dict[str, Any]]:
                 "metric": r.metric,
                 "metric_mean": m,
                 "metric_std": s,
+                "scored_on": r.scored_on,
                 "val_loss_mean": lm,
                 "val_loss_std": ls,
                 "ppl_change_pct_mean": pc[0] if pc else "",
@@ -152,7 +155,7 @@ def lm_table(res: Results, task: str) -> str:
         "non-emb. params",
         "KV cache B/token (bf16)",
         "KV vs Q-K-V",
-        "val loss",
+        "loss",
         "ppl vs Q-K-V (95% CI)",
         "tokens/s",
         "seeds",
@@ -170,7 +173,7 @@ def lm_table(res: Results, task: str) -> str:
                 human(r.params.non_embedding, spec=".3g"),
                 f"{r.kv_bytes:,}",
                 _pct(r.kv_fraction),
-                _pm(r.val_loss_mean_std, n=r.n),
+                _pm(r.metric_mean_std, n=r.n),  # the scored loss (the lm metric is the loss)
                 "reference" if r.variant == BASELINE else gap_cell(gap, "%"),
                 f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "–",
                 f"{r.n}/{r.planned}",
@@ -221,13 +224,20 @@ def paper_a_params_table() -> str:
 
 
 def gap_cell(iv: Interval | None, unit: str) -> str:
-    """'+13.01% [+8.20, +17.95]'; one seed: '+13.01% (1 seed)'."""
+    """'+13.01% [+8.20, +17.95]'; one seed: '+13.01% (1 seed)', or with the test split's error
+    '+13.01% [+12.90, +13.12] (1 seed: evaluation error only)'."""
     if iv is None:
         return "–"
     u = "%" if unit == "%" else f" {unit}"
     digits = 2 if unit == "%" else 1
     head = f"{iv.estimate:+.{digits}f}{u}"
-    return head + (f" [{iv.lo:+.{digits}f}, {iv.hi:+.{digits}f}]" if iv.defined else " (1 seed)")
+    if not iv.defined:
+        return head + " (1 seed)"
+    return (
+        head
+        + f" [{iv.lo:+.{digits}f}, {iv.hi:+.{digits}f}]"
+        + (" (1 seed: evaluation error only)" if iv.n == 1 else "")
+    )
 
 
 def trends_section(res: Results) -> str:
@@ -274,7 +284,32 @@ def _run_section(res: Results) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_markdown(res: Results, plots: Sequence[str] = ()) -> str:
+def seconds_per_run(res: Results) -> float | None:
+    """Wall seconds one run took here with the machine's parallel jobs: the last invocation's wall
+    time over the runs it trained, else the runs' own training time over the jobs."""
+    m = res.manifest
+    t = m.get("timing") or {}
+    if t.get("trained") and t.get("wall_s"):
+        return float(t["wall_s"]) / int(t["trained"])
+    own = [float(r.final.get("elapsed_s") or 0) for r in res.runs]
+    jobs = int((m.get("machine") or {}).get("jobs") or 1)
+    return sum(own) / len(own) / jobs if own and sum(own) > 0 else None
+
+
+def claims_section(res: Results, seconds: float | None = None) -> str:
+    """The verdict table with its 'seeds to decide' column and the commands that decide."""
+    m = res.manifest
+    seeds = len(m.get("seeds") or []) or max((r.planned for r in res.rows), default=1)
+    runs_per_seed = max(1, len(m.get("runs") or res.runs) // max(1, seeds))
+    return verdicts_markdown(
+        res.verdicts(),
+        runs_per_seed=runs_per_seed,
+        seconds_per_run=seconds if seconds is not None else seconds_per_run(res),
+        command=m.get("command") or "",
+    )
+
+
+def to_markdown(res: Results, plots: Sequence[str] = (), seconds: float | None = None) -> str:
     m = res.manifest
     title = m.get("task_label") or ", ".join(res.tasks)
     out = [f"# qkvlab compare: {title}", ""]
@@ -282,14 +317,15 @@ def to_markdown(res: Results, plots: Sequence[str] = ()) -> str:
         out += ["No run has finished yet.", ""]
     lm_tasks = [t for t in res.tasks if all(r.metric == "val_loss" for r in res.rows if r.task == t)]
     other = [t for t in res.tasks if t not in lm_tasks]
+    sources = res.sources()
     for t in lm_tasks:
         out += [
-            f"## {t}: validation loss and perplexity",
+            f"## {t}: loss and perplexity ({sources.get(t, 'validation')})",
             "",
             lm_table(res, t),
             "",
-            "Val loss: mean ± sample std over seeds. Perplexity change: exp(mean over seeds of loss − loss of Q-K-V "
-            "of the same seed) − 1, with a paired 95% t-interval. "
+            "Loss: mean ± sample std over seeds. Perplexity change: exp(mean over seeds of loss − loss of Q-K-V "
+            "of the same seed) − 1, with a paired 95% t-interval (plus the evaluation's own error on the test split). "
             "KV cache: bytes per token over all layers in bf16 (the distinct key/value tensors). "
             "Paper columns: Paper B 300M (SlimPajama, 10B tokens) and Paper A GPT-2 124M (OpenWebText); "
             "KV vs Q-K-V of the paper is for its 16-head model (GQA-g keeps g of 16 heads).",
@@ -298,7 +334,9 @@ def to_markdown(res: Results, plots: Sequence[str] = ()) -> str:
     if other:
         metric = res.rows[[r.task for r in res.rows].index(other[0])].metric
         out += [
-            f"## {metric} per task",
+            f"## {metric} per task ({'; '.join(dict.fromkeys(f'{t}: {sources.get(t, chr(45))}' for t in other))})"
+            if len({sources.get(t) for t in other}) > 1
+            else f"## {metric} per task ({sources.get(other[0], 'validation')})",
             "",
             family_table(res, other),
             "",
@@ -309,10 +347,13 @@ def to_markdown(res: Results, plots: Sequence[str] = ()) -> str:
     out += [
         "## The papers' claims",
         "",
-        verdicts_markdown(res.verdicts()),
-        "Each gap is paired by seed (and grid point): a 95% t-interval over the per-seed differences; "
-        "`reproduced` when it lies inside the claim's region, `contradicted` when outside, `inconclusive` "
-        "otherwise (always with one seed). Regions and margins: docs/analysis.md.",
+        claims_section(res, seconds),
+        "Each gap is paired by seed (and grid point); its standard error holds the spread of the per-seed "
+        "differences and the evaluation's own error (test split). `reproduced`: every comparison of the claim "
+        "passes its one-sided test(s) at 5%; `contradicted`: Holm's rule over the comparisons rejects the claim "
+        "at 5% (an ordering claim also when the effect is smaller than its margin); `inconclusive` otherwise and "
+        "always with one seed. Solve-or-fail tasks (reverse, swap) compare solve rates with exact intervals. "
+        "Margins, fixed from the papers alone, and the seeds-to-decide rule: docs/analysis.md.",
         "",
         "## Gap to Q-K-V over training",
         "",
@@ -329,8 +370,12 @@ def to_markdown(res: Results, plots: Sequence[str] = ()) -> str:
     return "\n".join(out)
 
 
-def write_results(out_dir: str | Path, res: Results | None = None, *, plots: bool = True) -> Results:
-    """Collect (unless given) and write results.md, results.csv and the plots into out_dir."""
+def write_results(
+    out_dir: str | Path, res: Results | None = None, *, plots: bool = True, seconds_per_run: float | None = None
+) -> Results:
+    """Collect (unless given) and write results.md, results.csv and the plots into out_dir.
+    seconds_per_run: wall seconds per run here (parallel jobs included) for the 'seeds to decide'
+    cost; default: the folder's own timing."""
     from qkvlab.io import atomic_write
 
     out_dir = Path(out_dir)
@@ -341,5 +386,5 @@ def write_results(out_dir: str | Path, res: Results | None = None, *, plots: boo
 
         written = write_plots(res, out_dir)
     atomic_write(out_dir / "results.csv", to_csv(res))
-    atomic_write(out_dir / "results.md", to_markdown(res, [str(p) for p in written]))
+    atomic_write(out_dir / "results.md", to_markdown(res, [str(p) for p in written], seconds_per_run))
     return res

@@ -12,9 +12,16 @@ from typing import Any
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import Interval
-from qkvlab.analysis.runs import Run, load_run, read_manifest, run_finished
+from qkvlab.analysis.runs import Run, load_run, read_manifest, run_finished, test_value
 from qkvlab.analysis.trends import Trajectory, Trend, trajectories_from_runs
-from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, ClaimVerdict, check_claims, gap_interval, values_from_runs
+from qkvlab.analysis.verdicts import (
+    PERPLEXITY_METRIC,
+    ClaimVerdict,
+    check_claims,
+    gap_interval,
+    score_sources,
+    values_from_runs,
+)
 from qkvlab.config import ModelConfig
 from qkvlab.variants import BASELINE
 
@@ -44,7 +51,8 @@ class Row:
     val_losses: list[float]
     tokens_per_s: float | None
     steps: int
-    ppl_change: list[float] = field(default_factory=list)  # % vs Q-K-V, paired by seed
+    ppl_change: list[float] = field(default_factory=list)  # % vs Q-K-V, paired by seed, of the scored loss
+    scored_on: str = "validation"  # what metric_values are: "test split" or "validation"
 
     @property
     def n(self) -> int:
@@ -123,13 +131,18 @@ class Results:
     def higher_is_better(self) -> dict[str, bool]:
         return {r.task: r.higher_is_better for r in self.rows}
 
-    def values(self) -> dict[str, dict[str, dict[Any, float]]]:
-        """task -> variant -> (grid point, seed) -> final metric: what verdicts read."""
+    def values(self) -> dict[str, dict[str, dict[Any, Any]]]:
+        """task -> variant -> (grid point, seed) -> final score: what verdicts read (the test
+        split's, with its se, when every run of the task has test.json; else validation)."""
         return values_from_runs(self.runs, self.metric)
+
+    def sources(self) -> dict[str, str]:
+        """task -> what was scored: 'test split, n=...' or 'validation'."""
+        return score_sources(self.runs, self.metric)
 
     def verdicts(self) -> list[ClaimVerdict]:
         """One word per claim of the papers the tasks touch (None: not tested)."""
-        return check_claims(self.values(), self.higher_is_better, self.metric)
+        return check_claims(self.values(), self.higher_is_better, self.metric, sources=self.sources())
 
     def gaps(self) -> dict[tuple[str, str], Interval]:
         """(task, variant) -> its gap to Q-K-V with a paired 95% interval (perplexity change in %
@@ -156,16 +169,11 @@ def _metric_of(run: Run) -> str:
     return extra[0] if extra else "val_loss"
 
 
-def collect(out_dir: str | Path) -> Results:
-    """Read a compare folder: every finished run of the manifest, aggregated per (task, variant)."""
-    out_dir = Path(out_dir)
-    manifest = read_manifest(out_dir)
+def _read_runs(out_dir: Path, manifest: dict) -> tuple[list[Run], list[tuple[str, str, int]], dict]:
+    """The manifest's finished runs, the planned ones not finished, and runs planned per cell."""
     runs: list[Run] = []
     missing: list[tuple[str, str, int]] = []
     planned: dict[tuple[str, str], int] = {}
-    declared: dict[str, tuple[str, bool]] = {
-        t: (v["metric"], v["higher_is_better"]) for t, v in manifest.get("metrics", {}).items()
-    }
     for entry in manifest["runs"]:
         key = (entry["task"], entry["variant"])
         planned[key] = planned.get(key, 0) + 1
@@ -174,15 +182,40 @@ def collect(out_dir: str | Path) -> Results:
             runs.append(load_run(entry["task"], entry["variant"], int(entry["seed"]), run_dir, entry.get("point", "")))
         else:
             missing.append((entry["task"], entry["variant"], int(entry["seed"])))
+    return runs, missing, planned
 
+
+def _task_metrics(runs: list[Run], manifest: dict) -> dict[str, tuple[str, bool]]:
+    """task -> (metric, higher is better): declared by the manifest, else inferred from its runs."""
+    out = {t: (v["metric"], v["higher_is_better"]) for t, v in manifest.get("metrics", {}).items()}
+    for r in runs:
+        if r.task not in out:
+            metric = _metric_of(r)
+            out[r.task] = (metric, metric != "val_loss")  # accuracies and IoUs go up
+    return out
+
+
+def _score(run: Run, key: str, on_test: bool) -> float:
+    """The run's final key: its test split's when the task is scored on test (and test.json has
+    it), else its last validation row's."""
+    tv = test_value(run.test, key) if on_test else None
+    return tv[0] if tv else float(run.final[key])
+
+
+def collect(out_dir: str | Path) -> Results:
+    """Read a compare folder: every finished run of the manifest, aggregated per (task, variant).
+    A task whose every run has test.json is scored on the test split, else on validation."""
+    out_dir = Path(out_dir)
+    manifest = read_manifest(out_dir)
+    runs, missing, planned = _read_runs(out_dir, manifest)
+    metrics = _task_metrics(runs, manifest)
+    on_test = {t for t, (m, _) in metrics.items() if all(test_value(r.test, m) for r in runs if r.task == t)}
     rows: list[Row] = []
     for (task, variant), n_planned in planned.items():
         group = [r for r in runs if r.task == task and r.variant == variant]
         if not group:
             continue
-        metric, hib = declared.get(task, (_metric_of(group[0]), False))
-        if task not in declared and metric != "val_loss":
-            hib = True  # accuracies and IoUs
+        metric, hib = metrics[task]
         tps = [t for t in (r.tokens_per_s for r in group) if t is not None]
         rows.append(
             Row(
@@ -193,19 +226,24 @@ def collect(out_dir: str | Path) -> Results:
                 seeds=[r.seed for r in group],
                 planned=n_planned,
                 cfg=group[0].cfg,
-                metric_values=[float(r.final[metric]) for r in group],
-                val_losses=[float(r.final["val_loss"]) for r in group],
+                metric_values=[_score(r, metric, task in on_test) for r in group],  # what verdicts read
+                val_losses=[float(r.final["val_loss"]) for r in group],  # validation (curves, val_loss_* columns)
                 tokens_per_s=sum(tps) / len(tps) if tps else None,
                 steps=max(int(r.final["step"]) for r in group),
+                scored_on="test split" if task in on_test else "validation",
             )
         )
-    # Perplexity change vs Q-K-V, paired by seed (same data order and init seed: less noise).
+    _pair_perplexities(rows)
+    return Results(rows, runs, manifest, missing)
+
+
+def _pair_perplexities(rows: list[Row]) -> None:
+    """Perplexity change vs Q-K-V, paired by seed (same data order and initialisation: less noise)."""
     for row in rows:
         base = next((b for b in rows if b.task == row.task and b.variant == BASELINE), None)
         if base is None or row.metric != "val_loss":
             continue
-        base_loss = dict(zip(base.seeds, base.val_losses))
+        base_loss = dict(zip(base.seeds, base.metric_values))  # the scored loss (test split when there)
         row.ppl_change = [
-            100.0 * math.expm1(loss - base_loss[s]) for s, loss in zip(row.seeds, row.val_losses) if s in base_loss
+            100.0 * math.expm1(loss - base_loss[s]) for s, loss in zip(row.seeds, row.metric_values) if s in base_loss
         ]
-    return Results(rows, runs, manifest, missing)

@@ -1,6 +1,9 @@
 """A compare folder on disk: ``compare.json`` (the plan: tasks, variants, seeds, run folders,
 timing, machine) and one run folder per (task, variant, seed), each written by the train loop
-(``metrics.jsonl``, ``config.json`` whose ``train.finished`` is true, ``model.safetensors``).
+(``metrics.jsonl``, ``config.json`` whose ``train.finished`` is true, ``model.safetensors``) and,
+once scored on the held-out test split, ``test.json``: {"split": "test", "metric": NAME, NAME: value,
+other metrics, "n": scored units, "se": the evaluation's standard error of NAME (SD over units /
+sqrt(n)), "units": what a unit is (windows, lists, images, sets)}.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from qkvlab.errors import UserError
 MANIFEST = "compare.json"
 
 # ---- runs -------------------------------------------------------------------------------------
-METRICS, CONFIG, WEIGHTS = "metrics.jsonl", "config.json", "model.safetensors"
+METRICS, CONFIG, WEIGHTS, TEST = "metrics.jsonl", "config.json", "model.safetensors", "test.json"
 
 
 def run_finished(run_dir: str | Path) -> bool:
@@ -43,6 +46,7 @@ class Run:
     cfg: ModelConfig
     history: list[dict[str, Any]]
     point: str = ""  # grid point label; with the seed, what pairs runs across variants
+    test: dict[str, Any] | None = None  # test.json: the run scored on the test split (None: not scored)
 
     @property
     def final(self) -> dict[str, Any]:
@@ -58,11 +62,39 @@ class Run:
         return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def read_test(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's test.json (None when absent); a file that is not a JSON object is an error."""
+    path = Path(run_dir) / TEST
+    if not path.is_file():
+        return None
+    try:
+        body = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg})") from None
+    if not isinstance(body, dict):
+        raise UserError(f"{path}: expected a JSON object with the test split's metrics")
+    return body
+
+
+def test_value(test: dict[str, Any] | None, metric: str) -> tuple[float, float, int] | None:
+    """(value, se, units) of a validation metric's counterpart in test.json: the same key, or the
+    key without "val_" (val_loss -> loss); se only when test.json's own metric is that key (it is
+    the standard error of that metric alone). None when test.json lacks it."""
+    if not test:
+        return None
+    key = metric if test.get(metric) is not None else metric.removeprefix("val_")
+    if test.get(key) is None:
+        return None
+    se = float(test.get("se") or 0.0) if test.get("metric") == key else 0.0
+    return float(test[key]), se, int(test.get("n") or 0)
+
+
 def load_run(task: str, variant: str, seed: int, run_dir: str | Path, point: str = "") -> Run:
     from qkvlab.io import read_config, read_metrics
 
     cfg, _ = read_config(run_dir)
-    return Run(task, variant, seed, Path(run_dir), cfg, read_metrics(run_dir, required=True), point)
+    history = read_metrics(run_dir, required=True)
+    return Run(task, variant, seed, Path(run_dir), cfg, history, point, read_test(run_dir))
 
 
 # ---- manifest ---------------------------------------------------------------------------------

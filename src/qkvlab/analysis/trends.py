@@ -144,7 +144,9 @@ def trends_markdown(rows: Sequence[tuple[str, Trajectory, Trend]], finals: Mappi
         u = "%" if traj.unit == "%" else " pts"
         iv = (finals or {}).get((task, traj.variant))
         if iv is not None and iv.defined:
-            end = f"{iv.estimate:+.2f}{u} [{iv.lo:+.2f}, {iv.hi:+.2f}]"
+            end = f"{iv.estimate:+.2f}{u} [{iv.lo:+.2f}, {iv.hi:+.2f}]" + (
+                " (1 seed: evaluation only)" if iv.n == 1 else ""
+            )
         else:
             end = f"{traj.mean[-1]:+.2f}{u}" if traj.mean else "–"
         lines.append(f"| {task} | `{traj.variant}` | {end} | {format_trend(tr)} | {traj.n} |")

@@ -1,82 +1,148 @@
-"""The papers' claims -> one word each, decided by paired 95% intervals over seeds.
+"""The papers' claims -> one word each, by one-sided tests at 5% over seeds (docs/analysis.md).
 
-Input is plain data: ``values[task][variant][key]`` = a run's final metric, where the pairing key
-is the seed (or ``(grid point, seed)``): runs with the same key share the data order and the
-initialisation of their shared parts, so the per-key difference cancels most of the seed noise.
+Input is plain data: ``values[task][variant][key]`` = a run's final score, a float or a
+:class:`Measured` (the score with its evaluation's own standard error and unit count), where the
+pairing key is the seed (or ``(grid point, seed)``): runs with the same key share the data order and
+the initialisation of every tensor they have in common, so the per-key difference cancels most of
+the seed noise.
 
-Every claim compares variants through gaps. The gap of A against B is, per key, the difference of
-their scores (a score is the mean over the claim's tasks); its mean gets a t-interval over keys
-(df = keys - 1; one key: no interval). Units: for language modelling (metric ``val_loss``) the
-perplexity change of A vs B in percent, 100 (exp(mean loss difference) - 1), the interval mapped
-the same way; for tasks the metric difference in points (hundredths: accuracy .851 -> 85.1).
+Every claim is a set of comparisons; each comparison states where the truth must lie for the claim
+to hold and where it fails, in the gap's display unit (perplexity change in percent for language
+modelling, metric points otherwise), with the claim's margin fixed in advance
+(:mod:`qkvlab.analysis.paper_figures`):
 
-A claim states a region the gap must lie in; the word is
+- ordering (better, worst, best, order): holds when A is on the claimed side of B (one-sided test
+  of "no difference"), fails when the effect is smaller than the margin (one-sided test of "an
+  effect of the margin's size"); a real effect smaller than the margin fails too;
+- close and spread: holds by TOST (both one-sided tests at 5%, i.e. the 90% interval inside
+  ±margin), fails when the gap lies beyond +margin or below -margin;
+- at_most: non-inferiority, holds when the cost is below the margin, fails when above;
+- at_least: holds when the variant's score is above the threshold, fails when below.
 
-- ``reproduced``: the interval lies inside the region;
-- ``contradicted``: the interval lies outside it (excludes the paper's claim);
-- ``inconclusive``: otherwise, and always when the interval is undefined (one seed).
-
-Regions by claim kind (see :class:`qkvlab.analysis.paper_figures.Claim`): "better" A beats B:
-gap > 0 in the metric's better direction; "worst"/"best": that, against every other variant run;
-"order": each variant worse than the one before; "close": |gap| < margin; "at_most": A's cost over
-B below margin; "spread": every pair within ±margin; "at_least": each variant's own t-interval
-above the claim's threshold (in the metric's units). A claim of several comparisons is
-reproduced when all are, contradicted when any is, inconclusive otherwise. No correction for
-multiple comparisons.
+A claim is ``reproduced`` when every comparison holds at 5% (an intersection-union test needs no
+correction), ``contradicted`` when Holm's rule over the comparisons' failure tests rejects at least
+one at 5%, ``inconclusive`` otherwise, and always with fewer than two seeds. A comparison that both
+holds and fails (a real effect smaller than the margin) counts as failed. Shown intervals are the
+90% ones: each bound is a one-sided 95% bound, the tests' own.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from qkvlab.analysis import paper_figures as pf
-from qkvlab.analysis.intervals import LEVEL, Interval, mean_interval, paired_differences
+from qkvlab.analysis.intervals import (
+    ALPHA,
+    LEVEL,
+    Interval,
+    MeanEstimate,
+    Rate,
+    RateDifference,
+    holm,
+    mean_estimate,
+)
 
 REPRODUCED, CONTRADICTED, INCONCLUSIVE = "reproduced", "contradicted", "inconclusive"
 WORDS = (REPRODUCED, CONTRADICTED, INCONCLUSIVE)
 PERPLEXITY_METRIC = "val_loss"  # a task with this metric compares perplexities
-
-Values = Mapping[str, Mapping[str, Mapping[Hashable, float]]]  # task -> variant -> key -> value
+TEST_LEVEL = 1 - 2 * ALPHA  # the shown interval: each bound a one-sided 1 - ALPHA bound
 INF = math.inf
 
 
-def word_for(interval: Interval, lo: float, hi: float) -> str:
-    """reproduced when interval lies inside the region (lo, hi), contradicted when it lies
-    outside, inconclusive otherwise or when it is undefined."""
-    if not interval.defined:
-        return INCONCLUSIVE
-    if lo < interval.lo and interval.hi < hi:
-        return REPRODUCED
-    if interval.hi <= lo or interval.lo >= hi:
-        return CONTRADICTED
-    return INCONCLUSIVE
+class Measured(NamedTuple):
+    """A run's score with its evaluation's own standard error (0: unknown) and scored units."""
+
+    value: float
+    se: float = 0.0
+    units: int = 0
 
 
-def combine(words: Sequence[str]) -> str:
-    if any(w == CONTRADICTED for w in words):
-        return CONTRADICTED
-    return REPRODUCED if words and all(w == REPRODUCED for w in words) else INCONCLUSIVE
+Score = float | Measured
+Values = Mapping[str, Mapping[str, Mapping[Hashable, Score]]]  # task -> variant -> key -> score
 
 
+def _m(x: Score) -> Measured:
+    return x if isinstance(x, Measured) else Measured(float(x))
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where a comparison's truth must lie for the claim (holds: an open interval) and where the
+    claim fails (rays: ("below", x) or ("above", x)), in the display unit."""
+
+    holds: tuple[float, float]
+    fails: tuple[tuple[str, float], ...]
+
+    def raw(self, to_raw) -> Region:
+        f = lambda x: x if math.isinf(x) else to_raw(x)
+        return Region((f(self.holds[0]), f(self.holds[1])), tuple((s, f(x)) for s, x in self.fails))
+
+    @property
+    def overlap(self) -> float:
+        """Width of the zone where the claim both holds and fails (ordering claims); 0 otherwise."""
+        lo, hi = self.holds
+        for side, x in self.fails:
+            if side == "below" and x > lo:
+                return min(x, hi) - lo
+            if side == "above" and x < hi:
+                return hi - max(x, lo)
+        return 0.0
+
+
+def p_holds(est, region: Region) -> float:
+    lo, hi = region.holds
+    return max(est.p_above(lo) if lo > -INF else 0.0, est.p_below(hi) if hi < INF else 0.0)
+
+
+def p_fails(est, region: Region) -> float:
+    return min(est.p_below(x) if side == "below" else est.p_above(x) for side, x in region.fails)
+
+
+def ordering_region(better_up: bool, margin: float) -> Region:
+    """A beats B (better_up: in the direction of a higher gap) by at least margin."""
+    return Region((0.0, INF), (("below", margin),)) if better_up else Region((-INF, 0.0), (("above", -margin),))
+
+
+def band_region(margin: float) -> Region:
+    return Region((-margin, margin), (("below", -margin), ("above", margin)))
+
+
+def cost_region(worse_up: bool, margin: float) -> Region:
+    """A costs at most margin over B (worse_up: a higher gap is worse)."""
+    return Region((-INF, margin), (("above", margin),)) if worse_up else Region((-margin, INF), (("below", -margin),))
+
+
+def threshold_region(higher_is_better: bool, threshold: float) -> Region:
+    up = Region((threshold, INF), (("below", threshold),))
+    return up if higher_is_better else Region((-INF, threshold), (("above", threshold),))
+
+
+# ---- comparisons ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Gap:
     """One comparison of a claim: A against B (b "" for a threshold on A itself)."""
 
     a: str
     b: str
-    interval: Interval  # in unit
+    interval: Interval  # in unit, at TEST_LEVEL
     unit: str  # "%" (perplexity change) or "pts" (metric points) or "" (the metric itself)
-    region: tuple[float, float]  # where the claim needs the gap
+    region: Region  # in unit
     word: str
     paper: float | None  # the paper's figure for the same gap, in unit
+    est: MeanEstimate | RateDifference | Rate | None = None  # raw units (nats, metric fractions)
+    raw_region: Region | None = None
+    p_holds: float = 1.0
+    p_fails: float = 1.0
+    method: str = "paired t"  # or "solve rate" (Newcombe/Clopper-Pearson) or "exact" (Clopper-Pearson)
 
     def _distance(self) -> float:
-        """How far inside the region the interval is (negative: sticks out)."""
+        """How far inside the holding region the interval is (negative: sticks out)."""
         if not self.interval.defined:
             return -INF
-        return min(self.interval.lo - self.region[0], self.region[1] - self.interval.hi)
+        return min(self.interval.lo - self.region.holds[0], self.region.holds[1] - self.interval.hi)
 
 
 @dataclass(frozen=True)
@@ -85,6 +151,7 @@ class ClaimVerdict:
     word: str | None  # None: not tested (a task or variant it needs was not run)
     gaps: tuple[Gap, ...] = ()
     note: str = ""
+    source: str = ""  # what was scored: "test split, n=..." or "validation"
 
     @property
     def decisive(self) -> Gap | None:
@@ -93,27 +160,81 @@ class ClaimVerdict:
         for w in (CONTRADICTED, INCONCLUSIVE):
             hit = [g for g in self.gaps if g.word == w]
             if hit:
-                return max(hit, key=lambda g: abs(g.interval.estimate)) if w == CONTRADICTED else hit[0]
+                return min(hit, key=lambda g: g.p_fails) if w == CONTRADICTED else hit[0]
         return min(self.gaps, key=Gap._distance) if self.gaps else None
 
+    @property
+    def seeds(self) -> int:
+        return min((g.interval.n for g in self.gaps), default=0)
 
-# ---- scores and gaps ---------------------------------------------------------------------------
-def _scores(values: Values, tasks: Sequence[str], variant: str) -> dict[Hashable, float] | None:
-    """Per key, the variant's mean over tasks (keys every task has); None when a task lacks it."""
+
+def _scores(values: Values, tasks: Sequence[str], variant: str) -> dict[Hashable, Measured] | None:
+    """Per key, the variant's mean over tasks (keys every task has; eval variances add as for a
+    mean of independent test sets); None when a task lacks the variant."""
     per_task = [values.get(t, {}).get(variant) for t in tasks]
     if any(not p for p in per_task):
         return None
     keys = set.intersection(*(set(p) for p in per_task))
-    return {k: sum(p[k] for p in per_task) / len(per_task) for k in keys}
+    out = {}
+    for k in keys:
+        ms = [_m(p[k]) for p in per_task]
+        t = len(ms)
+        out[k] = Measured(
+            sum(m.value for m in ms) / t, math.sqrt(sum(m.se**2 for m in ms)) / t, sum(m.units for m in ms)
+        )
+    return out
 
 
-def gap_interval(a: Mapping[Hashable, float], b: Mapping[Hashable, float], perplexity: bool, level: float = LEVEL):
-    """Paired interval of A - B over common keys, in display units (None without a common key)."""
-    diffs = paired_differences(a, b)
-    if not diffs:
+def paired_estimate(a: Mapping[Hashable, Score], b: Mapping[Hashable, Score]) -> MeanEstimate | None:
+    """Mean of A - B over common keys. Its variance: the spread of the per-key differences over n
+    (it holds the seed noise and the part of the evaluation noise that differs between seeds) plus
+    the evaluation variance of one difference, se_A^2 + se_B^2 averaged over keys, added whole as
+    if it were common to all seeds (the same test units score every seed: conservative)."""
+    keys = sorted((k for k in a if k in b), key=repr)
+    if not keys:
         return None
-    iv = mean_interval(diffs, level)
-    return iv.map(lambda x: 100.0 * math.expm1(x)) if perplexity else iv.scale(100.0)
+    ma, mb = [_m(a[k]) for k in keys], [_m(b[k]) for k in keys]
+    eval_var = sum(x.se**2 + y.se**2 for x, y in zip(ma, mb)) / len(keys)
+    return mean_estimate([x.value - y.value for x, y in zip(ma, mb)], eval_var)
+
+
+def solve_estimate(a: Mapping[Hashable, Score], b: Mapping[Hashable, Score]) -> RateDifference | None:
+    """Solve rate of A minus solve rate of B over common keys (solved: score >= SOLVED_ACCURACY)."""
+    keys = [k for k in a if k in b]
+    if not keys:
+        return None
+    solved = lambda s: sum(_m(s[k]).value >= pf.SOLVED_ACCURACY for k in keys)
+    return RateDifference(Rate(solved(a), len(keys)), Rate(solved(b), len(keys)))
+
+
+def level_estimate(scores: Mapping[Hashable, Score]) -> MeanEstimate | Rate:
+    """A variant's mean score (at_least). When values and evaluation errors leave no spread at all
+    (every seed scored alike, no se) and unit counts are known, the exact binomial rate over the
+    pooled units instead: no zero-width interval."""
+    ms = [_m(x) for x in scores.values()]
+    est = mean_estimate([m.value for m in ms], sum(m.se**2 for m in ms) / len(ms))
+    units = sum(m.units for m in ms)
+    if not est.usable and len(ms) > 1 and all(m.units > 0 and 0 <= m.value <= 1 for m in ms):
+        return Rate(round(sum(m.value * m.units for m in ms)), units)
+    return est
+
+
+def to_display(unit: str, perplexity: bool):
+    if unit == "":
+        return lambda x: x
+    return (lambda x: 100.0 * math.expm1(x)) if perplexity else (lambda x: 100.0 * x)
+
+
+def to_raw(unit: str, perplexity: bool):
+    if unit == "":
+        return lambda x: x
+    return (lambda x: math.log1p(x / 100.0)) if perplexity else (lambda x: x / 100.0)
+
+
+def gap_interval(a, b, perplexity: bool, level: float = LEVEL) -> Interval | None:
+    """Paired interval of A - B over common keys, in display units (None without a common key)."""
+    est = paired_estimate(a, b)
+    return None if est is None else est.interval(level).map(to_display("%" if perplexity else "pts", perplexity))
 
 
 def _paper_score(tasks: Sequence[str], variant: str, perplexity: bool) -> tuple[float, str] | None:
@@ -137,80 +258,117 @@ def paper_gap(tasks: Sequence[str], a: str, b: str, perplexity: bool) -> float |
     return 100.0 * (pa[0] - pb[0])
 
 
-def _better_region(higher_is_better: bool) -> tuple[float, float]:
-    return (0.0, INF) if higher_is_better else (-INF, 0.0)
+def decide(est, raw_region: Region, seeds: int) -> tuple[float, float]:
+    """(p_holds, p_fails) of a comparison; both 1 with fewer than two seeds (one seed's interval
+    holds evaluation noise only: the seed-to-seed spread is unknown)."""
+    if est is None or seeds < 2:
+        return 1.0, 1.0
+    return p_holds(est, raw_region), p_fails(est, raw_region)
 
 
-def _worse_region(higher_is_better: bool) -> tuple[float, float]:
-    return (-INF, 0.0) if higher_is_better else (0.0, INF)
+def _words(gaps: list[Gap]) -> tuple[str, list[Gap]]:
+    """The claim's word and its gaps with their own words (Holm over the failure tests)."""
+    fails = holm([g.p_fails for g in gaps])
+    out = []
+    for g, f in zip(gaps, fails):
+        w = CONTRADICTED if f else REPRODUCED if g.p_holds < ALPHA else INCONCLUSIVE
+        out.append(replace(g, word=w))
+    if any(fails):
+        return CONTRADICTED, out
+    return (REPRODUCED if out and all(g.word == REPRODUCED for g in out) else INCONCLUSIVE), out
 
 
-def check(
-    claim: pf.Claim, values: Values, higher_is_better: Mapping[str, bool], metric: Mapping[str, str], level=LEVEL
-):
+@dataclass(frozen=True)
+class _Setup:
+    tasks: tuple[str, ...]
+    hib: bool
+    perplexity: bool
+    solve: bool  # single solve-or-fail task: compare solve rates
+
+    @property
+    def unit(self) -> str:
+        return "%" if self.perplexity else "pts"
+
+
+def _comparison(s: _Setup, scores, a: str, b: str, region: Region) -> Gap | None:
+    est = solve_estimate(scores[a], scores[b]) if s.solve else paired_estimate(scores[a], scores[b])
+    if est is None:
+        return None
+    raw = region.raw(to_raw(s.unit, s.perplexity))
+    ph, pfail = decide(est, raw, est.n)
+    iv = est.interval(TEST_LEVEL).map(to_display(s.unit, s.perplexity))
+    method = "solve rate" if s.solve else "paired t"
+    paper = paper_gap(s.tasks, a, b, s.perplexity)
+    return Gap(a, b, iv, s.unit, region, INCONCLUSIVE, paper, est, raw, ph, pfail, method)
+
+
+def _threshold_gaps(claim: pf.Claim, s: _Setup, scores) -> list[Gap]:
+    region = threshold_region(s.hib, claim.threshold)
+    gaps = []
+    for v, sc in scores.items():
+        est = level_estimate(sc)
+        ph, pfail = decide(est, region, len(sc))
+        paper = _paper_score(s.tasks, v, s.perplexity)
+        method = "exact" if isinstance(est, Rate) else "t"
+        iv = replace(est.interval(TEST_LEVEL), n=len(sc))  # n: seeds (an exact rate counts units)
+        gaps.append(
+            Gap(v, "", iv, "", region, INCONCLUSIVE, paper[0] if paper else None, est, region, ph, pfail, method)
+        )
+    return gaps
+
+
+def _pairs(claim: pf.Claim, s: _Setup, scores) -> list[tuple[str, str, Region]] | str:
+    """The claim's comparisons (A, B, region), or why it cannot be tested."""
+    kind, names, m = claim.kind, claim.variants, claim.margin
+    if kind in ("better", "close", "at_most", "order") and any(v not in scores for v in names):
+        return f"variant {next(v for v in names if v not in scores)} not run"
+    if kind == "better":
+        return [(names[0], names[1], ordering_region(s.hib, m))]
+    if kind == "close":
+        return [(names[0], names[1], band_region(m))]
+    if kind == "at_most":
+        return [(names[0], names[1], cost_region(not s.hib, m))]
+    if kind in ("worst", "best"):
+        target = names[0]
+        if target not in scores or len(scores) < 3:
+            return f"needs {target} and at least two other variants"
+        region = ordering_region(s.hib if kind == "best" else not s.hib, m)
+        return [(target, v, region) for v in scores if v != target]
+    if kind == "order":
+        return [(y, x, ordering_region(not s.hib, m)) for x, y in zip(names, names[1:])]
+    if kind == "spread":
+        if len(scores) < 2:
+            return "needs at least two variants"
+        vs = list(scores)
+        return [(a, b, band_region(m)) for i, a in enumerate(vs) for b in vs[i + 1 :]]
+    raise ValueError(f"unknown claim kind {kind!r}")
+
+
+def check(claim: pf.Claim, values: Values, higher_is_better: Mapping[str, bool], metric: Mapping[str, str], source=""):
     """One claim's verdict on a results table (see the module doc for the rules)."""
     tasks = claim.tasks
     missing_tasks = [t for t in tasks if t not in values]
     if missing_tasks:
         return ClaimVerdict(claim, None, note=f"task {missing_tasks[0]} not run")
-    hib = higher_is_better.get(tasks[0], True)
     perplexity = metric.get(tasks[0]) == PERPLEXITY_METRIC
-    unit = "%" if perplexity else "pts"
+    solve = len(tasks) == 1 and tasks[0] in pf.SOLVE_OR_FAIL_TASKS and claim.kind != "at_least"
+    s = _Setup(tuple(tasks), higher_is_better.get(tasks[0], True), perplexity, solve)
     present = sorted(set.intersection(*(set(values[t]) for t in tasks)))
-    scores = {v: s for v in present if (s := _scores(values, tasks, v))}
-
-    def gap(a: str, b: str, region: tuple[float, float]) -> Gap | None:
-        iv = gap_interval(scores[a], scores[b], perplexity, level)
-        if iv is None:
-            return None
-        return Gap(a, b, iv, unit, region, word_for(iv, *region), paper_gap(tasks, a, b, perplexity))
-
-    kind, names = claim.kind, claim.variants
-    pairs: list[tuple[str, str, tuple[float, float]]] = []
-    if kind in ("better", "close", "at_most"):
-        if any(v not in scores for v in names):
-            return ClaimVerdict(claim, None, note=f"variant {next(v for v in names if v not in scores)} not run")
-        a, b = names
-        if kind == "better":
-            region = _better_region(hib)
-        elif kind == "close":
-            region = (-claim.margin, claim.margin)
-        else:  # A's cost over B below the margin: worse by less than margin
-            region = (-INF, claim.margin) if (perplexity or not hib) else (-claim.margin, INF)
-        pairs = [(a, b, region)]
-    elif kind in ("worst", "best"):
-        target = names[0]
-        if target not in scores or len(scores) < 3:
-            return ClaimVerdict(claim, None, note=f"needs {target} and at least two other variants")
-        region = _worse_region(hib) if kind == "worst" else _better_region(hib)
-        pairs = [(target, v, region) for v in scores if v != target]
-    elif kind == "order":
-        if any(v not in scores for v in names):
-            return ClaimVerdict(claim, None, note=f"variant {next(v for v in names if v not in scores)} not run")
-        pairs = [(y, x, _worse_region(hib)) for x, y in zip(names, names[1:])]
-    elif kind == "spread":
+    scores = {v: sc for v in present if (sc := _scores(values, tasks, v))}
+    if claim.kind == "at_least":
         if len(scores) < 2:
             return ClaimVerdict(claim, None, note="needs at least two variants")
-        vs = list(scores)
-        pairs = [(a, b, (-claim.margin, claim.margin)) for i, a in enumerate(vs) for b in vs[i + 1 :]]
-    elif kind == "at_least":
-        if len(scores) < 2:
-            return ClaimVerdict(claim, None, note="needs at least two variants")
-        region = (claim.threshold, INF) if hib else (-INF, claim.threshold)
-        gaps = []
-        for v, s in scores.items():
-            iv = mean_interval(list(s.values()), level)
-            paper = _paper_score(tasks, v, perplexity)
-            gaps.append(Gap(v, "", iv, "", region, word_for(iv, *region), paper[0] if paper else None))
-        return ClaimVerdict(claim, combine([g.word for g in gaps]), tuple(gaps))
-    else:
-        raise ValueError(f"unknown claim kind {kind!r}")
-
-    gaps = [gap(a, b, region) for a, b, region in pairs]
+        word, gaps = _words(_threshold_gaps(claim, s, scores))
+        return ClaimVerdict(claim, word, tuple(gaps), source=source)
+    pairs = _pairs(claim, s, scores)
+    if isinstance(pairs, str):
+        return ClaimVerdict(claim, None, note=pairs)
+    gaps = [_comparison(s, scores, a, b, region) for a, b, region in pairs]
     if any(g is None for g in gaps):
         a, b, _ = pairs[[g is None for g in gaps].index(True)]
         return ClaimVerdict(claim, None, note=f"{a} and {b} share no seed")
-    return ClaimVerdict(claim, combine([g.word for g in gaps]), tuple(gaps))
+    word, gaps = _words(gaps)
+    return ClaimVerdict(claim, word, tuple(gaps), source=source)
 
 
 def check_claims(
@@ -218,12 +376,19 @@ def check_claims(
     higher_is_better: Mapping[str, bool],
     metric: Mapping[str, str],
     claims: Sequence[pf.Claim] = pf.ALL_CLAIMS,
-    level: float = LEVEL,
+    sources: Mapping[str, str] | None = None,
 ) -> list[ClaimVerdict]:
-    """Verdicts for the claims that touch a task of values (tested or not)."""
-    return [check(c, values, higher_is_better, metric, level) for c in claims if any(t in values for t in c.tasks)]
+    """Verdicts for the claims that touch a task of values (tested or not); sources: per task,
+    what was scored (shown beside each verdict)."""
+    out = []
+    for c in claims:
+        if any(t in values for t in c.tasks):
+            src = "; ".join(dict.fromkeys((sources or {}).get(t, "") for t in c.tasks if t in values)).strip("; ")
+            out.append(check(c, values, higher_is_better, metric, src))
+    return out
 
 
+# ---- from runs -----------------------------------------------------------------------------------
 def pairing_key(run) -> tuple[str, int]:
     """What pairs runs across variants: the grid point (if any) and the seed."""
     return (getattr(run, "point", "") or "", int(run.seed))
@@ -234,81 +399,48 @@ def final_value(run, metric: str) -> float | None:
     return next((float(r[metric]) for r in reversed(run.history) if r.get(metric) is not None), None)
 
 
-def values_from_runs(runs: Sequence, metric: Mapping[str, str]) -> dict[str, dict[str, dict[Hashable, float]]]:
-    """Runs (anything with task, variant, seed, history and optionally point) -> the plain table
-    check_claims reads: task -> variant -> pairing key -> final metric."""
-    out: dict[str, dict[str, dict[Hashable, float]]] = {}
+def _test_score(run, metric: str) -> Measured | None:
+    from qkvlab.analysis.runs import test_value
+
+    tv = test_value(getattr(run, "test", None), metric)
+    return None if tv is None else Measured(*tv)
+
+
+def _by_task(runs: Sequence, metric: Mapping[str, str]) -> dict[str, tuple[list, list[Measured | None] | None]]:
+    """task -> (its runs, their test scores when every run of the task has one, else None)."""
+    groups: dict[str, list] = {}
     for r in runs:
-        if r.task in metric and (v := final_value(r, metric[r.task])) is not None:
-            out.setdefault(r.task, {}).setdefault(r.variant, {})[pairing_key(r)] = v
+        if r.task in metric:
+            groups.setdefault(r.task, []).append(r)
+    out = {}
+    for task, group in groups.items():
+        tests = [_test_score(r, metric[task]) for r in group]
+        out[task] = (group, tests if all(t is not None for t in tests) else None)
     return out
 
 
-# ---- rendering ---------------------------------------------------------------------------------
-def _num(x: float, unit: str) -> str:
-    if unit == "":
-        return f"{x:.3f}"
-    return f"{x:+.2f}" if unit == "%" else f"{x:+.1f}"
+def values_from_runs(runs: Sequence, metric: Mapping[str, str]) -> dict[str, dict[str, dict[Hashable, Score]]]:
+    """Runs (task, variant, seed, history, optionally point and test) -> the table check_claims
+    reads: task -> variant -> pairing key -> score. The score is the test split's (test.json's
+    metric with its se and unit count) when every run of the task has one, else every run's last
+    validation value."""
+    out: dict[str, dict[str, dict[Hashable, Score]]] = {}
+    for task, (group, tests) in _by_task(runs, metric).items():
+        for i, r in enumerate(group):
+            v = tests[i] if tests else final_value(r, metric[task])
+            if v is not None:
+                out.setdefault(task, {}).setdefault(r.variant, {})[pairing_key(r)] = v
+    return out
 
 
-def format_gap(g: Gap) -> str:
-    """e.g. 'Q-K=V vs Q-K-V: +13.01% [+8.20, +17.95] (n=3)'; one seed: no interval."""
-    iv, u = g.interval, g.unit
-    head = f"{g.a} vs {g.b}: " if g.b else f"{g.a}: "
-    body = _num(iv.estimate, u) + ("%" if u == "%" else f" {u}" if u else "")
-    ci = f" [{_num(iv.lo, u)}, {_num(iv.hi, u)}]" if iv.defined else " (no interval)"
-    return f"{head}{body}{ci} (n={iv.n})"
-
-
-def _bound(x: float, unit: str) -> str:
-    if x == 0:
-        return "0"
-    return f"{x:+g}%" if unit == "%" else f"{x:+g} pts" if unit == "pts" else f"{x:g}"
-
-
-def criterion(g: Gap) -> str:
-    lo, hi = g.region
-    if lo == -INF:
-        return f"interval below {_bound(hi, g.unit)}"
-    if hi == INF:
-        return f"interval above {_bound(lo, g.unit)}"
-    return f"interval within ±{_bound(hi, g.unit).lstrip('+')}"
-
-
-def _paper(g: Gap) -> str:
-    if g.paper is None:
-        return "–"
-    return _num(g.paper, g.unit) + ("%" if g.unit == "%" else f" {g.unit}" if g.unit else "")
-
-
-def verdicts_markdown(verdicts: Sequence[ClaimVerdict]) -> str:
-    """A summary line and a table: claim, measured gap with its 95% interval, the paper's figure
-    for the same gap, the criterion, the word; then the claims not tested."""
-    if not verdicts:
-        return "No claim of the papers covers these tasks.\n"
-    tested = [v for v in verdicts if v.word is not None]
-    untested = [v for v in verdicts if v.word is None]
-    counts = {w: sum(v.word == w for v in tested) for w in WORDS}
-    lines = [
-        f"Of {len(tested)} claim{'' if len(tested) == 1 else 's'} tested here: {counts[REPRODUCED]} reproduced, {counts[CONTRADICTED]} contradicted, "
-        f"{counts[INCONCLUSIVE]} inconclusive (paired 95% t-intervals over seeds).",
-        "",
-    ]
-    if tested:
-        lines += [
-            "| claim | measured (decisive comparison) | paper | reproduced when | verdict |",
-            "| --- | --- | ---: | --- | --- |",
-        ]
-        for v in tested:
-            g = v.decisive
-            extra = f" ({len(v.gaps)} comparisons)" if len(v.gaps) > 1 else ""
-            lines.append(
-                f"| Paper {v.claim.paper}: {v.claim.text} | {format_gap(g)}{extra} | {_paper(g)} | {criterion(g)} "
-                f"| **{v.word}** |"
-            )
-    if untested:
-        lines += [
-            "",
-            f"Not tested ({len(untested)}): " + "; ".join(f"{v.claim.text} ({v.note})" for v in untested) + ".",
-        ]
-    return "\n".join(lines) + "\n"
+def score_sources(runs: Sequence, metric: Mapping[str, str]) -> dict[str, str]:
+    """Per task, what values_from_runs scored: 'test split, n=10000 lists' or 'validation'."""
+    out = {}
+    for task, (group, tests) in _by_task(runs, metric).items():
+        if tests is None:
+            out[task] = "validation"
+            continue
+        ns = sorted({t.units for t in tests})
+        units = "/".join(sorted({str(r.test.get("units") or "units") for r in group}))
+        out[task] = f"test split, n={ns[0] if len(ns) == 1 else f'{ns[0]}–{ns[-1]}'} ({units})"
+    return out

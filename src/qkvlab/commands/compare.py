@@ -76,7 +76,12 @@ def run(args) -> int:
             print(line)
         return 0
     command = "qkvlab " + " ".join(sys.argv[1:]) if "compare" in sys.argv[1:] else None
-    outcome = run_plan(p, command=command)
+    if cfg.seeds == "auto":
+        from qkvlab.compare.auto import run_auto
+
+        outcome = run_auto(plan, run_plan, cfg, command=command, say=print)
+    else:
+        outcome = run_plan(p, command=command)
     if outcome.failures:
         print(f"qkvlab compare: {len(outcome.failures)} run(s) diverged, first: {outcome.failures[0]}", file=sys.stderr)
         return 3

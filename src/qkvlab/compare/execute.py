@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qkvlab.compare.pace import choose_layout, fmt_duration
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
 from qkvlab.errors import UserError
@@ -51,11 +52,6 @@ def _train_one(cfg, out_dir: str, progress: bool):
     }
 
 
-def fmt_time(s: float) -> str:
-    s = int(round(s))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
 class Progress:
     """One line per finished run: run i/N, its score, elapsed and ETA."""
 
@@ -77,7 +73,7 @@ class Progress:
         where = f"{run.task}{'/' + run.point if run.point else ''} {run.variant.name} seed {run.seed}"
         self.say(
             f"[run {self.done}/{self.total}] {where}: {score} ({result['seconds']:.0f} s)  "
-            f"elapsed {fmt_time(elapsed)}  ETA {fmt_time(eta)}",
+            f"elapsed {fmt_duration(elapsed)}  ETA {fmt_duration(eta)}",
             flush=True,
         )
 
@@ -176,6 +172,10 @@ def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = pr
             D.teardown(env)
 
 
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
 def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outcome:
     from qkvlab.analysis.runs import write_manifest
     from qkvlab.devices import resolve_device
@@ -204,8 +204,8 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
     device = resolve_device(cfg.device, torch.cuda.is_available())
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     parallel = device == "cpu" and world == 1
-    jobs = min(cfg.jobs or min(cpus, 8), max(1, len(todo))) if parallel else 1
-    threads = (cfg.threads or max(1, cpus // jobs)) if parallel else None
+    layout = choose_layout(cfg, todo, cpus, cfg.jobs, cfg.threads, say if main else _quiet) if parallel else None
+    jobs, threads = (layout.jobs, layout.threads) if layout is not None else (1, None)
 
     manifest = {
         "command": command,
@@ -242,6 +242,10 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
             + ")",
             flush=True,
         )
+        estimate = layout.plan_seconds([r.cfg for r in todo]) if layout is not None else None
+        if estimate is not None:
+            say(f"compare: about {fmt_duration(estimate)} of training at this machine's measured pace", flush=True)
+            manifest["estimate_s"] = round(estimate, 1)
 
     progress = Progress(len(runs), len(runs) - len(todo), len(todo), say=say)
     outcome = Outcome(out)
@@ -297,7 +301,7 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
         say(
             f"compare: wrote {out / 'results.md'}, {out / 'results.csv'}"
             + (" and plots" if cfg.plots else "")
-            + f"; wall time {fmt_time(wall)} ({wall:.0f} s)"
+            + f"; wall time {fmt_duration(wall)} ({wall:.0f} s)"
         )
     if env is not None:
         D.barrier(env)

@@ -41,8 +41,14 @@ class CompareConfig:
         metavar="LIST",
     )
     out: str | None = setting(None, help="compare folder (default runs/compare-<task>)", metavar="DIR")
-    seeds: int | None = setting(
-        None, help="seeds 0..N-1 per variant (default: 3 for lm, synthetic, anomaly; 2 for vision, segmentation)"
+    seeds: int | str | None = setting(
+        None,
+        help="seeds 0..N-1 per variant (default: 3 for lm, synthetic, anomaly; 2 for vision, segmentation), or auto: "
+        "a 3-seed pilot, then as many seeds as its undecided claims need at their margins (compare/auto.py)",
+        metavar="N|auto",
+    )
+    budget: str | None = setting(
+        None, help="with --seeds auto: the most extra training time to spend, e.g. 90m, 2h, 1h30m", metavar="DURATION"
     )
     preset: str | None = setting(None, help="training preset (default: the CPU recipe)", choices=PRESETS, cli=False)
     max_steps: int | None = setting(None, help="optimizer steps per run (default: the recipe's)", flags=("--steps",))
@@ -90,7 +96,23 @@ class CompareConfig:
                     f"--{key.replace('_', '-')} sets one variant; compare takes --variants, "
                     "e.g. --variants Q-K-V,Q-K=V/MQA,Id-K-V/mlp"
                 )
-        for name in ("seeds", "max_steps", "batch_size", "eval_every", "jobs", "threads"):
+        if self.seeds == "auto":
+            from qkvlab.compare.pace import parse_duration
+
+            if self.budget is not None:
+                parse_duration(self.budget)
+        elif isinstance(self.seeds, str):
+            raise UserError(f"seeds={self.seeds!r} must be a positive integer or auto")
+        elif self.budget is not None:
+            raise UserError("--budget goes with --seeds auto")
+        for name in (
+            "max_steps",
+            "batch_size",
+            "eval_every",
+            "jobs",
+            "threads",
+            *(("seeds",) if self.seeds != "auto" else ()),
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise UserError(f"{name}={value!r} must be a positive integer")
@@ -278,6 +300,10 @@ def plan(cfg: CompareConfig) -> Plan:
     from qkvlab.train.config import default_weight_decay
 
     cfg.validate()
+    if cfg.seeds == "auto":  # the plan of the pilot; compare/auto.py plans the decisive run from it
+        from qkvlab.compare.auto import PILOT_SEEDS
+
+        cfg = dataclasses.replace(cfg, seeds=PILOT_SEEDS)
     if cfg.sweep:
         from qkvlab.compare.sweep import plan_sweep
 

@@ -10,7 +10,17 @@ from qkvlab.errors import UserError
 
 RECIPES = ("cpu", "paper")
 
-DEFAULT_LM_VARIANTS = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=K=V", "Id-K=V", "Q-K=V/MQA")
+DEFAULT_LM_VARIANTS = (
+    "Q-K-V",
+    "Id-K-V",
+    "Id-K-V/mlp",
+    "Q-K=V",
+    "Q=K-V",
+    "Q=V-K",
+    "Q=K=V",
+    "Id-K=V",
+    "Q-K=V/MQA",
+)
 
 # CPU-sized recipes used when no --preset is given: (training preset, overrides, model overrides,
 # task options, seeds). Sized so the default comparison of a family fits its budget on 2 cores

@@ -6,9 +6,8 @@ A size is ``d<d_model>-L<n_layer>-h<n_head>[-b<sequences per step>][-s<seeds>]``
 comma-separated. Per size: the base model is ``ModelConfig(d_model, n_layer, n_head, vocab,
 context)`` (plus any model options), N its non-embedding parameter count (qkvlab.accounting),
 steps = round(tokens_per_param * N / (batch * context)), warm-up max(5, steps / 20), an evaluation
-every steps / 10, cosine from lr to lr / 10, weight decay by variant (2^-5 with an identity role,
-else 0.1). Runs go to OUT/<d..-L..>/<variant>/seed<k>, the layout and recipe of the committed
-sweep (docs/results/scaling), so a finished sweep folder is only re-rendered.
+every steps / 10, cosine from lr to lr / 10 with lr = --lr * 64 / d_model (size_lr), weight decay by
+variant (2^-5 with an identity role, else 0.1). Runs go to OUT/<d..-L..>/<variant>/seed<k>.
 """
 
 from __future__ import annotations
@@ -19,14 +18,24 @@ from pathlib import Path
 
 from qkvlab.errors import UserError
 
-SWEEP_VARIANTS = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=K=V", "Q-K=V/MQA")
-# 4 sizes spanning 36x in non-embedding parameters (12.4k .. 443k at d_head 16), sized for ~90 min
-# of 2 CPU cores at 5 tokens per parameter.
-SWEEP_SIZES = "d32-L1-h2-b4-s2,d48-L2-h3-b8-s2,d64-L3-h4-b16-s2,d96-L4-h6-b32-s1"
+SWEEP_VARIANTS = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=V-K", "Q=K=V", "Q-K=V/MQA")
+# 4 sizes spanning 21x in non-embedding parameters (55k .. 1.18M), 4 heads at every size so MQA keeps
+# 1 of 4 kv heads (25% of Q-K=V's cache) throughout; 20 tokens per parameter (Chinchilla's ratio),
+# 3 seeds per size. About 9 h of 2 CPU cores (the probe prints its estimate), minutes on one GPU.
+SWEEP_SIZES = "d48-L2-h4-b16-s3,d64-L3-h4-b16-s3,d96-L4-h4-b32-s3,d128-L6-h4-b32-s3"
+# lr per size: base_lr * (LR_WIDTH / d_model), the 1/width rule of muP-style transfer for Adam's
+# hidden matrices, fixed before any run (2e-3 is the CPU LM recipe's lr at d 64).
+LR_WIDTH = 64
 SWEEP_RECIPE = dict(
-    tokens_per_param=5.0, context=128, tokenizer="bpe:1024", vocab_size=1024, lr=2e-3, batch_size=32, seeds=1
+    tokens_per_param=20.0, context=128, tokenizer="bpe:1024", vocab_size=1024, lr=2e-3, batch_size=32, seeds=3
 )
 SWEEP_EVAL = dict(eval_batches=8, eval_batch_size=16)
+
+
+def size_lr(base_lr: float, d_model: int) -> float:
+    """The sweep's learning rate at width d_model (LR_WIDTH's lr is base_lr)."""
+    return base_lr * LR_WIDTH / d_model
+
 
 _SIZE = re.compile(r"^d(\d+)-L(\d+)-h(\d+)((?:-[bs]\d+)*)$")
 
@@ -100,6 +109,7 @@ def plan_sweep(cfg):
         batch = cfg.batch_size or size.batch_size or r["batch_size"]
         steps = max(1, round(tpp * n / (batch * base.context)))
         seeds = cfg.seeds or size.seeds or r["seeds"]
+        size_rate = size_lr(lr, size.d_model)
         per_size.append((batch, steps))
         for v in variants:
             model = v.apply(base)
@@ -112,8 +122,8 @@ def plan_sweep(cfg):
                         seed=seed,
                         max_steps=steps,
                         batch_size=batch,
-                        lr=lr,
-                        min_lr=lr / 10,
+                        lr=size_rate,
+                        min_lr=size_rate / 10,
                         warmup_steps=max(5, steps // 20),
                         weight_decay=default_weight_decay(model),
                         eval_every=cfg.eval_every or max(1, steps // 10),

@@ -12,12 +12,18 @@ import torch
 
 from qkvlab.errors import UserError
 
+ODD_SLOTS = ("random", "last")
+
 
 def anomaly_set_indices(
-    labels: torch.Tensor, n: int, seed: int, set_size: int = 10
+    labels: torch.Tensor, n: int, seed: int, set_size: int = 10, odd_slot: str = "random"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(index (n, set_size) into the source items, target (n,) odd slot), int64.
-    Indices let callers gather lazily instead of copying ten images per set."""
+    Indices let callers gather lazily instead of copying ten images per set. odd_slot "random":
+    uniform per set (the default); "last": always the last slot, as the reference code does (a
+    positional term can then find it without looking at the items: the ablation's control)."""
+    if odd_slot not in ODD_SLOTS:
+        raise UserError(f"odd_slot={odd_slot!r} is not allowed; use {' or '.join(ODD_SLOTS)}")
     y = torch.as_tensor(labels).long().reshape(-1)
     if int(n) < 1 or int(set_size) < 3:
         raise UserError(f"anomaly sets need n >= 1 and set_size >= 3, got n={n}, set_size={set_size}")
@@ -38,7 +44,9 @@ def anomaly_set_indices(
     major = majority_ok[torch.randint(len(majority_ok), (n,), generator=g)]  # class positions
     r = torch.randint(len(classes) - 1, (n,), generator=g)
     odd = r + (r >= major).long()  # uniform over the other classes
-    slot = torch.randint(set_size, (n,), generator=g)
+    slot = torch.randint(set_size, (n,), generator=g)  # drawn either way: the items stay the same
+    if odd_slot == "last":
+        slot = torch.full_like(slot, set_size - 1)
 
     members = torch.empty(n, k, dtype=torch.long)
     for c in major.unique().tolist():  # k distinct items of class c per set: top-k of noise

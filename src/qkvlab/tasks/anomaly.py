@@ -9,7 +9,8 @@ that qkvlab trains on the first half of the dataset's classes and freezes, the s
 drawn from the other half; `pixels`, the flattened image. Pixels and encoder features are
 standardised with the training split's statistics; ResNet34 features are used raw, as the reference
 does. The encoder has no positional encoding (pos='none'). The odd slot is uniform per set
-(`qkvlab.data.sets`), so nothing about slot order carries the answer.
+(`qkvlab.data.sets`), so nothing about slot order carries the answer; `odd_slot=last` puts it in
+the last slot as the reference code does (docs/results/anomaly: the slot ablation).
 
 The "+" schemes are allowed. Their score term is positional: S' = S*sum(w) + a(i) + c(j) + b.
 Under the softmax over keys a(i) and b cancel, so "+" adds a score temperature sum(w) and a
@@ -31,7 +32,7 @@ import torch.nn as nn
 from qkvlab.config import ModelConfig
 from qkvlab.data import features as F
 from qkvlab.data.images import DATASETS, ImageDataset
-from qkvlab.data.sets import anomaly_set_indices
+from qkvlab.data.sets import ODD_SLOTS, anomaly_set_indices
 from qkvlab.errors import UserError
 from qkvlab.model import Encoder, SetInput
 from qkvlab.tasks.arrays import ArrayTask, check, check_common, parse_options
@@ -94,10 +95,12 @@ class AnomalyOptions:
     features: str = "encoder"  # encoder (offline default), resnet34 (the paper's), pixels
     weights: str | None = None  # features=resnet34: a local torchvision resnet34 weights file
     encoder_steps: int = 400  # features=encoder: training steps of the small CNN (batch 128)
+    odd_slot: str = "random"  # random (uniform per set) or last (the reference's fixed slot: leaks to "+")
 
 
 class AnomalyTask(ArrayTask):
     family = "anomaly"
+    unit = "set"
 
     def __init__(self, name: str, options: AnomalyOptions):
         o = options
@@ -106,6 +109,7 @@ class AnomalyTask(ArrayTask):
         check(o.features in F.FEATURES, name, f"features={o.features!r} is not allowed; use {', '.join(F.FEATURES)}")
         check((o.weights is not None) == (o.features == "resnet34"), name, "option weights goes with features=resnet34")
         check(o.encoder_steps >= 1, name, f"encoder_steps={o.encoder_steps} must be >= 1")
+        check(o.odd_slot in ODD_SLOTS, name, f"odd_slot={o.odd_slot!r} is not allowed; use {' or '.join(ODD_SLOTS)}")
         check_common(name, o)
         if o.weights is not None and not Path(o.weights).is_file():
             raise UserError(
@@ -137,7 +141,8 @@ class AnomalyTask(ArrayTask):
         n = {"train": o.n_train, "val": o.n_val, "test": o.n_test}
         # Each split's sets come from its own images and its own seed (3*seed + k never collides).
         self.sets = {
-            s: anomaly_set_indices(self.labels[s], n[s], 3 * o.data_seed + k, o.set_size) for k, s in enumerate(splits)
+            s: anomaly_set_indices(self.labels[s], n[s], 3 * o.data_seed + k, o.set_size, o.odd_slot)
+            for k, s in enumerate(splits)
         }  # (index (N, S) into elements[s], odd slot (N,))
         self.sizes = {s: int(v[1].shape[0]) for s, v in self.sets.items()}
         self.features = int(np.prod(self.elements["train"].shape[1:]))

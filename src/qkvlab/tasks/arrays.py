@@ -192,10 +192,34 @@ class ArrayTask(Task):
             **self.scores(split, pred, target, torch.arange(n)),
         }
 
-    def test(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
-        """Scores on the held-out test split, keys prefixed `test_`."""
-        out = self.evaluate(model, batch_size=batch_size, max_batches=max_batches, split="test")
-        return {k if k == "test_loss" else f"test_{k}": v for k, v in out.items()}
+    unit = "example"  # what one test row is (a list, an image, a set): the unit of the evaluation's SE
+
+    def unit_scores(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
+        """The headline metric per test row (n,), whose mean is the metric; None if it does not
+        decompose (mIoU). Accuracy: the row's fraction of correct predictions (0/1 for one label)."""
+        if self.metric != "accuracy":
+            return None
+        return (pred == target).double().reshape(pred.shape[0], -1).mean(-1)
+
+    @torch.no_grad()
+    def test(self, model: nn.Module, *, batch_size: int) -> dict[str, Any]:
+        """Every row of the test split (keys: see Task.test; the other metrics keep their names)."""
+        preds, targets, out = [], [], {}
+        n = self.sizes["test"]
+        was_training = model.training
+        model.eval()
+        try:
+            for start in range(0, n, int(batch_size)):
+                x, y = self.rows("test", torch.arange(start, min(n, start + int(batch_size))))
+                preds.append(model_forward(model, x).argmax(-1).cpu())
+                targets.append(y.cpu())
+        finally:
+            model.train(was_training)
+        pred, target = torch.cat(preds), torch.cat(targets)
+        out.update(self.scores("test", pred, target, torch.arange(n)))
+        units = self.unit_scores(pred, target)
+        se = None if units is None or n < 2 else float(units.std() / n**0.5)
+        return {"split": "test", "metric": self.metric, **out, "n": n, "units": self.unit, "se": se}
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -43,6 +43,13 @@ class Task(ABC):
     def evaluate(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
         """Scores on fixed validation data; must include `val_loss` and `self.metric`."""
 
+    def test(self, model: nn.Module, *, batch_size: int) -> dict[str, Any] | None:
+        """Scores on the whole held-out test split, for verdicts: `{"split": "test", "metric": NAME,
+        NAME: value, "n": units scored, "units": what a unit is, "se": the evaluation's own standard
+        error of NAME (SD over units / sqrt(n), None where NAME does not decompose), ...}`. None when
+        the task has no test split."""
+        return None
+
     def save_artifacts(self, folder: Path) -> None:
         """Write what a model folder needs beside its weights to be used (e.g. the tokenizer)."""
 

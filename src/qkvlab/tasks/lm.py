@@ -14,8 +14,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from qkvlab.config import ModelConfig
 from qkvlab.data.prepare import PreparedData, fixed_val_batches, get_batch, prepare
@@ -78,6 +80,14 @@ class LMTask(Task):
 
         return GPT(cfg)
 
+    @property
+    def heldout(self) -> tuple[np.ndarray, np.ndarray]:
+        """(validation, test): the first and second halves of the held-out tokens (the last
+        val_fraction of every document, in corpus order). Validation draws the curves' fixed random
+        windows; test is scored once, whole, for verdicts."""
+        held = self.prepared.val
+        return held[: len(held) // 2], held[len(held) // 2 :]
+
     def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return get_batch(self.prepared.train, batch_size, self.block_size(self.cfg), step_generator(seed, step))
 
@@ -97,7 +107,7 @@ class LMTask(Task):
         n = max_batches or 10
         key = (n, batch_size, self.block_size(self.cfg))
         if key not in self._val:
-            self._val[key] = fixed_val_batches(self.prepared.val, n, batch_size, key[2], seed=VAL_SEED)
+            self._val[key] = fixed_val_batches(self.heldout[0], n, batch_size, key[2], seed=VAL_SEED)
         device = next(model.parameters()).device
         rank, world = (shard.rank, shard.world) if shard is not None else (0, 1)
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, batches)
@@ -112,6 +122,40 @@ class LMTask(Task):
             sums = total(shard, sums)
         val_loss = float(sums[0] / sums[1])
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
+
+    @torch.no_grad()
+    def test(self, model: nn.Module, *, batch_size: int) -> dict[str, Any]:
+        """Mean next-token loss over every non-overlapping window of the test half (see Task.test);
+        the unit is a window of block_size tokens, se = SD of window losses / sqrt(windows)."""
+        data, block = self.heldout[1], self.block_size(self.cfg)
+        n = (len(data) - 1) // block
+        if n < 2:
+            raise UserError(f"the test split has {len(data)} tokens: fewer than two windows of {block}")
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        losses = []
+        try:
+            for first in range(0, n, batch_size):
+                starts = np.arange(first, min(n, first + batch_size))[:, None] * block
+                w = torch.from_numpy(np.asarray(data[starts + np.arange(block + 1)], dtype=np.int64)).to(device)
+                logits, _ = model(w[:, :-1])  # (B, T, vocab)
+                nll = F.cross_entropy(logits.float().transpose(1, 2), w[:, 1:], reduction="none")  # (B, T)
+                losses.append(nll.mean(-1).double().cpu())
+        finally:
+            model.train(was_training)
+        per_window = torch.cat(losses)
+        loss = float(per_window.mean())
+        return {
+            "split": "test",
+            "metric": "loss",
+            "loss": loss,
+            "ppl": math.exp(min(loss, 700.0)),
+            "n": n,
+            "units": f"window of {block} tokens",
+            "tokens": n * block,
+            "se": float(per_window.std() / n**0.5),
+        }
 
     def save_artifacts(self, folder: Path) -> None:
         self.prepared.tokenizer().save(folder / "tokenizer")  # `qkvlab generate OUT` finds it there

@@ -42,6 +42,7 @@ class SegmentationOptions:
 
 class SegmentationTask(ArrayTask):
     family = "segmentation"
+    unit = "image"
     metric = "miou"
 
     def __init__(self, name: str, options: SegmentationOptions):

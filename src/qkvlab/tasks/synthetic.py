@@ -69,6 +69,7 @@ class SyntheticOptions:
 
 class SyntheticTask(ArrayTask):
     family = "synthetic"
+    unit = "list"
 
     def __init__(self, name: str, options: SyntheticOptions):
         o = options

@@ -50,6 +50,7 @@ from qkvlab.train.optim import lr_at, make_optimizer
 from qkvlab.train.progress import Log
 from qkvlab.train.run_folder import TRAIN_CONFIG, Saved, claim_run_folder, read_checkpoint, write_train_config
 
+TEST_SCORES = "test.json"  # the final weights on the task's held-out test split (Task.test)
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")  # wall-clock, excluded from exact comparisons
 __all__ = ["train", "TrainResult", "TrainingDiverged", "read_metrics", "TIMING_FIELDS", "TRAIN_CONFIG"]
 
@@ -171,8 +172,11 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
                 claim.keep = True  # from here on OUT holds work worth keeping, whatever happens
     log.close()
 
+    scored = score_test(run)
     if env.main:
         run.task.save_artifacts(out)  # before the final model: a finished run always has them
+        if scored is not None:
+            atomic_write(out / TEST_SCORES, json_text(scored, indent=2))
         ck.write_final_model(out, state.last_checkpoint, cfg.to_dict())
     D.barrier(env)
     tokens_per_s = state.run_tokens / state.run_time if state.run_time > 0 else 0.0
@@ -314,6 +318,16 @@ def evaluate(run: Run) -> dict[str, float]:
         )
     run.fwd.train()
     return {k: float(v) for k, v in scores.items()}
+
+
+def score_test(run: Run) -> dict[str, Any] | None:
+    """The task's held-out test scores of the final weights (every rank runs the same forwards)."""
+    run.fwd.eval()
+    with torch.no_grad(), run.autocast:
+        scored = run.task.test(run.fwd, batch_size=run.cfg.val_batch_size)
+    run.fwd.train()
+    dtype = str(torch_dtype(run.cfg.dtype, run.env.device.type)).removeprefix("torch.")
+    return None if scored is None else {**scored, "step": run.cfg.max_steps, "dtype": dtype}
 
 
 def _diverged(run: Run, state: State, what: str) -> TrainingDiverged:

@@ -1,0 +1,275 @@
+"""The scaling sweep's files: results.csv (one row per run), results.md (sizes, the gap per size
+with its interval, the slope in log N) and the two plots (gap vs N, gap vs compute), drawn only
+over the sizes trained."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from qkvlab.analysis.scaling import (
+    MAX_EXTRAPOLATION,
+    PAPER_SIZES,
+    Scaling,
+    analyse,
+    gap_pct,
+    paper_size_params,
+    read_runs,
+    read_runs_csv,
+)
+from qkvlab.variants import BASELINE
+
+CSV_COLUMNS = (
+    "size",
+    "variant",
+    "seed",
+    "params",
+    "params_total",
+    "size_params",
+    "tokens",
+    "tokens_per_param",
+    "compute_flops",
+    "steps",
+    "train_s",
+    "val_loss",
+    "val_ppl",
+    "gap_pct_vs_qkv",
+    "dir",
+    "val_loss_se",
+)
+
+
+def to_csv(sc: Scaling) -> str:
+    base = {(r.size, r.seed): r.val_loss for r in sc.runs if r.variant == BASELINE}
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    w.writeheader()
+    order = {s: i for i, s in enumerate(sc.sizes)}
+    for r in sorted(sc.runs, key=lambda r: (order[r.size], r.variant != BASELINE, r.variant, r.seed)):
+        b = base.get((r.size, r.seed))
+        w.writerow(
+            {
+                "size": r.size,
+                "variant": r.variant,
+                "seed": r.seed,
+                "params": r.params,
+                "params_total": r.params_total,
+                "size_params": r.size_params,
+                "tokens": r.tokens,
+                "tokens_per_param": round(r.tokens / r.size_params, 3),
+                "compute_flops": f"{r.compute:.4g}",
+                "steps": r.steps,
+                "train_s": round(r.train_s, 1),
+                "val_loss": round(r.val_loss, 6),
+                "val_ppl": round(math.exp(r.val_loss), 4),
+                "gap_pct_vs_qkv": round(gap_pct(r.val_loss - b), 4) if b is not None else "",
+                "dir": r.dir,
+                "val_loss_se": round(r.se, 6) if r.se else "",
+            }
+        )
+    return buf.getvalue()
+
+
+def _iv(iv, digits: int = 2) -> str:
+    if iv is None:
+        return "–"
+    f = f"{{:+.{digits}f}}"
+    if not iv.defined:
+        return f.format(iv.estimate) + " (n=1)"
+    return (
+        f.format(iv.estimate)
+        + f" [{f.format(iv.lo)}, {f.format(iv.hi)}]"
+        + (" (n=1: evaluation only)" if iv.n == 1 else "")
+    )
+
+
+def _run_section(sc: Scaling, manifest: dict | None, note: str) -> list[str]:
+    """What ran: the command, wall time and machine when compare wrote compare.json, and the
+    training time summed per size (from the runs themselves)."""
+    lines = ["## Run", ""]
+    m = manifest or {}
+    t = m.get("timing") or {}
+    if t.get("wall_s") is not None:
+        lines.append(
+            f"- wall time of the last invocation: {t['wall_s'] / 60:.1f} min ({t.get('trained', 0)} runs trained, "
+            f"{t.get('skipped', 0)} already finished)"
+        )
+    mach = m.get("machine") or {}
+    if mach:
+        lines.append("- machine: " + ", ".join(f"{k} {v}" for k, v in mach.items() if v is not None))
+    per_size = {s: sum(r.train_s for r in sc.runs if r.size == s) for s in sc.sizes}
+    lines.append(
+        f"- training time summed over {len(sc.runs)} finished runs: {sum(per_size.values()) / 60:.1f} min ("
+        + ", ".join(f"{s} {v / 60:.1f}" for s, v in per_size.items())
+        + ")"
+    )
+    if note:
+        lines.append(f"- {note}")
+    return lines + [""]
+
+
+def _sizes_section(sc: Scaling) -> list[str]:
+    from qkvlab.analysis.report import human
+
+    seeds = {s: sorted({r.seed for r in sc.runs if r.size == s}) for s in sc.sizes}
+    out = [
+        "## Sizes",
+        "",
+        "| size | N (non-emb., Q-K-V) | tokens D | D / N | compute 6ND | seeds |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in sc.sizes:
+        n, d = sc.size_params[s], sc.size_tokens[s]
+        out.append(f"| {s} | {human(n)} | {human(d)} | {d / n:.2f} | {sc.size_compute(s):.3g} | {len(seeds[s])} |")
+    span = sc.size_params[sc.sizes[-1]] / sc.size_params[sc.sizes[0]] if sc.sizes else 0
+    decades = " and ".join(
+        f"{PAPER_SIZES[k][0]} {math.log10(paper_size_params(k) / sc.largest):.1f}" for k in sorted(PAPER_SIZES)
+    )
+    return out + [
+        "",
+        f"{len(sc.sizes)} size{'' if len(sc.sizes) == 1 else 's'} spanning {span:.1f}x in non-embedding parameters; "
+        f"the largest, N {human(sc.largest)}, is where every statement here stops (no prediction beyond "
+        f"{MAX_EXTRAPOLATION:g}x it; the papers' models lie further by, in decades of N: {decades}).",
+        "",
+    ]
+
+
+def _gap_section(sc: Scaling) -> list[str]:
+    header = (
+        ["variant"]
+        + [f"{s} gap (95% CI)" for s in sc.sizes]
+        + ["slope: Δ loss per 10x N, nats (95% CI)", "gap with N", "paper (its size, for reference)"]
+    )
+    out = [
+        f"## Gap to Q-K-V per size (perplexity change, %; {sc.source}) and its slope in log N",
+        "",
+        "| " + " | ".join(header) + " |",
+        "| --- " + "| ---: " * (len(header) - 3) + "| --- | --- |",
+    ]
+    for v in sc.variants:
+        cells = [f"`{v.variant}`"] + [_iv(v.gaps.get(s)) for s in sc.sizes]
+        cells.append(_iv(v.fit_params.slope_interval(), 4) if v.fit_params else "–")
+        cells.append(v.slope_word or "–")
+        cells.append(str(v.paper) if v.paper else "–")
+        out.append("| " + " | ".join(cells) + " |")
+    return out + [
+        "",
+        "Gap: exp(loss − loss of Q-K-V at the same size and seed) − 1, mean with a paired 95% interval over the "
+        "size's seeds (plus the evaluation's own error when scored on the test split; n=1: one seed, no interval). "
+        "Slope: least squares Δ = a + b·log10 N over every per-seed loss difference Δ (the log perplexity ratio; "
+        "0.01 nats ≈ 1% perplexity), 95% t-interval. Gap with N: `flat` when the slope's interval contains 0, "
+        "`shrinking` when the gap moves toward 0 as N grows, `growing` otherwise. The papers' figures come from "
+        "far larger models trained on far more tokens per parameter: they are shown, not tested.",
+        "",
+    ]
+
+
+def to_markdown(
+    sc: Scaling,
+    plots: Sequence[str] = (),
+    unfinished: Sequence[str] = (),
+    command: str = "",
+    manifest: dict | None = None,
+    note: str = "",
+) -> str:
+    out = ["# Scaling: gap to Q-K-V against model size", ""]
+    if command:
+        out += [f"Command: `{command}`", ""]
+    out += _sizes_section(sc) + _gap_section(sc)
+    if plots:
+        out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    if unfinished:
+        more = " ..." if len(unfinished) > 12 else ""
+        out += [f"Not finished ({len(unfinished)}): " + ", ".join(unfinished[:12]) + more, ""]
+    out += _run_section(sc, manifest, note)
+    return "\n".join(out)
+
+
+def plot_scaling(sc: Scaling, path: str | Path, *, against: str = "params") -> Path:
+    """Gap vs N (against='params') or vs compute 6ND ('compute'), log x: per variant the per-size
+    mean with its interval and the fitted line with its 95% confidence band, over the sizes trained."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    cmap = plt.get_cmap("tab10")
+    xs = {s: sc.size_params[s] if against == "params" else sc.size_compute(s) for s in sc.sizes}
+    lo_x, hi_x = math.log10(min(xs.values())), math.log10(max(xs.values()))
+    grid = [lo_x + (hi_x - lo_x) * k / 60 for k in range(61)]
+    for i, v in enumerate(sc.variants):
+        c = cmap(i % 10)
+        sizes = [s for s in sc.sizes if s in v.gaps]
+        ys = [v.gaps[s] for s in sizes]
+        err = [
+            [iv.estimate - iv.lo if iv.defined else 0 for iv in ys],
+            [iv.hi - iv.estimate if iv.defined else 0 for iv in ys],
+        ]
+        nudge = 1.04 ** (i - (len(sc.variants) - 1) / 2)  # side by side at a size (log axis)
+        ax.errorbar(
+            [xs[s] * nudge for s in sizes],
+            [iv.estimate for iv in ys],
+            yerr=err,
+            fmt="o",
+            color=c,
+            capsize=3,
+            label=v.variant,
+        )
+        fit = v.fit_params if against == "params" else v.fit_compute
+        if fit is None:
+            continue
+        line = [fit.predict(x, new_observation=False).map(gap_pct) for x in grid]
+        ax.plot([10**x for x in grid], [p.estimate for p in line], color=c, lw=1.2, ls="--")
+        if line[0].defined:
+            ax.fill_between(
+                [10**x for x in grid], [p.lo for p in line], [p.hi for p in line], color=c, alpha=0.08, lw=0
+            )
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("non-embedding parameters N (log)" if against == "params" else "training compute 6·N·D, FLOPs (log)")
+    ax.set_ylabel("perplexity vs Q-K-V (%)")
+    title = "gap to Q-K-V vs " + ("model size" if against == "params" else "training compute")
+    ax.set_title(
+        title + " (dots: mean, 95% CI over seeds; dashed: fit, band: its 95% CI; sizes trained only)", fontsize=9
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4, framealpha=0.9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def write_files(runs_dir: str | Path, out_dir: str | Path, *, command: str = "", plots: bool = True) -> Scaling:
+    """See :func:`qkvlab.analysis.scaling.write_scaling_results`."""
+    from qkvlab.analysis.runs import MANIFEST, read_manifest
+    from qkvlab.errors import UserError
+    from qkvlab.io import atomic_write
+
+    runs, unfinished, source = read_runs(runs_dir)
+    note = ""
+    table = Path(runs_dir) / "results.csv"
+    if not runs and not unfinished and table.is_file():
+        runs, note = read_runs_csv(table), f"rendered from {table.name}: the run folders are not on disk"
+        source = "test split" if runs and all(r.se > 0 for r in runs) else "validation"
+    manifest = read_manifest(runs_dir) if (Path(runs_dir) / MANIFEST).is_file() else None
+    command = command or (manifest or {}).get("command") or ""
+    if not runs:
+        raise UserError(f"{runs_dir}: no finished run (expected run folders at <size>/<variant>/seed<k>)")
+    sc = analyse(runs, source=source)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if plots and any(v.gaps for v in sc.variants):
+        written = [
+            plot_scaling(sc, out / "gap_vs_params.png"),
+            plot_scaling(sc, out / "gap_vs_compute.png", against="compute"),
+        ]
+    atomic_write(out / "results.csv", to_csv(sc))
+    atomic_write(out / "results.md", to_markdown(sc, [str(p) for p in written], unfinished, command, manifest, note))
+    return sc

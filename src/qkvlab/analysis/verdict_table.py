@@ -1,0 +1,133 @@
+"""The verdicts as results.md shows them: one row per claim (the deciding comparison with its 90%
+interval, the paper's figure, when the claim is reproduced and when contradicted, the word, the
+seeds a decision needs) and the commands that would decide the undecided ones."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from qkvlab.analysis.seeds import decide_command, decide_seconds, seeds_cell, seeds_to_decide
+from qkvlab.analysis.verdicts import CONTRADICTED, INCONCLUSIVE, REPRODUCED, WORDS, ClaimVerdict, Gap, Region
+
+
+def _num(x: float, unit: str) -> str:
+    if unit == "":
+        return f"{x:.4f}" if 0.99 < x < 1 else f"{x:.3f}"
+    return f"{x:+.2f}" if unit == "%" else f"{x:+.1f}"
+
+
+def _with_unit(x: float, unit: str) -> str:
+    return _num(x, unit) + ("%" if unit == "%" else f" {unit}" if unit else "")
+
+
+def format_gap(g: Gap) -> str:
+    """e.g. 'Q-K=V vs Q-K-V: +13.01% [+8.20, +17.95] (n=3)'; one seed: its evaluation-only
+    interval or none."""
+    iv, u = g.interval, g.unit
+    head = f"{g.a} vs {g.b}: " if g.b else f"{g.a}: "
+    if g.method == "solve rate":
+        head += "solve rate "
+    ci = f" [{_num(iv.lo, u)}, {_num(iv.hi, u)}]" if iv.defined else " (no interval)"
+    tail = f" (exact, {g.est.n} units)" if g.method == "exact" else f" (n={iv.n})"
+    return f"{head}{_with_unit(iv.estimate, u)}{ci}{tail}"
+
+
+def _bound(x: float, unit: str) -> str:
+    if x == 0:
+        return "0"
+    return f"{x:+g}%" if unit == "%" else f"{x:+g} pts" if unit == "pts" else f"{x:g}"
+
+
+def holds_text(r: Region, unit: str) -> str:
+    lo, hi = r.holds
+    if lo == -math.inf:
+        return f"below {_bound(hi, unit)}"
+    if hi == math.inf:
+        return f"above {_bound(lo, unit)}"
+    return f"within ±{_bound(hi, unit).lstrip('+')}"
+
+
+def fails_text(r: Region, unit: str) -> str:
+    if len(r.fails) == 2:
+        return f"beyond ±{_bound(r.fails[1][1], unit).lstrip('+')}"
+    side, x = r.fails[0]
+    return f"{side} {_bound(x, unit)}"
+
+
+def _paper(g: Gap) -> str:
+    if g.paper is None:
+        return "–"
+    return _with_unit(g.paper, g.unit) + (" (accuracy)" if g.method == "solve rate" else "")
+
+
+def _summary(tested: Sequence[ClaimVerdict]) -> str:
+    counts = {w: sum(v.word == w for v in tested) for w in WORDS}
+    n = len(tested)
+    return (
+        f"Of {n} claim{'' if n == 1 else 's'} tested here: {counts[REPRODUCED]} reproduced, "
+        f"{counts[CONTRADICTED]} contradicted, {counts[INCONCLUSIVE]} inconclusive (one-sided tests at 5% "
+        "over seeds, Holm within a claim; intervals shown at 90%: each bound is a one-sided 95% bound)."
+    )
+
+
+def _commands(tested, runs_per_seed: int, seconds_per_run: float | None, command: str) -> list[str]:
+    """One line per distinct seed count an undecided claim needs: the command and its cost."""
+    by_n: dict[int, list[str]] = {}
+    for v in tested:
+        n = seeds_to_decide(v)
+        if n is not None and n != math.inf:
+            by_n.setdefault(n, []).append(v.claim.id)
+    if not by_n:
+        return []
+    from qkvlab.compare.pace import fmt_duration
+
+    have = min(v.seeds for v in tested)
+    lines = ["", "To decide the inconclusive claims (seeds per variant from this run's spread, docs/analysis.md):", ""]
+    for n in sorted(by_n):
+        cost = ""
+        if seconds_per_run and runs_per_seed:
+            extra = max(0, n - have) * runs_per_seed
+            cost = (
+                f" ({extra} more runs, ≈ {fmt_duration(decide_seconds(n, have, runs_per_seed, seconds_per_run))} here)"
+            )
+        lines.append(f"- `{decide_command(command, n)}`{cost}: {', '.join(by_n[n])}")
+    return lines
+
+
+def verdicts_markdown(
+    verdicts: Sequence[ClaimVerdict],
+    *,
+    runs_per_seed: int = 0,
+    seconds_per_run: float | None = None,
+    command: str = "",
+) -> str:
+    """A summary line, the table, the claims not tested and the commands that would decide the rest.
+    seconds_per_run: wall seconds one run takes on this machine with its parallel jobs (the lead's
+    measurement, or the folder's own); runs_per_seed: runs the command trains per added seed."""
+    if not verdicts:
+        return "No claim of the papers covers these tasks.\n"
+    tested = [v for v in verdicts if v.word is not None]
+    untested = [v for v in verdicts if v.word is None]
+    lines = [_summary(tested), ""]
+    if tested:
+        lines += [
+            "| claim | scored on | measured (deciding comparison, 90% CI) | paper | reproduced when | "
+            "contradicted when | verdict | seeds to decide |",
+            "| --- | --- | --- | ---: | --- | --- | --- | ---: |",
+        ]
+        for v in tested:
+            g = v.decisive
+            extra = f" ({len(v.gaps)} comparisons)" if len(v.gaps) > 1 else ""
+            lines.append(
+                f"| Paper {v.claim.paper}: {v.claim.text} | {v.source or '–'} | {format_gap(g)}{extra} | {_paper(g)} "
+                f"| {holds_text(g.region, g.unit)} | {fails_text(g.region, g.unit)} | **{v.word}** "
+                f"| {seeds_cell(v, runs_per_seed, seconds_per_run)} |"
+            )
+    if untested:
+        lines += [
+            "",
+            f"Not tested ({len(untested)}): " + "; ".join(f"{v.claim.text} ({v.note})" for v in untested) + ".",
+        ]
+    lines += _commands(tested, runs_per_seed, seconds_per_run, command)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,125 @@
+"""A comparison at this machine's pace: a short probe chooses jobs x threads on CPU, and the plan's
+wall time is estimated (and printed) before any run starts.
+
+Seeds are separate processes: batching seeds into one model does not pay on CPU (a vmap of 8 seeds
+ran 0.70x separate runs: SDPA's backward has no batching rule), so the only choice is how the cores
+are split between parallel runs and threads inside each. The probe times a few optimizer steps of the
+plan's own first run both ways, in the processes that would train, and keeps the faster layout.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+
+from qkvlab.errors import UserError
+
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d*)?)h)?(?:(\d+(?:\.\d*)?)m(?:in)?)?(?:(\d+(?:\.\d*)?)s?)?$")
+PROBE_STEPS = 12  # timed steps per probe (after 3 warm-up steps)
+MIN_RUNS_TO_PROBE = 8  # fewer runs: the probe would cost more than a wrong layout
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from '90m', '2h', '1h30m', '45s' or a number of seconds."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        m = _DURATION.match(str(text).strip().lower().replace(" ", ""))
+        if not m or not any(m.groups()):
+            raise UserError(f"duration {text!r}: write e.g. 45s, 90m, 2h or 1h30m")
+        h, mins, s = (float(g) if g else 0.0 for g in m.groups())
+        seconds = 3600 * h + 60 * mins + s
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise UserError(f"duration {text!r} must be a positive, finite time")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Layout:
+    jobs: int
+    threads: int
+    step_s: float | None = None  # one run's seconds per optimizer step at this layout (None: not probed)
+    note: str = ""
+
+    def run_seconds(self, cfg) -> float | None:
+        """About how long one run of TrainConfig `cfg` takes at this layout (steps + evaluations)."""
+        if self.step_s is None:
+            return None
+        evals = cfg.max_steps // max(1, cfg.eval_every) + 1
+        eval_steps = evals * cfg.eval_batches * cfg.val_batch_size / max(1, cfg.batch_size) / 3  # forward ~ 1/3
+        return self.step_s * (cfg.max_steps + eval_steps) + 3.0  # + start-up
+
+    def plan_seconds(self, cfgs) -> float | None:
+        """Wall time of training `cfgs` at this layout: runs go `jobs` at a time."""
+        per_run = [self.run_seconds(c) for c in cfgs]
+        if not per_run or None in per_run:
+            return None
+        return sum(per_run) / self.jobs
+
+
+def step_seconds(cfg, threads: int, steps: int = PROBE_STEPS) -> float:
+    """Seconds per optimizer step of TrainConfig `cfg` in this process at `threads` threads."""
+    import torch
+
+    from qkvlab.tasks import get_task
+    from qkvlab.train.optim import make_optimizer
+
+    torch.set_num_threads(threads)
+    task = get_task(cfg.task, **cfg.task_options)
+    model = task.build_model(task.adapt_config(cfg.model))
+    opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, torch.device("cpu"))
+    t0 = 0.0
+    for k in range(steps + 3):
+        if k == 3:
+            t0 = time.perf_counter()
+        loss = task.loss(model, *task.batch(k, cfg.batch_size, cfg.seed))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return (time.perf_counter() - t0) / steps
+
+
+def probe(cfg, cpus: int, say=print) -> Layout:
+    """Time `cpus` parallel one-thread runs against one run on `cpus` threads; keep the faster."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    if cpus < 2:
+        return Layout(1, 1, step_seconds(cfg, 1), "one core")
+    with ProcessPoolExecutor(cpus, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(_warm, range(cpus)))  # imports outside the timing
+        parallel = max(pool.map(step_seconds, [cfg] * cpus, [1] * cpus))
+        threaded = pool.submit(step_seconds, cfg, cpus).result()
+    # throughput in runs' steps per second: cpus runs at 1/parallel each, or one run at 1/threaded
+    if cpus / parallel >= 1 / threaded:
+        layout = Layout(cpus, 1, parallel, f"probe: {cpus} jobs x 1 thread {cpus / parallel:.1f} steps/s")
+    else:
+        layout = Layout(1, cpus, threaded, f"probe: 1 job x {cpus} threads {1 / threaded:.1f} steps/s")
+    say(
+        f"compare: {layout.note} (vs {'1 job' if layout.jobs > 1 else f'{cpus} jobs'}: "
+        f"{1 / threaded if layout.jobs > 1 else cpus / parallel:.1f} steps/s)",
+        flush=True,
+    )
+    return layout
+
+
+def _warm(_: int) -> None:
+    import torch  # noqa: F401
+
+    import qkvlab.model  # noqa: F401
+    import qkvlab.tasks  # noqa: F401
+
+
+def choose_layout(cfg, todo: list, cpus: int, jobs: int | None, threads: int | None, say=print) -> Layout:
+    """The user's jobs/threads when given, else the probe's choice when the plan is long enough."""
+    if jobs is not None or threads is not None or len(todo) < MIN_RUNS_TO_PROBE:
+        j = min(jobs or min(cpus, 8), max(1, len(todo)))
+        return Layout(j, threads or max(1, cpus // j))
+    return probe(todo[0].cfg, min(cpus, 8), say)
+
+
+def fmt_duration(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"

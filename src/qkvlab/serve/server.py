@@ -1,0 +1,204 @@
+"""ServeConfig, the capacity it buys, and uvicorn with a drain on SIGTERM.
+
+Capacity: the cache is one pool of rows, each holding a whole context, so
+    capacity (sequences) = cache memory // (KV-cache bytes per token x context)
+with bytes per token from the projection spec (accounting.kv_cache_bytes_per_token: Q-K=V caches
+one tensor where Q-K-V caches two, MQA one head where MHA caches n_head). --max-batch caps it.
+
+Drain: the first SIGTERM (or Ctrl-C) stops admitting (new requests get 503, /health says
+"draining"), lets running and queued requests finish for up to --drain-timeout seconds, ends the
+rest, then stops the server with exit status 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qkvlab.devices import DEVICE_HELP, check_device, dtype_name
+from qkvlab.errors import UserError
+from qkvlab.settings import byte_size, setting
+
+
+@dataclass
+class ServeConfig:
+    """What `qkvlab serve` runs; usable from Python (`build(ServeConfig(model="runs/x"))`)."""
+
+    model: str = setting("", help="model folder (what qkvlab generate accepts)", cli=False)
+    host: str = setting("127.0.0.1", help="address to listen on (loopback unless you say otherwise)")
+    port: int = setting(8000, help="TCP port (0: any free port, printed at start-up)")
+    cache_memory: str = setting(
+        "1GiB", help="KV-cache memory: the pool of sequence slots, e.g. 512MB, 8GiB or bytes", metavar="SIZE"
+    )
+    max_batch: int | None = setting(None, help="most sequences at once (default: all the cache memory holds)")
+    device: str = setting("auto", help=DEVICE_HELP, metavar="DEVICE")
+    dtype: str = setting(
+        "auto",
+        help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
+        choices=("auto", "fp32", "bf16", "fp16"),
+    )
+    tokenizer: str | None = setting(None, help="tokenizer when the model folder records none", metavar="gpt2|bytes|DIR")
+    name: str | None = setting(None, help="model name clients send (default: the folder's name)")
+    drain_timeout: float = setting(30.0, help="seconds running requests may take to finish after SIGTERM")
+
+    def validate(self) -> ServeConfig:
+        if not self.model:
+            raise UserError("give the model folder to serve")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise UserError(f"--port {self.port!r} must be an integer in [0, 65535]")
+        if self.max_batch is not None and (not isinstance(self.max_batch, int) or self.max_batch < 1):
+            raise UserError(f"--max-batch {self.max_batch!r} must be a positive integer")
+        if not isinstance(self.drain_timeout, (int, float)) or not 0 <= self.drain_timeout < float("inf"):
+            raise UserError(f"--drain-timeout {self.drain_timeout!r} must be a finite number of seconds >= 0")
+        check_device(self.device)
+        dtype_name(self.dtype)
+        self.cache_bytes  # noqa: B018 (checks the size)
+        return self
+
+    @property
+    def cache_bytes(self) -> int:
+        return byte_size(self.cache_memory, "--cache-memory")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def capacity(cache_bytes: int, bytes_per_token: int, context: int, max_batch: int | None = None) -> int:
+    """Sequences of a whole context that fit in cache_bytes (at most max_batch); refuses zero."""
+    per_sequence = bytes_per_token * context
+    rows = cache_bytes // per_sequence
+    if rows < 1:
+        raise UserError(
+            f"--cache-memory of {cache_bytes:,} bytes holds no sequence: one needs {per_sequence:,} bytes "
+            f"({bytes_per_token:,} bytes per token x context {context:,}); raise --cache-memory"
+        )
+    return min(rows, max_batch) if max_batch is not None else rows
+
+
+@dataclass
+class Built:
+    app: Any
+    engine: Any
+    served: Any
+    device: str
+    dtype: str
+
+
+def build(cfg: ServeConfig) -> Built:
+    """Model, tokenizer, engine and app for `cfg` (no thread started, no port bound)."""
+    from qkvlab.accounting import kv_cache_bytes_per_token
+    from qkvlab.cli import find_model_dir
+    from qkvlab.commands.generate import resolve_tokenizer
+    from qkvlab.devices import pick_device, torch_dtype
+    from qkvlab.io import load_model, read_config
+    from qkvlab.limits import check_fits
+    from qkvlab.serve.app import ServedModel, create_app
+    from qkvlab.serve.engine import Engine
+
+    cfg.validate()
+    model_dir = find_model_dir(cfg.model)
+    model_cfg, body = read_config(model_dir)  # validates the folder before weights are read
+    tok = resolve_tokenizer(cfg.tokenizer, model_dir, body)
+    if tok is not None and tok.vocab_size > model_cfg.vocab_size:
+        raise UserError(
+            f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's vocabulary is {model_cfg.vocab_size}"
+        )
+    device = pick_device(cfg.device)
+    dtype = torch_dtype(cfg.dtype, device.type)
+    model, model_cfg, _ = load_model(model_dir, device=device, dtype=dtype)
+    cache_dtype = dtype_name(str(next(model.parameters()).dtype).removeprefix("torch."))
+    per_token = kv_cache_bytes_per_token(model_cfg, cache_dtype)
+    rows = capacity(cfg.cache_bytes, per_token, model_cfg.context, cfg.max_batch)
+    check_fits(rows * per_token * model_cfg.context, "--cache-memory", "lower --cache-memory", device)
+    engine = Engine(model, rows, eot_id=getattr(tok, "eot_id", None), vocab_limit=getattr(tok, "vocab_size", None))
+    scheme = model_cfg.spec.name + (
+        f", kv heads {model_cfg.n_kv_heads}" if model_cfg.n_kv_heads != model_cfg.n_head else ""
+    )
+    served = ServedModel(
+        name=cfg.name or Path(cfg.model).resolve().name,
+        scheme=scheme,
+        context=model_cfg.context,
+        cache_bytes_per_token=per_token,
+        cache_bytes=engine.pool.bytes_allocated(),
+        tokenizer=tok,
+    )
+    return Built(create_app(engine, served), engine, served, str(device), cache_dtype)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound, listening socket (port 0: the system picks a free one)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host!r}: {e.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
+def make_server(built: Built, sock: socket.socket, drain_timeout: float, log=print):
+    """A uvicorn server for `built` on `sock` whose SIGTERM drains the engine first."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # uvicorn's signal handler
+            if built.engine.draining:  # a second signal: stop now
+                self.should_exit = self.force_exit = True
+                return
+            self.begin_drain(f"signal {signal.Signals(sig).name}")
+
+        def begin_drain(self, why: str) -> threading.Thread:
+            built.engine.begin_drain()
+            log(f"qkvlab serve: {why}: draining ({built.engine.stats()['active']} running, up to {drain_timeout:g} s)")
+            t = threading.Thread(target=self._drain, name="qkvlab-drain", daemon=True)
+            t.start()
+            return t
+
+        def _drain(self) -> None:
+            if not built.engine.wait_idle(drain_timeout):
+                log("qkvlab serve: drain timed out: ending the requests still running")
+                built.engine.abort_all("shutdown")
+                built.engine.wait_idle(10.0)
+            self.should_exit = True
+
+    config = uvicorn.Config(
+        built.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
+    )
+    return DrainingServer(config)
+
+
+def serve(cfg: ServeConfig) -> int:
+    """Run `qkvlab serve` until SIGTERM/Ctrl-C: one start-up line, then requests."""
+    built = build(cfg)
+    sock = listen(cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    served, rows = built.served, built.engine.pool.rows
+    print(
+        f"qkvlab serve: http://{host if ':' not in host else f'[{host}]'}:{port}/v1 serving {served.name} "
+        f"({served.scheme}, {built.dtype} on {built.device}): capacity {rows:,} sequences of {served.context:,} tokens "
+        f"({served.cache_bytes_per_token:,} bytes per token, {served.cache_bytes / 2**20:,.1f} MiB)",
+        flush=True,
+    )
+    built.engine.start()
+    try:
+        make_server(built, sock, cfg.drain_timeout, log=lambda s: print(s, file=sys.stderr, flush=True)).run(
+            sockets=[sock]
+        )
+    finally:
+        built.engine.stop()
+        sock.close()
+    print("qkvlab serve: stopped", file=sys.stderr, flush=True)
+    return 0

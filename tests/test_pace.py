@@ -1,0 +1,80 @@
+"""compare at this machine's pace: durations, the jobs x threads layout, the plan's time estimate,
+and how --seeds auto chooses n from a pilot."""
+
+import math
+
+import pytest
+
+from qkvlab.compare import CompareConfig, plan
+from qkvlab.compare.auto import MAX_AUTO_SEEDS, choose_seeds
+from qkvlab.compare.pace import Layout, choose_layout, parse_duration
+from qkvlab.errors import UserError
+
+
+@pytest.mark.parametrize("text, seconds", [("45s", 45), ("90m", 5400), ("2h", 7200), ("1h30m", 5400), (12, 12)])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["", "soon", "0m", "-5s", "1e400", "h"])
+def test_parse_duration_refuses(bad):
+    with pytest.raises(UserError, match="duration"):
+        parse_duration(bad)
+
+
+def test_layout_estimates_and_user_choice_wins():
+    cfg = plan(CompareConfig()).runs[0].cfg  # 600 steps, eval every 60 of 8 batches
+    lay = Layout(2, 1, step_s=0.01)
+    one = lay.run_seconds(cfg)
+    assert one == pytest.approx(0.01 * (600 + 11 * 8 * cfg.val_batch_size / 16 / 3) + 3.0)
+    assert lay.plan_seconds([cfg] * 4) == pytest.approx(2 * one)
+    assert Layout(2, 1).plan_seconds([cfg]) is None  # not probed: no estimate
+    todo = plan(CompareConfig()).runs
+    assert choose_layout(cfg, todo, cpus=2, jobs=1, threads=None) == Layout(1, 2)
+    assert choose_layout(cfg, todo[:3], cpus=4, jobs=None, threads=None) == Layout(3, 1)  # too few to probe
+
+
+def test_choose_seeds_from_the_pilot():
+    # the most any claim needs; claims beyond the cap are named and not run
+    assert choose_seeds({"a": 8, "b": 20}, 3, 9, 30.0, None) == (20, "the claims need 20 seeds")
+    n, why = choose_seeds({"a": 8, "b": math.inf}, 3, 9, 30.0, None)
+    assert n == 8 and f"b need more than {MAX_AUTO_SEEDS}" in why
+    # the budget: 9 runs per seed at 30 s = 270 s a seed; 1000 s buys 3 more than the pilot's 3
+    n, why = choose_seeds({"a": 20}, 3, 9, 30.0, 1000.0)
+    assert n == 6 and "budget buys 6" in why
+    assert choose_seeds({}, 3, 9, 30.0, None)[0] == 3  # nothing to decide: the pilot stands
+
+
+def test_seeds_auto_settings():
+    assert plan(CompareConfig(seeds="auto", budget="2h")).seeds == [0, 1, 2]  # the pilot's plan
+    for kw, match in [
+        (dict(seeds="many"), "positive integer or auto"),
+        (dict(seeds=3, budget="1h"), "--budget goes with --seeds auto"),
+        (dict(seeds="auto", budget="-1m"), "duration"),
+    ]:
+        with pytest.raises(UserError, match=match):
+            plan(CompareConfig(**kw))
+
+
+def test_seeds_auto_end_to_end(tmp_path, monkeypatch, capsys):
+    """The pilot trains 3 seeds, the claims' projection (forced here to 4) plans the decisive run,
+    which reuses the pilot's runs and trains seed 3 only."""
+    import random
+
+    import qkvlab.analysis.seeds as seeds
+    from qkvlab.analysis.runs import read_manifest
+    from qkvlab.cli import main
+
+    monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path / "cache"))
+    rng = random.Random(0)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(rng.choice("abcdefgh") for _ in range(40)) for _ in range(300)))
+    monkeypatch.setattr(seeds, "seeds_for_claims", lambda verdicts: {"forced": 4})
+    out = tmp_path / "auto"
+    args = ["compare", "--seeds", "auto", "--out", str(out), "--variants", "Q-K-V,Q-K=V", "--steps", "3"]
+    args += ["--data", str(corpus), "--tokenizer", "char", "--jobs", "1", "--threads", "1", "--no-plots"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "pilot of 3 seeds" in printed and "4 seeds per variant (the claims need 4 seeds)" in printed
+    assert "6 finished already, 2 to train" in printed
+    assert read_manifest(out)["seeds"] == [0, 1, 2, 3]

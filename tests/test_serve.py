@@ -1,0 +1,450 @@
+"""qkvlab serve: continuous batching is exact (every scheme family, in a full mixed batch), capacity
+follows the cache bytes, and a real HTTP client (httpx) against a server on a free loopback port:
+OpenAI shapes, streaming, queueing, bad input answered with 4xx and survived, disconnects, drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from qkvlab.accounting import kv_cache_bytes_per_token  # noqa: E402
+from qkvlab.cli import main  # noqa: E402
+from qkvlab.config import ModelConfig  # noqa: E402
+from qkvlab.errors import UserError  # noqa: E402
+from qkvlab.generate import Sampling, generate  # noqa: E402
+from qkvlab.io import save_model  # noqa: E402
+from qkvlab.model import GPT  # noqa: E402
+from qkvlab.serve.engine import Engine, Event, Request  # noqa: E402
+from qkvlab.serve.server import ServeConfig, build, capacity, listen, make_server  # noqa: E402
+from qkvlab.settings import byte_size  # noqa: E402
+
+VOCAB, CONTEXT = 300, 40
+WAIT = 60.0  # seconds: a bound on waiting for the server, never a measurement
+FAMILIES = [  # (scheme, positions, kv heads): every family of Paper A and B, GQA and MQA, rope and learned
+    ("Q-K-V", "learned", None),
+    ("Q-K-V", "rope", 2),
+    ("Q-K=V", "rope", None),
+    ("Q-K=V", "learned", 1),
+    ("Q=K=V", "learned", None),
+    ("Q=K-V", "rope", None),
+    ("Id-K-V", "learned", 2),
+    ("Id-K=V", "rope", 1),
+    ("(Q-K=V)+", "rope", None),
+    ("(Q-K-V)+", "learned", 2),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_model(scheme="Q-K=V", pos="rope", kv=None, context=CONTEXT, dtype=torch.float64, seed=0) -> GPT:
+    cfg = ModelConfig(
+        attn=scheme, pos=pos, kv_heads=kv, n_layer=2, n_head=4, d_model=32, vocab_size=VOCAB, context=context
+    ).validate()
+    torch.manual_seed(seed)
+    model = GPT(cfg).eval()
+    with torch.no_grad():  # weights far larger than GPT-2's init: peaked attention, diverse greedy tokens
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or "score_term" in name:
+                p.normal_(0.0, 0.3)
+    return model.to(dtype)
+
+
+def run_mixed(engine: Engine, requests: list[Request], join_every: int = 2) -> tuple[dict[int, list], list[int]]:
+    """Half the requests at once, the rest one every `join_every` steps; steps until idle ->
+    events per request, and the active count after every step."""
+    events: dict[int, list] = {i: [] for i in range(len(requests))}
+    first = len(requests) // 2
+    for i in range(first):
+        engine.submit(requests[i], events[i].append)
+    active, nxt, step = [], first, 0
+    while nxt < len(requests) or not engine.idle():
+        engine.step()
+        step += 1
+        active.append(engine.stats()["active"])
+        if nxt < len(requests) and step % join_every == 0:
+            engine.submit(requests[nxt], events[nxt].append)
+            nxt += 1
+        assert step < 1000
+    return events, active
+
+
+def tokens(events) -> list[int]:
+    return [e.token for e in events if e.token is not None]
+
+
+@pytest.mark.parametrize("scheme,pos,kv", FAMILIES)
+def test_full_mixed_batch_gives_each_request_its_tokens_alone(scheme, pos, kv):
+    model = tiny_model(scheme, pos, kv)
+    rng = random.Random(7)
+    requests = [
+        Request(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, CONTEXT))), rng.randint(1, 14))
+        for _ in range(10)
+    ]
+    engine = Engine(model, rows=3)
+    events, active = run_mixed(engine, requests)
+    assert max(active) == 3 and engine.stats()["peak_active"] == 3  # the batch was full, and requests queued
+    for req, ev in zip(requests, events.values()):
+        alone = generate(model, [list(req.prompt)], req.max_tokens, Sampling(temperature=0.0))[0]
+        assert tokens(ev) == alone
+        assert ev[-1].finish == "length" and sum(e.finish is not None for e in ev) == 1
+    assert len({len(r.prompt) for r in requests}) > 5  # neighbours of many lengths
+
+
+def test_cancel_frees_the_row_at_the_next_step_and_neighbours_are_unchanged():
+    model = tiny_model("Q-K=V", "rope", 1)
+    prompts = [(1, 2, 3), tuple(range(5, 25)), (9,) * 7]
+    engine = Engine(model, rows=3)
+    events = {i: [] for i in range(3)}
+    seqs = [engine.submit(Request(p, 20), events[i].append) for i, p in enumerate(prompts)]
+    engine.step()
+    engine.step()
+    assert engine.stats()["active"] == 3
+    engine.cancel(seqs[0])  # row 0 is freed: the last row moves into it
+    engine.step()
+    assert engine.stats()["active"] == 2 and events[0][-1].finish == "cancelled"
+    assert seqs[0] not in engine.running and engine.running[0] is seqs[2]  # the last row moved into row 0
+    while not engine.idle():
+        engine.step()
+    for i in (1, 2):
+        assert tokens(events[i]) == generate(model, [list(prompts[i])], 20, Sampling(temperature=0.0))[0]
+
+
+def test_queued_cancel_leaves_at_once_and_end_of_text_stops():
+    model = tiny_model()
+    alone = generate(model, [[4, 5, 6]], 12, Sampling(temperature=0.0))[0]
+    eot = alone[3]
+    engine = Engine(model, rows=1, eot_id=eot)
+    a, b = [], []
+    engine.submit(Request((4, 5, 6), 12), a.append)
+    second = engine.submit(Request((7,), 12), b.append)
+    engine.cancel(second)
+    assert b == [Event(finish="cancelled")] and engine.stats()["queued"] == 1
+    while not engine.idle():
+        engine.step()
+    assert tokens(a) == alone[: alone.index(eot)] and a[-1].finish == "stop"
+
+
+def test_seeded_sampling_matches_generate():
+    model = tiny_model()
+    s = Sampling(temperature=0.9, top_k=20, top_p=0.9)
+    engine = Engine(model, rows=2)
+    got = []
+    engine.submit(Request((3, 1, 4, 1, 5), 9, s, seed=11), got.append)
+    engine.submit(Request((2, 7), 9), [].append)  # a greedy neighbour
+    while not engine.idle():
+        engine.step()
+    assert tokens(got) == generate(model, [[3, 1, 4, 1, 5]], 9, s, seed=11)[0]
+
+
+def test_capacity_follows_cache_bytes_per_token():
+    rows = {}
+    for name, scheme, kv in [("Q-K-V", "Q-K-V", None), ("Q-K=V", "Q-K=V", None), ("MQA", "Id-K=V", 1)]:
+        model = tiny_model(scheme, "rope", kv, dtype=torch.float32)
+        per_token = kv_cache_bytes_per_token(model.cfg, "fp32")
+        rows[name] = capacity(byte_size("204800"), per_token, CONTEXT)  # 10 sequences of Q-K-V
+        engine = Engine(model, rows[name])
+        assert engine.pool.bytes_allocated() == rows[name] * per_token * CONTEXT  # allocated = analytic
+    # per token: layers x (K and V, or one shared tensor) x kv heads x head dim x 4 bytes
+    assert rows == {"Q-K-V": 204800 // (2 * 2 * 32 * 4 * CONTEXT), "Q-K=V": 20, "MQA": 80}
+    assert capacity(10**6, 100, 10, max_batch=7) == 7
+    with pytest.raises(UserError, match="holds no sequence"):
+        capacity(999, 100, 10)
+
+
+@pytest.mark.parametrize(
+    "text,value", [("8MB", 8_000_000), ("2GiB", 2 * 2**30), ("1536", 1536), ("0.5kb", 500), (" 3 MiB", 3 * 2**20)]
+)
+def test_sizes_share_one_parser(text, value):
+    assert byte_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "12XB", "-1MB", "0", "inf", "GB"])
+def test_bad_sizes(text):
+    with pytest.raises(UserError, match="--cache-memory"):
+        ServeConfig(model="m", cache_memory=text).validate()
+
+
+# ---- over HTTP --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve") / "tiny"
+    model = tiny_model("Q-K=V", "rope", None, dtype=torch.float32)
+    save_model(folder, model, model.cfg)
+    return folder
+
+
+class Running:
+    """A built server on a free 127.0.0.1 port, in a thread; `engine_thread=False` leaves the
+    stepping to the test (deterministic interleavings)."""
+
+    def __init__(self, model_dir, engine_thread=True, **settings):
+        settings = {"cache_memory": "40KB", "tokenizer": "bytes", "name": "tiny", **settings}
+        self.built = build(ServeConfig(model=str(model_dir), port=0, **settings))
+        self.engine = self.built.engine
+        self.sock = listen("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = make_server(self.built, self.sock, drain_timeout=WAIT, log=lambda s: None)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.engine_thread = engine_thread
+
+    def __enter__(self):
+        if self.engine_thread:
+            self.engine.start()
+        self.thread.start()
+        wait_for(lambda: self.server.started)
+        self.client = httpx.Client(base_url=self.url, timeout=WAIT)
+        return self
+
+    def __exit__(self, *exc):
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(WAIT)
+        if self.engine_thread:
+            self.engine.stop()
+        self.sock.close()
+        assert not self.thread.is_alive()
+
+    def post(self, body, **kw):
+        return self.client.post("/v1/completions", json=body, **kw)
+
+
+def wait_for(condition, what="condition"):
+    end = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < end, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with Running(model_dir) as s:
+        yield s
+
+
+def greedy(server, prompt, n):
+    """What `qkvlab generate` gives alone (only ids the server's tokenizer has)."""
+    limit = server.engine.vocab_limit
+    return generate(server.engine.model, [prompt], n, Sampling(temperature=0.0), vocab_limit=limit)[0]
+
+
+def test_health_models_and_a_greedy_completion(server):
+    h = server.client.get("/health").json()
+    per_token = 2 * 32 * 4  # Q-K=V caches one tensor: 2 layers x d_model x fp32
+    assert h["status"] == "ok" and h["scheme"] == "Q-K=V" and h["cache_bytes_per_token"] == per_token
+    assert h["capacity_sequences"] == 40_000 // (per_token * CONTEXT) == 3
+    assert {"active", "queued"} <= set(h)
+    assert server.client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    r = server.post({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 9, "temperature": 0})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "text_completion"
+    choice = body["choices"][0]
+    assert choice["token_ids"] == greedy(server, [5, 6, 7], 9) and choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+
+
+def test_stream_is_the_completion_in_pieces(server):
+    body = {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "stream_options": {"include_usage": True}}
+    whole = server.post(body).json()["choices"][0]
+    chunks = []
+    with server.client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[6:])
+    assert chunks[-1] == "[DONE]"
+    parts = [json.loads(c) for c in chunks[:-1]]
+    assert "".join(p["choices"][0]["text"] for p in parts if p["choices"]) == whole["text"]
+    assert [t for p in parts if p["choices"] for t in p["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert parts[-2]["choices"][0]["finish_reason"] == "length" and parts[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_a_sampling_failure_ends_only_its_own_request(server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 1e-300}  # logits / temperature overflow
+    failed = server.post(body)
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    assert server.post({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}).status_code == 200
+
+
+def test_stop_string_cuts_the_text(server):
+    full = server.post({"prompt": "Hello", "max_tokens": 12, "temperature": 0}).json()["choices"][0]["text"]
+    stop = full[4:6]
+    cut = server.post({"prompt": "Hello", "max_tokens": 12, "temperature": 0, "stop": [stop, "\x00never"]}).json()
+    assert cut["choices"][0]["text"] == full[: full.index(stop)] and cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_more_requests_than_rows_queue_and_all_are_exact(server):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(8)]
+    results = [None] * len(prompts)
+
+    def ask(i):
+        results[i] = server.post({"prompt": prompts[i], "max_tokens": 10, "temperature": 0}).json()
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    for p, r in zip(prompts, results):
+        assert r["choices"][0]["token_ids"] == greedy(server, p, 10)
+    assert server.client.get("/health").json()["peak_active"] <= 3
+
+
+BAD = [
+    (b'{"prompt": "Hello", "max_tokens": 5', 400, "malformed JSON"),
+    (b"not json at all", 400, "malformed JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b'{"max_tokens": 5}', 400, "prompt"),
+    (b'{"prompt": "Hello", "max_tokens": -3}', 400, "max_tokens"),
+    (b'{"prompt": "Hello", "max_tokens": 10000000000}', 400, "max_tokens"),
+    (b'{"prompt": "Hello", "max_tokens": "5"}', 400, "max_tokens"),
+    (b'{"prompt": "Hello", "max_tokens": true}', 400, "max_tokens"),
+    (b'{"prompt": "Hello", "temperature": "hot"}', 400, "temperature"),
+    (b'{"prompt": "Hello", "temperature": -1}', 400, "temperature"),
+    (b'{"prompt": "Hello", "top_p": 0}', 400, "top_p"),
+    (b'{"prompt": "Hello", "stream": "yes"}', 400, "stream"),
+    (b'{"prompt": "Hello", "stop": 7}', 400, "stop"),
+    (b'{"prompt": "Hello", "seed": 1.5}', 400, "seed"),
+    (b'{"prompt": "Hello", "seed": 100000000000000000000000}', 400, "seed"),
+    (b'{"prompt": "Hello", "n": 3}', 400, "n"),
+    (b'{"prompt": "Hello", "frobnicate": 1}', 400, "frobnicate"),
+    (b'{"prompt": [1, 2, 300]}', 400, "vocabulary"),
+    (b'{"prompt": [1, 2.5]}', 400, "prompt"),
+    (b'{"prompt": ""}', 400, "empty prompt"),
+    (b'{"prompt": []}', 400, "empty prompt"),
+    (json.dumps({"prompt": list(range(CONTEXT + 1))}).encode(), 400, "longer than the model's context"),
+    (b'{"prompt": "Hello", "model": "gpt-4"}', 404, "gpt-4"),
+]
+
+
+@pytest.mark.parametrize("body,status,needle", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_input_is_a_4xx_json_error_and_the_next_request_is_served(server, body, status, needle):
+    r = server.client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+    ok = server.post({"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == greedy(server, [1, 2, 3], 2)
+
+
+def test_a_100_mb_body_is_refused_and_the_server_lives_on(server):
+    big = b'{"prompt": "' + b"a" * (100 * 2**20) + b'"}'
+    r = server.client.post("/v1/completions", content=big)
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+    chunked = server.client.post(
+        "/v1/completions", content=iter([big[i : i + 2**20] for i in range(0, len(big), 2**20)])
+    )
+    assert chunked.status_code == 413
+    assert server.post({"prompt": [4], "max_tokens": 1}).status_code == 200
+    assert server.client.get("/nowhere").json()["error"]["message"] == "Not Found"
+
+
+def test_text_prompt_without_a_tokenizer_is_refused(model_dir):
+    with Running(model_dir, tokenizer=None) as s:
+        r = s.post({"prompt": "Hello"})
+        assert r.status_code == 400 and "list of token ids" in r.json()["error"]["message"]
+        assert s.post({"prompt": [1, 2], "max_tokens": 3}).json()["choices"][0]["text"].count(" ") == 3
+
+
+def test_a_disconnecting_stream_frees_its_row_at_the_next_step(model_dir):
+    with Running(model_dir, engine_thread=False) as s:
+        body = {"prompt": [1, 2, 3], "max_tokens": 30, "temperature": 0, "stream": True}
+        with s.client.stream("POST", "/v1/completions", json=body) as r:
+            wait_for(lambda: s.engine.stats()["queued"] == 1, "the request to queue")
+            s.engine.step()
+            assert s.engine.stats()["active"] == 1
+            next(r.iter_lines())  # the first token arrived; now the client goes away
+        wait_for(lambda: s.engine.running[0].cancel_reason is not None, "the server to notice the disconnect")
+        s.engine.step()
+        assert s.engine.stats()["active"] == 0 and s.engine.stats()["requests_finished"] == 1
+
+
+def test_a_client_that_gives_up_waiting_leaves_the_queue(model_dir):
+    with Running(model_dir, engine_thread=False) as s:  # nothing steps: the request can only wait
+        with pytest.raises(httpx.ReadTimeout):
+            s.client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}, timeout=0.5)
+        wait_for(lambda: s.engine.stats()["queued"] == 0, "the server to notice the disconnect")
+        s.engine.step()
+        assert s.engine.stats()["requests_finished"] == 0 and s.engine.stats()["tokens_generated"] == 0
+
+
+def test_drain_finishes_running_requests_and_refuses_new_ones(model_dir):
+    with Running(model_dir, engine_thread=False) as s:
+        out = {}
+
+        def ask():
+            out["r"] = s.post({"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0})
+
+        t = threading.Thread(target=ask)
+        t.start()
+        wait_for(lambda: s.engine.stats()["queued"] == 1, "the request to queue")
+        s.engine.step()
+        drain = s.server.begin_drain("test")  # what SIGTERM calls
+        late = s.post({"prompt": [1], "max_tokens": 2})
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+        assert s.client.get("/health").status_code == 503
+        while not s.engine.idle():
+            s.engine.step()
+        t.join(WAIT)
+        assert out["r"].json()["choices"][0]["token_ids"] == greedy(s, [1, 2, 3], 6)
+        drain.join(WAIT)
+        s.thread.join(WAIT)
+        assert not s.thread.is_alive()  # the drain stopped the server
+
+
+def test_sigterm_drains_a_real_server_process(model_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "qkvlab", "serve", str(model_dir), "--port", "0", "--cache-memory", "40KB"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "capacity 3 sequences" in line and "Q-K=V" in line and "http://127.0.0.1:" in line, line
+        url = line.split()[2].removesuffix("/v1")
+        with httpx.Client(base_url=url, timeout=WAIT) as client:
+            assert client.get("/health").json()["capacity_sequences"] == 3
+            body = {"prompt": [1, 2, 3], "max_tokens": CONTEXT, "temperature": 0, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                next(lines)
+                proc.send_signal(signal.SIGTERM)
+                rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+            assert rest[-1]["choices"][0]["finish_reason"] == "length"  # the running request finished
+        assert proc.wait(WAIT) == 0
+        assert "draining" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_refusals_are_one_line(model_dir, tmp_path, capsys):
+    cases = [
+        ([str(tmp_path / "missing")], "no such model folder"),
+        ([str(model_dir), "--cache-memory", "1KB"], "holds no sequence"),
+        ([str(model_dir), "--cache-memory", "lots"], "--cache-memory"),
+        ([str(model_dir), "--port", "70000"], "--port"),
+        ([str(model_dir), "--max-batch", "0"], "--max-batch"),
+    ]
+    for argv, needle in cases:
+        assert main(["serve", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    assert main(["serve", str(model_dir), "--print-config", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cache_memory"] == "1GiB"
