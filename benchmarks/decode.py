@@ -38,7 +38,7 @@ from qkvlab.bench import hf_twin
 from qkvlab.config import ModelConfig
 from qkvlab.devices import DTYPES, torch_dtype
 from qkvlab.errors import UserError
-from qkvlab.loadavg import ScriptRun, add_options, fmt
+from qkvlab.loadavg import ScriptRun, add_options, fmt, load1
 from qkvlab.model import GPT
 from qkvlab.speed import (
     bandwidth_limit_step_s,
@@ -120,7 +120,7 @@ def decode_table(args, base: ModelConfig, rate: float, figures: dict) -> None:
                         limit_ms=1e3 * limit,
                         of_limit=ratio(limit, t.step_s),
                         compile_s=cs,
-                        load_1min=ScriptRun.load1(),
+                        load_1min=load1(),
                     )
                 )
                 print(

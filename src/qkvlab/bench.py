@@ -39,7 +39,7 @@ from qkvlab.devices import (
     torch_dtype,
 )
 from qkvlab.errors import UserError
-from qkvlab.loadavg import LoadWatch, NoisyMachine, fmt
+from qkvlab.loadavg import LoadWatch, NoisyMachine, fmt, load1
 from qkvlab.model import GPT
 from qkvlab.settings import byte_size, setting
 from qkvlab.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
@@ -296,7 +296,7 @@ def bench_variant(
             f"  {name} b={b}: prefill {fmt(t.prefill_tokens_per_s, '.0f')} tok/s, decode {fmt(ms(t.step_s), '.2f')} "
             f"ms/step ({fmt(t.decode_tokens_per_s)} tok/s, {fmt(ratio(limit, t.step_s), '.0%')} of the bandwidth limit)"
             + (f"; transformers {fmt(ms(hf_by_b[str(b)].step_s), '.2f')} ms/step" if theirs else "")
-            + f" [load {fmt(_load1(), '.2f')}]"
+            + f" [load {fmt(load1(), '.2f', '?')}]"
         )
 
     def by_batch(timings: dict, attr: str, scale: float = 1.0) -> dict | None:
@@ -327,13 +327,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
-
-
-def _load1() -> float | None:
-    from qkvlab.loadavg import read_loadavg
-
-    now = read_loadavg()
-    return None if now is None else now[0]
 
 
 def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:

@@ -159,6 +159,12 @@ def describe(load: dict) -> str:
     return ", ".join(parts) + ": " + tail
 
 
+def load1() -> float | None:
+    """The 1-minute load average now (None where the system does not say)."""
+    now = read_loadavg()
+    return None if now is None else now[0]
+
+
 def rate(count: float, seconds: float | None) -> float | None:
     """count / seconds, or None ("unmeasured") when the time is not positive: a difference of two
     timings that came out zero or negative measured nothing, and must never print as a rate."""
@@ -212,14 +218,9 @@ class ScriptRun:
             raise SystemExit(QUIET_EXIT_CODE)
 
     @staticmethod
-    def load1() -> float | None:
-        now = read_loadavg()
-        return None if now is None else now[0]
-
-    @staticmethod
     def tag() -> str:
         """'[load 0.42]': the 1-min load now, printed beside a figure."""
-        return f"[load {fmt(ScriptRun.load1(), '.2f', '?')}]"
+        return f"[load {fmt(load1(), '.2f', '?')}]"
 
     def finish(self, figures: dict) -> int:
         self.watch.finish()
