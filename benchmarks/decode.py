@@ -4,13 +4,17 @@ the memory-bandwidth limit.
 1. This machine's copy rate (a large tensor copy, bytes read + written per second), measured first.
 2. Per variant and batch (rounds alternate over variants and paths): prefill tokens/s, decode ms per step and tokens/s, and new tokens/s end to
    end (prefill included), for each decode path
+     eager    - generate's eager default: dynamic on the CPU, static on CUDA;
      dynamic  - eager, attention reads the filled cache slots (a view that grows each token);
      static   - eager, every step the same shapes (full-length cache reads, unfilled slots masked);
      compiled - the static step under torch.compile, compiled once per (batch, cache length) before
                 the prompt (compile seconds reported apart);
    and transformers' `generate` with its cache on the same weights (qkvlab.bench.hf_twin; its
-   prefill is generate(1), its step the difference of generate(new) and generate(1)). All timed
-   alternately, best of rounds.
+   prefill is generate(1), its step the difference of generate(new) and generate(1); "unmeasured"
+   when that difference is not positive). All timed alternately, best of rounds. Eager paths on the
+   CPU at batch <= 4 run with generate.decode_layout (set up inside the prefill's time).
+   Every figure carries the 1-min load when it was printed; the run's verdict (qkvlab.loadavg) comes
+   last; --require-quiet exits 3 on a noisy machine; --json writes the figures and the load.
    The bandwidth limit of a step reads the weights once and each row's cache at its mean fill
    (prompt + new/2 tokens); `of limit` is limit / measured.
 3. What rotating keys on read costs a shared K=V cache with rotary positions (ms per decode step at
@@ -19,12 +23,13 @@ the memory-bandwidth limit.
    K=V this rotates the values too, so its outputs are wrong; it prices the rotation, nothing else).
 
     python benchmarks/decode.py --threads 2                        # the README's shape and rows
-    python benchmarks/decode.py --threads 2 --skip-rope --variants Q-K-V --batches 1 --modes dynamic,compiled
+    python benchmarks/decode.py --threads 2 --skip-rope --variants Q-K-V --batches 1 --modes eager,compiled
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -33,6 +38,7 @@ from qkvlab.bench import hf_twin
 from qkvlab.config import ModelConfig
 from qkvlab.devices import DTYPES, torch_dtype
 from qkvlab.errors import UserError
+from qkvlab.loadavg import ScriptRun, add_options, fmt, load1
 from qkvlab.model import GPT
 from qkvlab.speed import (
     bandwidth_limit_step_s,
@@ -49,7 +55,15 @@ def variant_configs(text: str, base: ModelConfig) -> list[tuple[str, ModelConfig
     return [(v.name, v.apply(base)) for v in parse_variants(text)]
 
 
-def decode_table(args, base: ModelConfig, rate: float) -> None:
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or not b > 0 else a / b
+
+
+def decode_table(args, base: ModelConfig, rate: float, figures: dict) -> None:
     print(
         f"{base.n_layer} layers, {base.n_head} heads, d {base.d_model}, vocab {base.vocab_size}, context "
         f"{base.context}, {args.dtype} on {args.device}; prompt {args.prompt_len} + {args.new_tokens} new tokens; best of {args.rounds} "
@@ -57,7 +71,7 @@ def decode_table(args, base: ModelConfig, rate: float) -> None:
     )
     head = (
         f"  {'scheme':<14} {'batch':>5} {'path':<12} {'prefill tok/s':>13} {'ms/step':>8} {'decode tok/s':>12} "
-        f"{'end-to-end tok/s':>16} {'limit ms':>8} {'of limit':>8} {'compile s':>9}"
+        f"{'end-to-end tok/s':>16} {'limit ms':>8} {'of limit':>8} {'compile s':>9}  load"
     )
     print(head)
     by_key: dict[tuple[str, int, str], float] = {}
@@ -92,29 +106,47 @@ def decode_table(args, base: ModelConfig, rate: float) -> None:
             for p in paths[name]:
                 t = best_of(runs[(name, p)])
                 by_key[(name, b, p)] = t.step_s
-                by_key[(name, b, p + ":e2e")] = 1 / t.end_to_end_tokens_per_s
+                by_key[(name, b, p + ":e2e")] = ratio(1.0, t.end_to_end_tokens_per_s)
                 cs = compile_s.get((name, p))
+                figures.setdefault("rows", []).append(
+                    dict(
+                        variant=name,
+                        batch=b,
+                        path=p,
+                        prefill_tokens_per_s=t.prefill_tokens_per_s,
+                        step_ms=ms(t.step_s),
+                        decode_tokens_per_s=t.decode_tokens_per_s,
+                        end_to_end_tokens_per_s=t.end_to_end_tokens_per_s,
+                        limit_ms=1e3 * limit,
+                        of_limit=ratio(limit, t.step_s),
+                        compile_s=cs,
+                        load_1min=load1(),
+                    )
+                )
                 print(
-                    f"  {name:<14} {b:>5} {p:<12} {t.prefill_tokens_per_s:>13.0f} {1e3 * t.step_s:>8.2f} "
-                    f"{t.decode_tokens_per_s:>12.1f} {t.end_to_end_tokens_per_s:>16.1f} {1e3 * limit:>8.2f} "
-                    f"{limit / t.step_s:>8.0%} {'-' if cs is None else f'{cs:.1f}':>9}"
+                    f"  {name:<14} {b:>5} {p:<12} {fmt(t.prefill_tokens_per_s, '.0f'):>13} {fmt(ms(t.step_s), '.2f'):>8} "
+                    f"{fmt(t.decode_tokens_per_s):>12} {fmt(t.end_to_end_tokens_per_s):>16} {1e3 * limit:>8.2f} "
+                    f"{fmt(ratio(limit, t.step_s), '.0%'):>8} {'-' if cs is None else f'{cs:.1f}':>9}  {ScriptRun.tag()}"
                 )
     print("  ratios (decode step time, same batch; > 1 = faster):")
     names = [n for n, _ in variant_configs(args.variants, base)]
     for name in names:
         for b in args.batches:
             ours = {p: by_key[(name, b, p)] for p in args.modes}
-            best = min(ours, key=ours.get)
+            best = min((p for p in ours if ours[p] is not None), key=ours.get, default=args.modes[0])
             parts = []
             if (name, b, "transformers") in by_key:
-                parts.append(f"{best} vs transformers {by_key[(name, b, 'transformers')] / ours[best]:.2f}x")
-                e2e = by_key[(name, b, "transformers:e2e")] / by_key[(name, b, best + ":e2e")]
-                parts.append(f"end-to-end {e2e:.2f}x")
-            for m in [m for m in ours if m not in ("dynamic", "static")]:  # compiled paths vs eager ones
-                parts += [f"{m} vs {e} {ours[e] / ours[m]:.2f}x" for e in ("dynamic", "static") if e in ours]
+                vs = ratio(by_key[(name, b, "transformers")], ours[best])
+                parts.append(f"{best} vs transformers {fmt(vs, '.2f')}x")
+                e2e = ratio(by_key[(name, b, "transformers:e2e")], by_key[(name, b, best + ":e2e")])
+                parts.append(f"end-to-end {fmt(e2e, '.2f')}x")
+                figures.setdefault("speedup_vs_transformers", {})[f"{name} b{b}"] = vs
+            eager = ("eager", "dynamic", "static")
+            for m in [m for m in ours if m not in eager]:  # compiled paths vs eager ones
+                parts += [f"{m} vs {e} {fmt(ratio(ours[e], ours[m]), '.2f')}x" for e in eager if e in ours]
             if name != names[0]:  # same path, rounds alternated across variants
-                parts += [f"vs {names[0]} {m} {by_key[(names[0], b, m)] / ours[m]:.2f}x" for m in ours]
-            print(f"    {name:<14} batch {b:>3}: " + ", ".join(parts))
+                parts += [f"vs {names[0]} {m} {fmt(ratio(by_key[(names[0], b, m)], ours[m]), '.2f')}x" for m in ours]
+            print(f"    {name:<14} batch {b:>3}: " + ", ".join(parts) + f"  {ScriptRun.tag()}")
 
 
 @torch.inference_mode()
@@ -137,7 +169,7 @@ def step_ms(model, fill: int, steps: int, rounds: int, batch: int, mode: str) ->
     return best * 1e3
 
 
-def rope_on_read(args, base: ModelConfig) -> None:
+def rope_on_read(args, base: ModelConfig, figures: dict) -> None:
     fills = args.fills
     torch.manual_seed(0)
     cfg = base.replace(attn="Q-K=V", pos="rope", context=max(fills) + args.steps + 1)
@@ -156,7 +188,8 @@ def rope_on_read(args, base: ModelConfig) -> None:
         for _ in range(2):  # alternate the two models
             r = step_ms(model, fill, args.steps, args.rounds, args.rope_batch, args.rope_mode)
             w = step_ms(write, fill, args.steps, args.rounds, args.rope_batch, args.rope_mode)
-        print(f"  {fill:>10}  {r:8.3f}  {w:8.3f}  {100 * (r - w) / w:8.1f}%")
+        figures.setdefault("rope_on_read", []).append(dict(fill=fill, read_ms=r, write_ms=w))
+        print(f"  {fill:>10}  {r:8.3f}  {w:8.3f}  {100 * (r - w) / w:8.1f}%  {ScriptRun.tag()}")
 
 
 def main() -> None:
@@ -169,8 +202,8 @@ def main() -> None:
     p.add_argument("--variants", default="Q-K-V,Q-K=V/MQA,Id-K=V/MQA", help="as for qkvlab bench (/MQA, /GQA-g)")
     p.add_argument(
         "--modes",
-        default="dynamic,static,compiled",
-        help="decode paths: dynamic, static, compiled, or a torch.compile mode (reduce-overhead: CUDA graphs)",
+        default="eager,static,compiled",
+        help="decode paths: eager, dynamic, static, compiled, or a torch.compile mode (reduce-overhead: CUDA graphs)",
     )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--prompt-len", type=int, default=448)
@@ -186,7 +219,9 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-rope", action="store_true")
+    add_options(p)
     args = p.parse_args()
+    run = ScriptRun(args, "decode")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -198,10 +233,12 @@ def main() -> None:
         context=args.context,
     ).validate()
     rate = copy_rate(args.device)
+    figures: dict = {"copy_bytes_per_s": rate, "threads": torch.get_num_threads(), "dtype": args.dtype}
     if not args.skip_decode:
-        decode_table(args, base, rate)
+        decode_table(args, base, rate, figures)
     if not args.skip_rope:
-        rope_on_read(args, base)
+        rope_on_read(args, base, figures)
+    sys.exit(run.finish(figures))
 
 
 if __name__ == "__main__":

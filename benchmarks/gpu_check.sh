@@ -1,81 +1,79 @@
 #!/usr/bin/env bash
-# The GPU checks, as one prepared script for a session that has an accelerator (the `device`
-# tool: run from the repository root with a venv carried or built there). Writes to ${OUT:-out}.
-# CPU sessions never run this; the test suite never needs a GPU. docs/gpu.md has the recipes it runs.
-set -euo pipefail
+# The GPU's first-day checks for a bare GPU machine with a 10-minute budget (the whole script: <= 7 min).
+#
+#   OUT=out bash benchmarks/gpu_check.sh           # from the repository root; nothing to install
+#   OUT=/tmp/dry bash benchmarks/gpu_check.sh --cpu-dry   # here, on the CPU: tiny shapes, CUDA-only checks SKIP
+#
+# Runs from the source tree (PYTHONPATH=src python3 -m qkvlab), unbuffered. Never stops at a failed
+# check: each check writes one PASS/FAIL/SKIP line with its figure to $OUT/summary.txt as it ends.
+# $OUT receives only summary.txt, log.txt (everything printed) and checks.json (the figures); work
+# files go to a temporary folder, removed at the end. Most valuable first: benchmarks/gpu_checks.py in
+# one process (flash kernel per scheme and head dim, "+" on flash in bf16, memory estimate, compiled
+# gpt2-124m MFU, FSDP2 + DCP on one rank, CUDA-graph decode), then the command line end to end.
+# Exit status: 0 when no check failed, 1 otherwise. docs/gpu.md says what each check means.
+set -u
+DRY=""
+[ "${1:-}" = "--cpu-dry" ] && DRY="--cpu-dry"
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export QKVLAB_CACHE=${QKVLAB_CACHE:-$OUT/cache}
-NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
-python - <<'PY'
-import torch
-print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "", torch.__version__)
-PY
-# 1. prepare once (streaming), then train on it: one GPU, bf16 autocast, torch.compile (device auto = cuda:0)
-qkvlab prepare --data shakespeare --tokenizer bpe:2048 --out "$OUT/prepared" --quiet | tee "$OUT/prepare.txt"
-qkvlab train --out "$OUT/train_compile" --preset small --data "$OUT/prepared" --attn Id-K=V --kv-heads 1 --compile \
-  --max-steps 200 --quiet | tail -3 | tee "$OUT/train_compile.txt"
-# 2. every scheme trains a few steps on one GPU (finite loss), "+" included
-for s in Q-K-V Id-K-V Q=K-V Q-K=V Q=K=V Id-K=V '(Q=K-V)+' '(Q=K=V)+' '(Q-K=V)+'; do
-  qkvlab train --out "$OUT/schemes/$s" --preset small --data "$OUT/prepared" --attn "$s" --max-steps 20 --eval-every 20 --quiet \
-    | tail -1 | sed "s/^/$s: /" | tee -a "$OUT/schemes.txt"
-done
-# 3. "+" on the flash kernel (forced: fails if not eligible), q/k in bf16, memory estimate vs measured peak
-python - <<'PY' | tee "$OUT/flash_memory.txt"
-import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from qkvlab.accounting import memory_estimate
-from qkvlab.config import ModelConfig
-from qkvlab.model import GPT
-from qkvlab.train.optim import make_optimizer
-dev = torch.device("cuda", 0)
-for scheme in ("(Q=K-V)+", "(Q=K=V)+", "Q-K=V"):
-    cfg = ModelConfig(attn=scheme, pos="rope", n_layer=4, n_head=8, d_model=512, vocab_size=4096, context=1024).validate()
-    model = GPT(cfg).to(dev)
-    x = torch.randint(0, 4096, (4, 1025), device=dev)
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autocast("cuda", dtype=torch.bfloat16):
-        model(x[:, :-1], x[:, 1:])[1].backward()
-    print(scheme, "flash attention forward+backward in bf16: ok")
-for sharding in ("ddp",):
-    cfg = ModelConfig(attn="Q-K-V", n_layer=6, n_head=8, d_model=512, vocab_size=8192, context=1024).validate()
-    torch.cuda.reset_peak_memory_stats(dev)
-    model = GPT(cfg).to(dev)
-    opt = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), dev)
-    x = torch.randint(0, 8192, (8, 1025), device=dev)
-    for _ in range(2):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x[:, :-1], x[:, 1:])[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    peak = torch.cuda.max_memory_allocated(dev)
-    est = memory_estimate(cfg, micro_batch=8, world=1, sharding="ddp", dtype="bf16")
-    est_single = est["total"] - est["comm_buffers"]  # one process: no DDP buckets
-    print(f"memory: measured peak {peak / 1e9:.3f} GB, estimate {est_single / 1e9:.3f} GB, ratio {peak / est_single:.2f}")
-PY
-python benchmarks/plus_term.py --device cuda --dtype bfloat16 --T 2048 --B 8 --heads 16 | tee "$OUT/plus_term.txt"
-# 4. bf16 + SDPA decode/train throughput and cache bytes per scheme; identity schemes export their twin on the GPU
-qkvlab bench --preset small --device cuda --dtype bf16 --variants Q-K-V,Id-K-V,Q-K=V,Q=K=V,Id-K=V,Q-K=V/MQA \
-  --json "$OUT/bench_bf16.json" | tee "$OUT/bench_bf16.txt"
-qkvlab bench --preset small --device cuda --dtype bf16 --variants Q-K-V,Q-K=V --compile --no-hf \
-  --json "$OUT/bench_bf16_compile.json" | tee "$OUT/bench_bf16_compile.txt"
-# decode: eager dynamic/static vs the static step compiled with CUDA graphs (reduce-overhead), bf16,
-# prefill and decode apart, fraction of the bandwidth limit; the compiled step must beat eager
-# (perf_hints logs it if CUDA graphs were skipped, e.g. for mutated inputs)
-TORCH_LOGS=perf_hints python benchmarks/decode.py --device cuda --dtype bf16 --modes dynamic,static,reduce-overhead \
-  --variants Q-K-V,Q-K=V/MQA,Id-K=V/MQA --batches 1 16 --skip-rope | tee "$OUT/decode_bf16.txt"
-# the same through the CLI: compile time reported once on stderr
-qkvlab init --out "$OUT/m" --preset small --attn Q-K=V --pos rope
-qkvlab generate "$OUT/m" --prompt-ids 1,2,3 --max-new-tokens 64 --temperature 0 --device cuda \
-  --compile reduce-overhead 2>&1 | tail -2 | tee "$OUT/generate_cudagraphs.txt"
-# 5. with 2+ GPUs: the torchrun recipes (DDP and FSDP), then resume at world size 1
-if [ "$NGPU" -ge 2 ]; then
-  for sh in ddp fsdp; do
-    torchrun --standalone --nproc-per-node 2 -m qkvlab train --preset small --data "$OUT/prepared" --attn '(Q=K-V)+' \
-      --sharding "$sh" --max-steps 40 --eval-every 20 --dist-timeout-s 600 --out "$OUT/torchrun_$sh" --quiet | tail -1
-    qkvlab train --preset small --data "$OUT/prepared" --attn '(Q=K-V)+' --sharding "$sh" --max-steps 60 --eval-every 20 \
-      --out "$OUT/torchrun_$sh" --resume --quiet | tail -1
-  done 2>&1 | tee "$OUT/torchrun.txt"
+OUT=$(cd "$OUT" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QKVLAB_CACHE="$WORK/cache"
+PY=${PYTHON:-python3}
+LOG="$OUT/log.txt"
+: >"$LOG"
+START=$SECONDS
+BUDGET=${BUDGET_S:-420}  # the whole script's seconds (7 min); --cpu-dry: no budget
+[ -n "$DRY" ] && BUDGET=100000
+
+# 1. the library checks, one process (writes summary.txt and checks.json itself)
+timeout $((BUDGET * 6 / 10)) "$PY" "$ROOT/benchmarks/gpu_checks.py" --out "$OUT" $DRY 2>&1 | tee -a "$LOG"
+[ -s "$OUT/summary.txt" ] || echo "FAIL gpu_checks: no summary (see log.txt)" >>"$OUT/summary.txt"
+
+# 2. the command line end to end: check NAME SECONDS COMMAND... -> one line with the output's last line
+check() {
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS out rc left=$((START + BUDGET - SECONDS))
+  if [ "$left" -lt 15 ]; then
+    echo "FAIL cli-$name: not run, the ${BUDGET} s budget is spent" | tee -a "$LOG" >>"$OUT/summary.txt"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  out=$(timeout "$limit" "$@" 2>&1)
+  rc=$?
+  printf '%s\n' "$out" >>"$LOG"
+  local last
+  last=$(printf '%s\n' "$out" | grep -v '^\s*$' | tail -1 | cut -c1-200)
+  if [ $rc -eq 0 ]; then verdict=PASS why=""; else verdict=FAIL why="exit $rc, "; fi
+  echo "$verdict cli-$name: $last (${why}$((SECONDS - t0)) s)" | tee -a "$LOG" >>"$OUT/summary.txt"
+}
+Q="$PY -m qkvlab"
+if [ -n "$DRY" ]; then
+  DEV="--device cpu"
+  SIZE="--preset tiny"
+  STEPS=4
+  COMPILE="--compile off"
+  BENCH="--no-hf --no-train --rounds 1 --decode-batches 1"
 else
-  echo "one GPU: torchrun recipes (docs/gpu.md sections 3-4) not run" | tee "$OUT/torchrun.txt"
+  DEV="--device cuda"
+  SIZE="--preset small"
+  STEPS=100
+  COMPILE="--compile reduce-overhead"
+  BENCH="--rounds 2 --decode-batches 1,8"
 fi
+check prepare 90 $Q prepare --data shakespeare --tokenizer char --out "$WORK/prepared" --quiet
+check train 150 $Q train --out "$WORK/run" $SIZE --data "$WORK/prepared" --attn '(Q-K=V)+' --kv-heads 1 \
+  --max-steps $STEPS --eval-every $STEPS --batch-size 8 $DEV --quiet
+check generate 90 $Q generate "$WORK/run" --prompt-ids 1,2,3 --max-new-tokens 32 --temperature 0 $DEV $COMPILE
+check bench 120 $Q bench $SIZE --schemes Q-K-V,Q-K=V/MQA $DEV $BENCH --prompt-len 16 --new-tokens 16 \
+  --json "$WORK/bench.json"
+if [ -z "$DRY" ] && [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  check torchrun-fsdp 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m qkvlab train \
+    --out "$WORK/fsdp" $SIZE --data "$WORK/prepared" --attn '(Q=K-V)+' --sharding fsdp --max-steps 20 --eval-every 20 --quiet
+fi
+echo "total $((SECONDS - START)) s" | tee -a "$LOG"
+cat "$OUT/summary.txt"
+! grep -q '^FAIL' "$OUT/summary.txt"

@@ -5,6 +5,7 @@ forces SDPA off flash attention and makes autograd keep T x T tensors. Now (atte
 q' = [q sum(w), 1/scale, 0..], k' = [k, c(j), 0..], v' = [v, 0..] with is_causal=True. Both give the
 same output (tests/test_gpu_ready.py, float64, 1e-10). Measured in one run, the two alternated, median
 of --rounds: forward+backward time of one attention call and the bytes autograd keeps for backward.
+The machine's load is recorded (qkvlab.loadavg; --require-quiet exits 3 when noisy, --json FILE).
 
     python benchmarks/plus_term.py                    # B 4, 8 heads, T 512, d_head 64, fp32, CPU
     python benchmarks/plus_term.py --T 1024 --device cuda --dtype bfloat16
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 from qkvlab.attention import ride_key_term
+from qkvlab.loadavg import ScriptRun, add_options
 from qkvlab.positions import ScoreTerm2D
 
 
@@ -58,7 +61,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_options(p)
     args = p.parse_args()
+    run = ScriptRun(args, "plus_term")
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)
     term = ScoreTerm2D(10, args.T).to(dev)
@@ -87,7 +92,9 @@ def main() -> None:
     print(f"B {args.B} heads {args.heads} T {args.T} d_head {args.d_head} {args.dtype} {dev}; max |diff| {err:.2e}")
     for name in ("before", "now"):
         print(f"  {name:<6} fwd+bwd {t[name] * 1e3:8.2f} ms   kept for backward {mem[name] / 2**20:8.2f} MiB")
-    print(f"  now/before: time {t['now'] / t['before']:.3f}  memory {mem['now'] / mem['before']:.3f}")
+    print(f"  now/before: time {t['now'] / t['before']:.3f}  memory {mem['now'] / mem['before']:.3f}  {run.tag()}")
+    figures = {"max_abs_diff": err, "median_s": t, "saved_bytes": mem, "dtype": args.dtype, "device": str(dev)}
+    sys.exit(run.finish(figures))
 
 
 if __name__ == "__main__":

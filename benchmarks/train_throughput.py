@@ -1,20 +1,29 @@
-"""Training throughput: qkvlab's GPT vs transformers' GPT2LMHeadModel at an identical config.
+"""Training throughput: qkvlab's GPT vs nanoGPT's model.py, eager and compiled, in one process.
 
-Both models hold the same weights (qkvlab.bench.hf_twin), take the same batch, compute the same
-loss (cross-entropy on float32 logits) and are stepped by the same AdamW (qkvlab.train.optim).
-They are timed alternately, round after round, in one process; the ratio of median tokens/s is
-printed, and each model's FLOPs utilisation (MFU) against this machine's dense matmul rate
-measured at the start (qkvlab.bench.matmul_flops_per_s), FLOPs per token from qkvlab.accounting.
-Floor: qkvlab >= 1.0x transformers.
+Contestants (--contestants, NAME[-compiled][@DTYPE]): qkvlab and nanogpt (benchmarks/nanogpt.py, a
+faithful reimplementation of nanoGPT's model.py), each eager or under torch.compile, in fp32 or under
+bf16 autocast (fp32 master weights, fp32 loss). Every contestant starts from its own seed-0 weights,
+takes the same batch, computes its own loss in its own forward and is stepped by its own AdamW
+(qkvlab.train.optim.make_optimizer; nanoGPT's configure_optimizers). All are timed alternately,
+round after round, best and median of rounds reported as tokens/s, beside each one's FLOPs
+utilisation against the dense matmul rate of its dtype measured at the start (qkvlab.bench.
+matmul_flops_per_s; FLOPs per token from qkvlab.accounting). Ratios are within one run.
+
+The anchor (defaults): L6 H6 D384 T256 V4096 B8, no biases, exact GELU, 2 threads.
+Goals (issue 18): qkvlab (eager or compiled, the faster) >= 1.0x nanogpt-compiled in fp32 and >= 90%
+of the fp32 matmul rate; where the CPU has native bf16 (qkvlab.devices.cpu_has_bf16) qkvlab@bf16 >= 2x
+qkvlab fp32 and >= 2x nanogpt fp32 eager (added to the default contestants there).
 
 With --schemes, a regression check across schemes instead: qkvlab's tokens/s per scheme, timed
-alternately, as a ratio to the first scheme's (Q-K-V) beside the ideal ratio of their FLOPs per token
-(qkvlab.accounting.flops_per_token); exits 1 when a scheme reaches less than --min-of-ideal of its
-ideal (a reduced scheme that stopped gaining what its FLOPs promise).
+alternately, as a ratio to the first scheme's (Q-K-V) beside the ideal ratio of their FLOPs per token;
+exits 1 when a scheme reaches less than --min-of-ideal of its ideal.
 
-    python benchmarks/train_throughput.py                      # CPU-sized model
-    python benchmarks/train_throughput.py --schemes Q-K-V,Id-K-V,Q-K=V,Q=K=V   # regression check
-    python benchmarks/train_throughput.py --preset gpt2-124m --batch 12 --compile   # GPU
+Every figure carries the 1-min load; the run's verdict (qkvlab.loadavg) comes last; --require-quiet
+exits 3 on a noisy machine; --json FILE writes the figures and the load.
+
+    python benchmarks/train_throughput.py --threads 2                       # the anchor, fp32
+    python benchmarks/train_throughput.py --threads 2 --schemes Q-K-V,Id-K-V,Q-K=V,Q=K=V   # regression check
+    python benchmarks/train_throughput.py --preset gpt2-124m --batch 12 --contestants qkvlab-compiled@bf16,nanogpt-compiled@bf16
 """
 
 from __future__ import annotations
@@ -22,25 +31,62 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+import nanogpt
 from qkvlab.accounting import flops_per_token
-from qkvlab.bench import hf_twin, matmul_flops_per_s, timed
-from qkvlab.config import preset
+from qkvlab.bench import matmul_flops_per_s, timed
+from qkvlab.config import ModelConfig, preset
+from qkvlab.devices import cpu_has_bf16, torch_dtype
+from qkvlab.loadavg import ScriptRun, add_options
 from qkvlab.model import GPT
 from qkvlab.train.optim import make_optimizer
 
+LR, WEIGHT_DECAY, BETAS = 1e-4, 0.1, (0.9, 0.95)
 
-def make_step(forward, model, x, y, device, dtype):
-    opt = make_optimizer(model, 1e-4, 0.1, (0.9, 0.95), device)
+
+@dataclass
+class Contestant:
+    name: str  # as given, e.g. qkvlab-compiled@bf16
+    family: str  # qkvlab | nanogpt
+    compiled: bool
+    dtype: str  # fp32 | bf16
+
+
+def parse_contestants(text: str, default_dtype: str) -> list[Contestant]:
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        body, _, dtype = item.partition("@")
+        family, _, mode = body.partition("-")
+        if family not in ("qkvlab", "nanogpt") or mode not in ("", "compiled") or dtype not in ("", "fp32", "bf16"):
+            raise SystemExit(f"--contestants: {item!r} is not NAME[-compiled][@fp32|@bf16], NAME qkvlab or nanogpt")
+        out.append(Contestant(item, family, mode == "compiled", dtype or default_dtype))
+    return out
+
+
+def nanogpt_twin(cfg: ModelConfig) -> nanogpt.GPT:
+    conf = nanogpt.GPTConfig(cfg.context, cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.dropout, cfg.bias)
+    return nanogpt.GPT(conf)
+
+
+def make_step(c: Contestant, cfg: ModelConfig, x, y, device):
+    """One training step of contestant `c` (built here from seed 0): forward with targets, backward, AdamW."""
+    torch.manual_seed(0)
+    if c.family == "qkvlab":
+        model = GPT(cfg).to(device)
+        opt = make_optimizer(model, LR, WEIGHT_DECAY, BETAS, device)
+    else:
+        model = nanogpt_twin(cfg).to(device)
+        opt = model.configure_optimizers(WEIGHT_DECAY, LR, BETAS, device.type)
+    fwd = torch.compile(model) if c.compiled else model
+    dtype = torch_dtype(c.dtype)
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def step():
         with amp:
-            logits = forward(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+            _, loss = fwd(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -48,114 +94,148 @@ def make_step(forward, model, x, y, device, dtype):
     return step
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="small")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per model per round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--compile", action="store_true")
-    p.add_argument("--schemes", help="comma-separated schemes: the regression check across schemes")
-    p.add_argument("--min-of-ideal", type=float, default=0.9, help="regression threshold (fraction of FLOP ideal)")
-    args = p.parse_args()
+def anchor_config(args) -> ModelConfig:
+    if args.preset:
+        return preset(args.preset, bias=args.bias)
+    return ModelConfig(
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        d_model=args.d_model,
+        context=args.context,
+        vocab_size=args.vocab_size,
+        bias=args.bias,
+        mlp="gelu",  # nanoGPT's nn.GELU(): exact
+    ).validate()
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.preset in ("small", "tiny"):  # CPU-sized unless a paper preset is asked for
-        over = dict(
-            n_layer=args.n_layer,
-            d_model=args.d_model,
-            n_head=args.n_head,
-            context=args.context,
-            vocab_size=args.vocab_size,
-        )
-    else:
-        over = {}
-    cfg = preset(args.preset, bias=True, mlp="gelu_tanh", **over)  # GPT-2's block exactly: biases, tanh GELU
-    if args.schemes:
-        sys.exit(across_schemes(args, cfg, device, dtype))
-    torch.manual_seed(0)
-    ours = GPT(cfg)
-    hf = hf_twin(ours).to(device).train()  # the same weights
-    ours.to(device)
+
+def race(args, cfg: ModelConfig, device, run: ScriptRun) -> dict:
+    default_dtype = "bf16" if device.type == "cuda" else "fp32"
+    contestants = parse_contestants(args.contestants, args.dtype or default_dtype)
+    if device.type == "cpu" and cpu_has_bf16() and args.contestants == DEFAULT_CONTESTANTS and not args.dtype:
+        contestants.append(Contestant("qkvlab@bf16", "qkvlab", False, "bf16"))  # where auto picks it
     x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), device=device)
     x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
-    f_ours = torch.compile(ours) if args.compile else ours
-    f_hf = torch.compile(hf) if args.compile else hf
-    steps = {
-        "qkvlab": make_step(lambda t: f_ours(t)[0], ours, x, y, device, dtype),
-        "transformers": make_step(lambda t: f_hf(input_ids=t).logits, hf, x, y, device, dtype),
-    }
-    peak = matmul_flops_per_s(device, dtype)
+    steps = {c.name: make_step(c, cfg, x, y, device) for c in contestants}
+    peaks = {d: matmul_flops_per_s(device, torch_dtype(d)) for d in sorted({c.dtype for c in contestants})}
     fpt = flops_per_token(cfg)
     tokens = args.batch * cfg.context
     print(
-        f"{device.type} {dtype} threads={torch.get_num_threads()} compile={args.compile} | "
-        f"{cfg.n_layer}L d{cfg.d_model} {cfg.n_head}h ctx{cfg.context} vocab{cfg.vocab_size} batch {args.batch} | "
-        f"hf attention: {hf.config._attn_implementation} | matmul peak {peak / 1e9:.1f} GFLOP/s"
+        f"{device.type} threads={torch.get_num_threads()} | {cfg.n_layer}L d{cfg.d_model} {cfg.n_head}h T{cfg.context} "
+        f"V{cfg.vocab_size} B{args.batch} bias={cfg.bias} | matmul "
+        + ", ".join(f"{d} {p / 1e9:.1f} GFLOP/s" for d, p in peaks.items())
+        + f" | best and median of {args.rounds} alternating rounds x {args.steps} steps  {run.tag()}",
+        flush=True,
     )
     for fn in steps.values():  # warm up (and compile)
         fn(), fn()
     rates: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):  # load drifts: every contestant once per round
         for name, fn in steps.items():
-            dt = timed(lambda: [fn() for _ in range(args.steps)], device)
+            dt = timed(lambda fn=fn: [fn() for _ in range(args.steps)], device)
             rates[name].append(tokens * args.steps / dt)
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    for name in steps:
-        print(
-            f"{name:>12}: {med[name]:10,.0f} tokens/s (median of {args.rounds} rounds; "
-            f"min {min(rates[name]):,.0f}, max {max(rates[name]):,.0f})  MFU {med[name] * fpt / peak:.1%}"
+    best = {k: max(v) for k, v in rates.items()}  # contention only slows a round down
+    figures = {"contestants": {}, "matmul_flops_per_s": peaks, "flops_per_token": fpt}
+    for c in contestants:
+        mfu = best[c.name] * fpt / peaks[c.dtype]
+        figures["contestants"][c.name] = dict(
+            dtype=c.dtype, compiled=c.compiled, best_tokens_per_s=best[c.name], rounds=rates[c.name], mfu=mfu
         )
-    per_round = [a / b for a, b in zip(rates["qkvlab"], rates["transformers"])]
-    best = {k: max(v) for k, v in rates.items()}  # contention only slows a round down: best is robust on a shared box
-    print(
-        f"ratio qkvlab / transformers: median {med['qkvlab'] / med['transformers']:.3f}x, "
-        f"best-of-rounds {best['qkvlab'] / best['transformers']:.3f}x, per-round median "
-        f"{statistics.median(per_round):.3f}x (floor 1.0x)"
-    )
+        print(
+            f"  {c.name:>22}: best {best[c.name]:9,.0f} tok/s, median {statistics.median(rates[c.name]):9,.0f}  "
+            f"{mfu:6.1%} of the {c.dtype} matmul rate  {run.tag()}"
+        )
+    figures["ratios"] = ratios(contestants, best, run)
+    return figures
 
 
-def across_schemes(args, cfg, device, dtype) -> int:
+def ratios(contestants: list[Contestant], best: dict[str, float], run: ScriptRun) -> dict[str, float]:
+    """qkvlab's faster fp32 path against each nanogpt contestant; bf16 qkvlab against the fp32 ones."""
+    out = {}
+    ours = [c for c in contestants if c.family == "qkvlab" and c.dtype == "fp32"]
+    lead = max(ours, key=lambda c: best[c.name], default=None)
+    for c in contestants:
+        if lead is not None and c.family == "nanogpt":
+            out[f"{lead.name} / {c.name}"] = best[lead.name] / best[c.name]
+        if c.family == "qkvlab" and c.dtype == "bf16":
+            out |= {f"{c.name} / {o.name}": best[c.name] / best[o.name] for o in contestants if o.dtype == "fp32"}
+    for k, v in out.items():
+        print(f"  {k}: {v:.3f}x  {run.tag()}")
+    return out
+
+
+def across_schemes(args, cfg: ModelConfig, device, run: ScriptRun) -> tuple[int, dict]:
     """tokens/s per scheme vs the first, beside the FLOP ideal; 1 if any falls below --min-of-ideal."""
     schemes = [t.strip() for t in args.schemes.split(",") if t.strip()]
     cfgs = {s: cfg.replace(attn=s).validate() for s in schemes}
     x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), device=device)
     x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     steps = {}
     for s, c in cfgs.items():
-        torch.manual_seed(0)
-        model = GPT(c).to(device)
-        f = torch.compile(model) if args.compile else model
-        steps[s] = make_step(lambda t, f=f: f(t)[0], model, x, y, device, dtype)
+        steps[s] = make_step(Contestant(s, "qkvlab", args.compile, dtype), c, x, y, device)
         steps[s](), steps[s]()  # warm up (and compile)
     rates: dict[str, list[float]] = {s: [] for s in steps}
     for _ in range(args.rounds):
         for s, fn in steps.items():
-            dt = timed(lambda: [fn() for _ in range(args.steps)], device)
+            dt = timed(lambda fn=fn: [fn() for _ in range(args.steps)], device)
             rates[s].append(args.batch * cfg.context * args.steps / dt)
     print(
         f"{device.type} {dtype} threads={torch.get_num_threads()} | {cfg.n_layer}L d{cfg.d_model} {cfg.n_head}h "
-        f"ctx{cfg.context} vocab{cfg.vocab_size} batch {args.batch} | best of {args.rounds} alternating rounds"
+        f"T{cfg.context} V{cfg.vocab_size} B{args.batch} | best of {args.rounds} alternating rounds"
     )
     first = schemes[0]
     best = {s: max(v) for s, v in rates.items()}  # contention only slows a round down
-    failed = []
+    failed, figures = [], {}
     for s in schemes:
         ratio = best[s] / best[first]
         ideal = flops_per_token(cfgs[first]) / flops_per_token(cfgs[s])
         ok = ratio >= args.min_of_ideal * ideal
         failed += [] if ok else [s]
+        figures[s] = dict(best_tokens_per_s=best[s], ratio=ratio, ideal=ideal, dtype=dtype)
         print(
             f"  {s:>10}: {best[s]:10,.0f} tokens/s  {ratio:.3f}x {first} (FLOP ideal {ideal:.3f}x, "
-            f"{ratio / ideal:.0%} of it){'' if ok else '  BELOW ' + format(args.min_of_ideal, '.0%')}"
+            f"{ratio / ideal:.0%} of it){'' if ok else '  BELOW ' + format(args.min_of_ideal, '.0%')}  {run.tag()}"
         )
-    return 1 if failed else 0
+    return (1 if failed else 0), {"schemes": figures}
+
+
+DEFAULT_CONTESTANTS = "qkvlab,qkvlab-compiled,nanogpt,nanogpt-compiled"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", help="a qkvlab preset instead of the anchor shape (e.g. gpt2-124m on a GPU)")
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-head", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument(
+        "--bias", action="store_true", help="biases in linears and norms (nanoGPT's default; not the anchor)"
+    )
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per contestant per round")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--dtype", choices=["fp32", "bf16"], help="contestants without @DTYPE (default fp32 on CPU, bf16 on CUDA)"
+    )
+    p.add_argument("--contestants", default=DEFAULT_CONTESTANTS, help="NAME[-compiled][@fp32|@bf16], comma-separated")
+    p.add_argument("--compile", action="store_true", help="--schemes: compile every scheme")
+    p.add_argument("--schemes", help="comma-separated schemes: the regression check across schemes")
+    p.add_argument("--min-of-ideal", type=float, default=0.9, help="regression threshold (fraction of FLOP ideal)")
+    add_options(p)
+    args = p.parse_args()
+    run = ScriptRun(args, "train_throughput")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = anchor_config(args)
+    if args.schemes:
+        code, figures = across_schemes(args, cfg, device, run)
+    else:
+        code, figures = 0, race(args, cfg, device, run)
+    sys.exit(run.finish(figures) or code)
 
 
 if __name__ == "__main__":

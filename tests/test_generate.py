@@ -3,6 +3,7 @@ sampling, cache bytes, the transformers twin, and the generate/bench command lin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -20,6 +21,7 @@ from qkvlab.generate import (
     FINISHED,
     Sampling,
     compiled_step,
+    decode_layout,
     decode_step,
     filter_logits,
     generate,
@@ -86,12 +88,13 @@ def make_model(cfg: ModelConfig, dtype=torch.float64, seed: int = 0) -> GPT:
     return model.to(dtype)
 
 
-def decode_batched(model, prompts, cont, *, static=False, step=decode_step, spare=0):
+def decode_batched(model, prompts, cont, *, static=False, step=decode_step, spare=0, layout=False):
     """Prefill the left-padded prompts, then feed cont (B, N) one token per step ->
-    logits (B, N+1, V): after the prompt, then after each fed token. spare: unused cache slots."""
+    logits (B, N+1, V): after the prompt, then after each fed token. spare: unused cache slots.
+    layout: under generate.decode_layout (Linear weights held transposed), as eager CPU generate runs."""
     batch = left_pad(prompts)
     cache = new_cache(model, len(prompts), batch.idx.shape[1] + cont.shape[1] + spare, static=static)
-    with torch.inference_mode():
+    with torch.inference_mode(), decode_layout(model, len(prompts)) if layout else contextlib.nullcontext():
         out = [prefill(model, cache, batch)]
         pos = batch.lengths.clone()
         for t in range(cont.shape[1]):
@@ -113,6 +116,8 @@ def test_cached_decoding_left_padded_equals_full_forward_float64(scheme, pos, kv
     batched = decode_batched(model, prompts, cont)
     static = decode_batched(model, prompts, cont, static=True, spare=3)  # full-length reads, masked slots
     torch.testing.assert_close(static, batched, rtol=1e-10, atol=1e-10)
+    laid = decode_batched(model, prompts, cont, layout=True)  # generate's eager CPU path
+    torch.testing.assert_close(laid, batched, rtol=1e-10, atol=1e-10)
     with torch.no_grad():
         for r, p in enumerate(prompts):
             full = model(torch.tensor([p + cont[r].tolist()]))[0][0, len(p) - 1 :]  # every step
@@ -177,6 +182,57 @@ def test_stream_compiles_ahead_and_reports_once(monkeypatch):
         stream(model, prompts, 3, compile=True, static=False)
     with pytest.raises(UserError, match="compile mode"):
         stream(model, prompts, 3, compile="fastest")
+
+
+def test_decode_layout_holds_linear_weights_transposed_and_puts_them_back():
+    model = make_model(cfg_for("Q-K=V", "learned", tie_embeddings=True), dtype=torch.float32)
+    before = {n: (p, p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    with decode_layout(model, 1):
+        head = model.lm_head.weight
+        assert head is model.tok_emb.weight and head.stride() == (1, head.shape[0])  # tied: transposed once
+        for n, p in model.named_parameters():  # the longer dimension made the contiguous one
+            if n.endswith(("in_proj.weight", "mlp.up.weight")):
+                assert p.stride() == (1, p.shape[0])
+            elif n.endswith(("out_proj.weight", "mlp.down.weight")):
+                assert p.is_contiguous()
+        got = generate(model, [[1, 2, 3]], 5, Sampling(temperature=0), static=False)
+    for n, p in model.named_parameters():
+        param, ptr, values = before[n]
+        assert p is param and p.data_ptr() == ptr and p.is_contiguous() and torch.equal(p, values)  # same storage
+    assert got == generate(model, [[1, 2, 3]], 5, Sampling(temperature=0), static=True)
+    with decode_layout(model, 16):  # a batch of rows: nothing changes
+        assert all(p.data_ptr() == before[n][1] for n, p in model.named_parameters())
+
+
+def test_prefill_updates_next_pos_in_place():
+    """CUDA graphs hold the address of every cache tensor (generate.warm_up marks them static): a
+    prefill that replaced next_pos would make the first step after it re-record the graph."""
+    model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
+    cache = new_cache(model, 2, 12, static=True)
+    held = {id(t): t.data_ptr() for t in cache.tensors()}
+    with torch.inference_mode():
+        logits = prefill(model, cache, left_pad([[1, 2, 3], [4, 5]]))
+        decode_step(model, cache, logits.argmax(-1), torch.tensor([3, 2]))
+    assert cache.next_pos.tolist() == [4, 3]
+    assert {id(t): t.data_ptr() for t in cache.tensors()} == held
+
+
+def test_a_failing_compiler_falls_back_to_eager_with_one_line(monkeypatch, capsys):
+    import qkvlab.generate as gen
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor: no working C compiler\nsecond line")
+
+    monkeypatch.setitem(gen._COMPILED, "reduce-overhead", broken)
+    model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
+    reports = []
+    got = generate(
+        model, [[1, 2, 3]], 6, Sampling(temperature=0), compile="reduce-overhead", on_compiled=reports.append
+    )
+    assert got == generate(model, [[1, 2, 3]], 6, Sampling(temperature=0))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "compiling the decode step failed" in err[0] and "RuntimeError" in err[0]
+    assert reports == []
 
 
 @pytest.mark.slow

@@ -69,7 +69,9 @@ def test_seeds_auto_end_to_end(tmp_path, monkeypatch, capsys):
     rng = random.Random(0)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(" ".join(rng.choice("abcdefgh") for _ in range(40)) for _ in range(300)))
-    monkeypatch.setattr(seeds, "seeds_for_claims", lambda verdicts: {"forced": 4})
+    monkeypatch.setattr(
+        seeds, "seeds_for_claims", lambda verdicts: {"forced": 4} if isinstance(verdicts, list) else None
+    )
     out = tmp_path / "auto"
     args = ["compare", "--seeds", "auto", "--out", str(out), "--variants", "Q-K-V,Q-K=V", "--steps", "3"]
     args += ["--data", str(corpus), "--tokenizer", "char", "--jobs", "1", "--threads", "1", "--no-plots"]

@@ -203,13 +203,20 @@ def activation_elements_per_token(cfg: ModelConfig) -> dict[str, int]:
 
 
 def memory_estimate(
-    cfg: ModelConfig, *, micro_batch: int, world: int = 1, sharding: str = "ddp", dtype: str = "bf16"
+    cfg: ModelConfig,
+    *,
+    micro_batch: int,
+    world: int = 1,
+    sharding: str = "ddp",
+    dtype: str = "bf16",
+    accum_steps: int = 1,
 ) -> dict[str, int]:
     """Bytes per GPU of a training step at `micro_batch` sequences of cfg.context tokens per rank.
 
     Parameters and AdamW's two moments are fp32. ddp: everything replicated, plus DDP's gradient
     buckets (a second fp32 copy of the gradients). fsdp: parameters, gradients and moments sharded
-    over `world`, plus the units all-gathered at once in the compute dtype (the root and two blocks:
+    over `world` (gradients only without accumulation: with accum_steps > 1 the micro-batches run
+    with gradient sync off, and FSDP2 then keeps every unit's full fp32 gradients on every rank), plus the units all-gathered at once in the compute dtype (the root and two blocks:
     the one computing and the one prefetched), and one block's fp32 gradients being reduced.
     Activations: `activation_elements_per_token` x tokens x the compute dtype's bytes (fp32
     log-sum-exp and norm statistics counted at that size too). Logits: the fp32 log-softmax autograd
@@ -223,7 +230,7 @@ def memory_estimate(
     root = n - (1 if cfg.share_layers else cfg.n_layer) * block  # embeddings, head, final norm
     shard = 1 if sharding == "ddp" else world
     params = 4 * -(-n // shard)
-    grads = 4 * -(-n // shard)
+    grads = 4 * (n if accum_steps > 1 else -(-n // shard))
     optimizer = 8 * -(-n // shard)
     comm = 4 * n if sharding == "ddp" else c * (root + 2 * block) + 4 * block
     tokens = micro_batch * cfg.context

@@ -7,7 +7,9 @@
   memory-bandwidth limit (weights + cache read once, at the copy rate measured at the start) with the
   fraction of it reached;
 - KV-cache bytes actually allocated by the cache tensors beside the analytic figure;
-- capacity: concurrent sequences of the model's context that fit a memory budget.
+- capacity: concurrent sequences of the model's context that fit a memory budget;
+- the machine's load (qkvlab.loadavg) over the whole run and over each variant, with the verdict
+  quiet/noisy; `require_quiet` refuses a noisy machine (NoisyMachine: exit 3 from the CLI).
 
 For reduced schemes the transformers model gets the explicit equivalent: an identity role becomes an
 identity matrix, a shared projection is duplicated, GQA/MQA heads are repeated, and a non-default
@@ -31,6 +33,7 @@ from qkvlab.devices import (
     DEVICE_HELP,
     DTYPE_BYTES,
     INFERENCE_DTYPES,
+    autocast_dtype_name,
     check_device,
     dtype_choices,
     dtype_name,
@@ -39,6 +42,7 @@ from qkvlab.devices import (
 )
 from qkvlab.errors import UserError
 from qkvlab.limits import check_fits, check_model, check_training
+from qkvlab.loadavg import LoadWatch, NoisyMachine, fmt, load1
 from qkvlab.model import GPT
 from qkvlab.settings import byte_size, check, setting
 from qkvlab.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
@@ -73,10 +77,13 @@ class BenchConfig:
     device: str = setting("auto", help=DEVICE_HELP, metavar="DEVICE")
     dtype: str = setting(
         "auto",
-        help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
+        help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU; training's autocast: also bf16 on bf16-native CPUs)",
         choices=dtype_choices(INFERENCE_DTYPES),
     )
     compile: bool = setting(False, help="decode with the static step under torch.compile (compiled once per shape)")
+    require_quiet: bool = setting(
+        False, help="exit 3 if the machine is noisy (qkvlab.loadavg) before or during the run"
+    )
     hf: bool = setting(True, help="time transformers' generate on the same weights")
     train: bool = setting(True, help="measure training throughput")
     threads: int | None = setting(None, help="torch CPU threads (default: torch's)", minimum=1)
@@ -213,7 +220,8 @@ def bench_variant(
     """One variant's figures. Decoding: prefill and decode steps timed apart (qkvlab.speed), the
     decode path is generate's: the static step, eager or compiled (`compile`); the bandwidth limit of a
     step reads the weights once and each row's cache at its mean fill, at `copy_rate` bytes/s."""
-    path = "compiled" if opts.compile else "static"
+    path = "compiled" if opts.compile else "eager"
+    watch = LoadWatch.start()
     dname = dtype_name(opts.dtype, device_type=device.type)
     dtype = torch_dtype(dname)
     per_token = kv_cache_bytes_per_token(cfg, dname)
@@ -235,8 +243,9 @@ def bench_variant(
         "capacity_sequences": max(0, (budget - weights) // (per_token * cfg.context)),
     }
     if opts.train:
+        out["train_dtype"] = tname = autocast_dtype_name(opts.dtype, device.type)
         tps = train_tokens_per_s(
-            cfg, batch=opts.train_batch, steps=opts.train_steps, device=device, dtype=dtype, seed=opts.seed
+            cfg, batch=opts.train_batch, steps=opts.train_steps, device=device, dtype=torch_dtype(tname), seed=opts.seed
         )
         out["train_tokens_per_s"] = tps
         out["train_mfu"] = tps * flops_per_token(cfg) / flops_peak
@@ -277,17 +286,18 @@ def bench_variant(
         if theirs:
             hf_by_b[str(b)] = best_of(theirs)
         limit = bandwidth_limit_step_s(model, b, opts.prompt_len + new / 2, copy_rate)
-        out.setdefault("bandwidth_limit_step_ms_by_batch", {})[str(b)] = 1e3 * limit
-        out.setdefault("bandwidth_fraction_by_batch", {})[str(b)] = limit / ours_by_b[str(b)].step_s
         t = ours_by_b[str(b)]
+        out.setdefault("bandwidth_limit_step_ms_by_batch", {})[str(b)] = 1e3 * limit
+        out.setdefault("bandwidth_fraction_by_batch", {})[str(b)] = ratio(limit, t.step_s)
         log(
-            f"  {name} b={b}: prefill {t.prefill_tokens_per_s:.0f} tok/s, decode {1e3 * t.step_s:.2f} ms/step "
-            f"({t.decode_tokens_per_s:.1f} tok/s, {limit / t.step_s:.0%} of the bandwidth limit)"
-            + (f"; transformers {1e3 * hf_by_b[str(b)].step_s:.2f} ms/step" if theirs else "")
+            f"  {name} b={b}: prefill {fmt(t.prefill_tokens_per_s, '.0f')} tok/s, decode {fmt(ms(t.step_s), '.2f')} "
+            f"ms/step ({fmt(t.decode_tokens_per_s)} tok/s, {fmt(ratio(limit, t.step_s), '.0%')} of the bandwidth limit)"
+            + (f"; transformers {fmt(ms(hf_by_b[str(b)].step_s), '.2f')} ms/step" if theirs else "")
+            + f" [load {fmt(load1(), '.2f', '?')}]"
         )
 
     def by_batch(timings: dict, attr: str, scale: float = 1.0) -> dict | None:
-        return {b: scale * getattr(t, attr) for b, t in timings.items()} or None
+        return {b: None if getattr(t, attr) is None else scale * getattr(t, attr) for b, t in timings.items()} or None
 
     first = str(opts.decode_batches[0])
     for prefix, timings in (("", ours_by_b), ("hf_", hf_by_b)):
@@ -298,11 +308,12 @@ def bench_variant(
             f"{prefix}end_to_end_tokens_per_s_by_batch": by_batch(timings, "end_to_end_tokens_per_s"),
             f"{prefix}decode_tokens_per_s": timings[first].decode_tokens_per_s if timings else None,
         }
-    if hf_by_b:
-        out["decode_speedup_vs_hf"] = {b: hf_by_b[b].step_s / ours_by_b[b].step_s for b in hf_by_b}
+    if hf_by_b:  # None where either side is unmeasured
+        out["decode_speedup_vs_hf"] = {b: ratio(hf_by_b[b].step_s, ours_by_b[b].step_s) for b in hf_by_b}
         out["end_to_end_speedup_vs_hf"] = {
-            b: ours_by_b[b].end_to_end_tokens_per_s / hf_by_b[b].end_to_end_tokens_per_s for b in hf_by_b
+            b: ratio(ours_by_b[b].end_to_end_tokens_per_s, hf_by_b[b].end_to_end_tokens_per_s) for b in hf_by_b
         }
+    out["load"] = watch.finish().to_dict()
     return out
 
 
@@ -318,23 +329,41 @@ def check_fits_bench(name: str, cfg: ModelConfig, opts: BenchConfig, device, dna
         check_training(cfg, micro_batch=opts.train_batch, seq_len=cfg.context, device=device)
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None when either is unmeasured (None) or b is not positive."""
+    return None if a is None or b is None or not b > 0 else a / b
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
 def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
     """Measure every variant of `cfg`; a JSON-able dict (device, dtype, matmul rate, per variant)."""
     cfg.validate()
+    watch = LoadWatch.start()  # before any work of ours: the verdict reads the load before it
+    log(f"machine before the run: {watch.before_summary()}")
+    if cfg.require_quiet and watch.noisy_before:
+        raise NoisyMachine(f"noisy machine before starting: {watch.before_summary()} (--require-quiet)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = select_device(cfg.device)
     dname = dtype_name(cfg.dtype, device_type=device.type)
     for name, m in variant_configs(cfg):  # before anything is allocated
         check_fits_bench(name, m, cfg, device, dname)
-    peak = matmul_flops_per_s(device, torch_dtype(dname))
+    tname = autocast_dtype_name(cfg.dtype, device.type)
+    peak = matmul_flops_per_s(device, torch_dtype(tname))
     rate = measured_copy_rate(device)
-    log(f"matmul rate on {device} ({dname}): {peak / 1e9:.1f} GFLOP/s; copy rate {rate / 1e9:.1f} GB/s")
+    log(f"matmul rate on {device} ({tname}): {peak / 1e9:.1f} GFLOP/s; copy rate {rate / 1e9:.1f} GB/s")
     results = {name: bench_variant(name, m, cfg, peak, device, log, rate) for name, m in variant_configs(cfg)}
     base = next(iter(results.values()))["kv_cache_bytes_analytic"]
     for r in results.values():
         r["kv_cache_fraction_of_first"] = r["kv_cache_bytes_analytic"] / base
+    watch.finish()
+    log(f"machine during the run: {watch.summary()}")
     return {
+        "load": watch.to_dict(),
+        "train_dtype": tname,  # training: fp32 weights under autocast in this dtype (fp32: none)
         "device": str(device),
         "dtype": dname,
         "torch": torch.__version__,

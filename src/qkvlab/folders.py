@@ -201,8 +201,16 @@ def _lock(path: Path, flag: str) -> int | None:
             raise UserError(
                 f"{flag} {path} is in use by another qkvlab process (it holds {LOCK}); wait for it or choose another {flag}"
             ) from None
-        raise
+        raise UserError(no_lock_message(flag, path, e)) from None
     return fd
+
+
+def no_lock_message(flag: str, path: Path, e: OSError) -> str:
+    """flock failed for another reason than a holder: the filesystem has no locks (NFS without lockd, some Lustre mounts)."""
+    return (
+        f"{flag} {path}: cannot lock {LOCK} there ({e.strerror or e}); the filesystem does not support "
+        "file locks (NFS, Lustre?): choose a folder on a filesystem that does (e.g. local disk)"
+    )
 
 
 @contextlib.contextmanager

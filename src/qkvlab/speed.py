@@ -5,10 +5,14 @@ does little arithmetic on each byte, so its floor is (weight bytes + cache bytes
 which this machine moves memory. That rate is measured at the start, as a large tensor copy (bytes
 read + bytes written per second, STREAM's convention), so a report can say which fraction of the
 limit decoding reaches. Used by `qkvlab bench` and benchmarks/decode.py.
+
+A timing that came out zero or negative (transformers' step is a difference of two generate calls)
+is None, "unmeasured", and so is every rate made from it (qkvlab.loadavg.rate): never a number.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +20,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from qkvlab.generate import compiled_step, decode_step, left_pad, new_cache, prefill, warm_up
+from qkvlab.generate import (
+    compiled_step,
+    decode_layout,
+    decode_step,
+    eager_static,
+    left_pad,
+    new_cache,
+    prefill,
+    warm_up,
+)
+from qkvlab.loadavg import rate
 
 
 def _sync(device: torch.device) -> None:
@@ -60,25 +74,34 @@ class DecodeTiming:
     prompt_len: int
     new_tokens: int
     prefill_s: float  # the prompt into an empty cache, best of rounds
-    step_s: float  # one decode step (all rows) including greedy sampling, best of rounds' means
+    step_s: float | None  # one decode step (all rows) including greedy sampling, best of rounds; None: unmeasured
     compile_s: float | None = None  # compiling the step for this shape, once
 
     @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.batch * self.prompt_len / self.prefill_s
+    def prefill_tokens_per_s(self) -> float | None:
+        return rate(self.batch * self.prompt_len, self.prefill_s)
 
     @property
-    def decode_tokens_per_s(self) -> float:
-        return self.batch / self.step_s
+    def decode_tokens_per_s(self) -> float | None:
+        return rate(self.batch, self.step_s)
 
     @property
-    def end_to_end_tokens_per_s(self) -> float:
+    def end_to_end_tokens_per_s(self) -> float | None:
         """New tokens per second, prefill included (what a generate call sees)."""
-        return self.batch * self.new_tokens / (self.prefill_s + (self.new_tokens - 1) * self.step_s)
+        if self.step_s is None or not self.step_s > 0:
+            return None
+        return rate(self.batch * self.new_tokens, self.prefill_s + (self.new_tokens - 1) * self.step_s)
 
 
-def decode_step_fn(mode: str) -> tuple[Callable, bool]:
-    """'dynamic' | 'static' | 'compiled' | a torch.compile mode -> (step, static cache?)."""
+DECODE_MODES = (
+    "eager (the default: dynamic on the CPU, static on CUDA), dynamic, static, compiled or a torch.compile mode"
+)
+
+
+def decode_step_fn(mode: str, device: torch.device | str = "cpu") -> tuple[Callable, bool]:
+    """'eager' | 'dynamic' | 'static' | 'compiled' | a torch.compile mode -> (step, static cache?)."""
+    if mode == "eager":
+        return decode_step, eager_static(torch.device(device))
     if mode == "dynamic":
         return decode_step, False
     if mode == "static":
@@ -87,31 +110,34 @@ def decode_step_fn(mode: str) -> tuple[Callable, bool]:
 
 
 @torch.inference_mode()
-def time_decode(model, prompt: torch.Tensor, new_tokens: int, mode: str = "dynamic") -> DecodeTiming:
-    """One round: prefill `prompt` (B, T), then greedy-decode new_tokens - 1 steps, timed apart."""
-    step, static = decode_step_fn(mode)
+def time_decode(model, prompt: torch.Tensor, new_tokens: int, mode: str = "eager") -> DecodeTiming:
+    """One round: prefill `prompt` (B, T), then greedy-decode new_tokens - 1 steps, timed apart, on
+    generate's path for `mode` (eager steps with generate.decode_layout, set up inside the prefill's time)."""
     device = prompt.device
+    step, static = decode_step_fn(mode, device)
     B, T = prompt.shape
     batch = left_pad(prompt.tolist(), device=device)
     cache = new_cache(model, B, T + new_tokens - 1, static=static)
     compile_s = warm_up(step, model, cache) if step is not decode_step else None
+    layout = decode_layout(model, B) if step is decode_step else contextlib.nullcontext()
     _sync(device)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, batch)
-    tok = logits.argmax(-1)
-    _sync(device)
-    t1 = time.perf_counter()
-    positions = batch.lengths.clone()
-    for _ in range(new_tokens - 1):
-        tok = step(model, cache, tok, positions).argmax(-1)
-        positions += 1
-    _sync(device)
-    t2 = time.perf_counter()
+    with layout:
+        logits = prefill(model, cache, batch)
+        tok = logits.argmax(-1)
+        _sync(device)
+        t1 = time.perf_counter()
+        positions = batch.lengths.clone()
+        for _ in range(new_tokens - 1):
+            tok = step(model, cache, tok, positions).argmax(-1)
+            positions += 1
+        _sync(device)
+        t2 = time.perf_counter()
     return DecodeTiming(B, T, new_tokens, t1 - t0, (t2 - t1) / max(1, new_tokens - 1), compile_s)
 
 
 def best_of(timings: list[DecodeTiming]) -> DecodeTiming:
-    """Fastest prefill and fastest step over rounds (contention only ever slows a round down)."""
+    """Fastest prefill and fastest measured step over rounds (contention only ever slows a round down)."""
     first = timings[0]
     compile_s = next((t.compile_s for t in timings if t.compile_s is not None), None)
     return DecodeTiming(
@@ -119,7 +145,7 @@ def best_of(timings: list[DecodeTiming]) -> DecodeTiming:
         first.prompt_len,
         first.new_tokens,
         min(t.prefill_s for t in timings),
-        min(t.step_s for t in timings),
+        min((t.step_s for t in timings if t.step_s is not None and t.step_s > 0), default=None),
         compile_s,
     )
 
@@ -145,6 +171,6 @@ def time_hf(hf, prompt: torch.Tensor, new_tokens: int) -> DecodeTiming:
         return time.perf_counter() - t0
 
     one, full = gen(1), gen(new_tokens)
-    step_s = max(full - one, 1e-9) / max(1, new_tokens - 1)
+    step_s = (full - one) / (new_tokens - 1) if new_tokens > 1 and full > one else None  # None: unmeasured
     B, T = prompt.shape
     return DecodeTiming(B, T, new_tokens, one, step_s)

@@ -37,7 +37,13 @@ def run(args) -> int:
         raise UserError(f"{cfg.compare_dir}: no results.csv (expected the output folder of qkvlab compare)")
     if cfg.json:  # before minutes of measuring
         check_file_target(cfg.json, "--json", same_kind=_is_bench_json)
-    result = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    from qkvlab.loadavg import NoisyMachine
+
+    try:
+        result = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    except NoisyMachine as e:
+        print(f"qkvlab bench: {e}", file=sys.stderr)
+        return e.exit_code
     rows = result["schemes"]
     keys = [str(b) for b in dict.fromkeys(cfg.decode_batches)]
     head = ["variant", "train tok/s", "MFU %"]
@@ -50,8 +56,10 @@ def run(args) -> int:
         row = [name, cell(r.get("train_tokens_per_s"), ".0f"), cell(r.get("train_mfu") and 100 * r["train_mfu"], ".1f")]
         for b in keys:
             limit = r["bandwidth_fraction_by_batch"][b]
-            row += [cell(r["prefill_tokens_per_s_by_batch"][b], ".0f"), cell(ours[b]), cell(theirs.get(b))]
-            row += [cell(100 * limit, ".0f")]
+            hf = "unmeasured" if b in theirs and theirs[b] is None else cell(theirs.get(b))
+            mine = "unmeasured" if ours[b] is None else cell(ours[b])
+            row += [cell(r["prefill_tokens_per_s_by_batch"][b], ".0f"), mine, hf]
+            row += [cell(limit and 100 * limit, ".0f")]
         row += [
             f"{r['kv_cache_bytes_allocated']:,}",
             f"{r['kv_cache_bytes_analytic']:,}",
@@ -72,6 +80,9 @@ def run(args) -> int:
     )
     for row in table:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    from qkvlab.loadavg import describe
+
+    print(f"train dtype {result['train_dtype']}; machine: {describe(result['load'])}")
     mismatch = [n for n, r in rows.items() if r["kv_cache_bytes_allocated"] != r["kv_cache_bytes_analytic"]]
     if mismatch:
         print(f"cache bytes differ from the analytic figure for: {', '.join(mismatch)}", file=sys.stderr)
@@ -83,4 +94,9 @@ def run(args) -> int:
         from qkvlab.analysis.plots import plot_cache_vs_quality
 
         print(f"wrote {plot_cache_vs_quality(cfg.compare_dir, cfg.plot)}")
+    if cfg.require_quiet and result["load"]["noisy"]:
+        print(
+            "qkvlab bench: noisy machine during the run (--require-quiet); figures kept, marked noisy", file=sys.stderr
+        )
+        return 3
     return 1 if mismatch else 0

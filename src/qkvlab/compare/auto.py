@@ -42,6 +42,7 @@ def choose_seeds(
 
 def run_auto(plan_fn: Callable, run_fn: Callable, cfg, *, command: str | None, say: Callable[..., None]) -> Any:
     """The pilot, the choice of n, then the decisive plan (which skips the pilot's finished runs)."""
+    from qkvlab.analysis.report import seconds_per_run as seconds_per_run_here
     from qkvlab.analysis.results import collect
     from qkvlab.analysis.seeds import seeds_for_claims
 
@@ -52,23 +53,11 @@ def run_auto(plan_fn: Callable, run_fn: Callable, cfg, *, command: str | None, s
     outcome = run_fn(pilot, command=command, say=say)
     res = collect(pilot.out)
     runs_per_seed = len(pilot.runs) // PILOT_SEEDS
-    seconds_per_run = wall_seconds_per_run(res)
-    needed = seeds_for_claims(res.verdicts)
+    seconds_per_run = seconds_per_run_here(res) or 60.0
+    needed = seeds_for_claims(res.verdicts())
     n, why = choose_seeds(needed, PILOT_SEEDS, runs_per_seed, seconds_per_run, budget_s)
     cost = (n - PILOT_SEEDS) * runs_per_seed * seconds_per_run
     say(f"compare --seeds auto: {n} seeds per variant ({why}); about {fmt_duration(cost)} more here", flush=True)
     if n == PILOT_SEEDS:
         return outcome
     return run_fn(plan_fn(dataclasses.replace(cfg, seeds=n)), command=command, say=say)
-
-
-def wall_seconds_per_run(res) -> float:
-    """Wall seconds per run at the folder's parallel jobs: this invocation's timing, else the runs'
-    own training times over the jobs that ran them."""
-    manifest = res.manifest or {}
-    timing = manifest.get("timing", {})
-    if timing.get("trained"):
-        return timing["wall_s"] / timing["trained"]
-    jobs = max(1, (manifest.get("machine") or {}).get("jobs") or 1)
-    times = [float(r.final.get("elapsed_s") or 0) for r in res.runs]
-    return sum(times) / max(1, len(times)) / jobs or 60.0

@@ -278,7 +278,12 @@ def _exclusive(d: Path) -> Iterator[None]:
         return
     fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            from qkvlab.folders import no_lock_message
+
+            raise UserError(no_lock_message("--out", d, e)) from None
         yield
     finally:
         os.close(fd)  # closing drops the lock

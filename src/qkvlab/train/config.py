@@ -73,7 +73,7 @@ class TrainConfig:
     compile: bool = setting(False, help="torch.compile the model", resumable=True)
     dtype: str = setting(
         "auto",
-        help="autocast dtype (auto: bf16 on CUDA, fp32 elsewhere)",
+        help="autocast dtype (auto: bf16 on CUDA and on CPUs with native bf16, fp32 elsewhere)",
         choices=dtype_choices(TRAIN_DTYPES),
     )
     device: str = setting(

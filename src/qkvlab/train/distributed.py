@@ -94,22 +94,44 @@ def all_gather_object(env: Env, obj):
 def shard(model: nn.Module, env: Env, *, param_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
     """FSDP2: every element of every ModuleList (the transformer blocks) is its own unit, then the
     root (embeddings, head). Parameters become DTensors sharded over the ranks, in place.
-    param_dtype (bf16): parameters all-gathered and computed in it, gradients reduced in fp32, the
-    fp32 master copy sharded. compile: each block compiled before it is sharded (torchtitan's order:
-    no graph breaks at the FSDP hooks between blocks)."""
+    param_dtype (bf16, used with autocast in the same dtype as DDP is): the blocks' Linear weights and
+    biases are all-gathered and computed in it, gradients reduced in fp32, the fp32 master copy
+    sharded. Made to compute exactly what DDP + autocast computes (tested): the blocks' inputs are
+    not cast (the residual stream stays fp32, as under autocast); the blocks' norms (their own small
+    units) and the root (embeddings, final norm, head) are gathered in fp32, as autocast reads them
+    (it casts the head's matmul to bf16 as under DDP). One difference remains: the "+" term's weights
+    are gathered in bf16, so sum(w) (its score scale) is summed from bf16-rounded values (docs/gpu.md).
+    compile: each block compiled before it is sharded (torchtitan's order: no graph breaks at the
+    FSDP hooks between blocks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(env.device.type, (env.world,))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    reduce = torch.float32 if param_dtype else None
+    linear_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce, cast_forward_inputs=False)
+    fp32_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce, cast_forward_inputs=False)
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:
                 if compile:
                     block.compile()
-                fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+                if param_dtype is not None:
+                    for sub in _fp32_units(block):
+                        fully_shard(sub, mesh=mesh, mp_policy=fp32_mp)
+                fully_shard(block, mesh=mesh, mp_policy=linear_mp)
+    fully_shard(model, mesh=mesh, mp_policy=fp32_mp)
     return model
+
+
+def _fp32_units(block: nn.Module) -> list[nn.Module]:
+    """A block's norms: autocast reads their parameters in fp32. (The "+" term's parameters stay in
+    the block's unit: it is called through key_term, not forward, so FSDP's hooks would not gather
+    it as a unit of its own.)"""
+    return [
+        m
+        for m in block.modules()
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and any(True for _ in m.parameters(recurse=False))
+    ]
 
 
 def replicate(model: nn.Module, env: Env) -> nn.Module:

@@ -194,7 +194,7 @@ def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
     aliases = tied_aliases(raw)
     params = sum(p.numel() for p in raw.parameters())
     sharded = env.distributed and cfg.sharding == "fsdp"
-    dtype = torch_dtype(cfg.dtype, env.device.type)
+    dtype = torch_dtype(cfg.dtype, env.device.type, autocast=True)  # auto: bf16 on CUDA and bf16-native CPUs
     if sharded:  # blocks compiled one by one before sharding; bf16 all-gathers, fp32 reduction
         D.shard(raw, env, param_dtype=dtype if dtype != torch.float32 else None, compile=cfg.compile)
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, cfg.betas, env.device)

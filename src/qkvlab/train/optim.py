@@ -21,8 +21,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def make_optimizer(
     model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], device: torch.device
 ) -> torch.optim.AdamW:
-    # fused kernels on CUDA (one launch for all parameters); the default foreach path elsewhere
-    fused = device.type == "cuda"
+    # fused kernels on CUDA (one launch for all parameters) and on the CPU (one pass over each tensor
+    # instead of one per elementwise op: 12 vs 52 ms per step at the 12M-parameter anchor, one thread,
+    # issue 18); the default foreach path elsewhere (MPS)
+    fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=fused or None)
 
 

@@ -55,7 +55,8 @@ class Saved:
 
 def read_checkpoint(cfg: TrainConfig, out: Path, env: D.Env, resume: bool) -> Saved | None:
     """OUT's checkpoint, or None to start fresh. Rank 0 first repairs an interrupted checkpoint
-    write, then every rank reads (under FSDP only rank 0 reads the tensors)."""
+    write and verifies it (sha256 of every file; every rank learns the verdict), then every rank
+    reads (under FSDP only rank 0 reads the tensors), checking sizes and headers only."""
     if env.main:
         ck.find_checkpoint(out, repair=True)
     D.barrier(env)
@@ -64,12 +65,28 @@ def read_checkpoint(cfg: TrainConfig, out: Path, env: D.Env, resume: bool) -> Sa
         return None
     if not resume:
         raise UserError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
+    verdict_on_rank0(env, lambda: ck.verify_checkpoint(found))  # sha256 read once, by rank 0, not by every rank
     fsdp = env.distributed and cfg.sharding == "fsdp"  # rank 0 alone holds the tensors; it broadcasts them
-    weights, optim_state, state = ck.load_checkpoint(found, tensors=env.main or not fsdp)
+    weights, optim_state, state = ck.load_checkpoint(found, tensors=env.main or not fsdp, hashes=False)
     check_resumable(state["train_config"], cfg, out)
     if state["step"] > cfg.max_steps:
         raise UserError(f"{found} is at step {state['step']}, beyond max_steps={cfg.max_steps}")
     return Saved(weights, optim_state, state)
+
+
+def verdict_on_rank0(env: D.Env, check) -> None:
+    """Run `check` on rank 0; its UserError is raised on every rank (not a hang at the next collective)."""
+    error = None
+    if env.main:
+        try:
+            check()
+        except UserError as e:
+            error = e
+    verdict = D.all_gather_object(env, None if error is None else str(error))[0]
+    if error is not None:
+        raise error
+    if verdict is not None:
+        raise UserError(verdict)
 
 
 def check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> None:

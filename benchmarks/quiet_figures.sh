@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 18's speed table, measured on a quiet machine (nothing else running), ~12 min on 2 cores.
+#   OUT=quiet bash benchmarks/quiet_figures.sh        # from the repository root
+# Every step records its load and says quiet/NOISY on its last line; $OUT gets one .txt and one
+# .json per step. The anchor shape: L6 H6 D384 V4096, 2 threads; decode at context 1024, prompt 448 +
+# 64 new tokens; training at T256 B8, no biases. Which README/docs rows each replaces: docs/inference.md.
+set -u
+OUT=${OUT:-quiet}
+mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+step() {
+  local name=$1
+  shift
+  echo "== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$name.txt"
+}
+SHAPE="--n-layer 6 --n-head 6 --d-model 384 --vocab-size 4096 --context 1024"
+# 1. decode per step, batch 1 and 16: eager (default), static, compiled, transformers; bandwidth fraction
+step decode "$PY" "$ROOT/benchmarks/decode.py" --threads 2 $SHAPE --variants Q-K-V --batches 1 16 \
+  --modes eager,static,compiled --rounds 3 --skip-rope --json "$OUT/decode.json"
+# 2. the same through `qkvlab bench`, eager and --compile (tok/s as the CLI prints them)
+step bench "$PY" -m qkvlab bench $SHAPE --schemes Q-K-V --decode-batches 1,16 --prompt-len 448 --new-tokens 64 \
+  --threads 2 --no-train --rounds 3 --json "$OUT/bench.json"
+step bench_compile "$PY" -m qkvlab bench $SHAPE --schemes Q-K-V --decode-batches 1 --prompt-len 448 --new-tokens 64 \
+  --threads 2 --no-train --no-hf --rounds 3 --compile --json "$OUT/bench_compile.json"
+# 3. training fp32 vs nanoGPT's model.py, eager and compiled, 7 alternating rounds (+ bf16 where the CPU has it)
+step train "$PY" "$ROOT/benchmarks/train_throughput.py" --threads 2 --rounds 7 --json "$OUT/train.json"
+# 4. the reduced schemes keep their FLOP savings
+step schemes "$PY" "$ROOT/benchmarks/train_throughput.py" --threads 2 --rounds 7 \
+  --schemes Q-K-V,Id-K-V,Q-K=V,Q=K=V --json "$OUT/schemes.json"
+grep -h "machine during the run" "$OUT"/*.txt
