@@ -52,7 +52,8 @@ def test_values_linear_in_keys_fit_exactly():
     res = fit(model, cfg, calib(), to="Q-K=V", block=32)
     assert res.cfg.spec.name == "Q-K=V" and res.converted == [0, 1, 2]
     assert all(lf.r2 > 1 - 1e-12 for lf in res.layers)
-    assert logit_diff(model, res.model, cfg.vocab_size, cfg.context)[1] <= 1e-9
+    # float64; the fit's ridge (1e-10 x the mean Gram diagonal) bounds exactness near 1e-9 over 3 layers
+    assert logit_diff(model, res.model, cfg.vocab_size, cfg.context)[1] <= 1e-8
     # the keys were kept: the same tensors, so rotary stays exact
     for a, b in zip(model.trunk.blocks, res.model.trunk.blocks):
         assert torch.equal(role_weights(a, a.attn.spec)["k"][0], role_weights(b, b.attn.spec)["k"][0])

@@ -356,7 +356,7 @@ def test_cli_exits_3_when_the_loss_diverges(plays_file, tmp_path, capsys):
         ("a.toml", 'dtype = "fp8"\n', [], "dtype='fp8'"),
         ("a.toml", "max_steps = [1\n", [], "cannot parse"),
         ("a.yaml", "model:\n  preset: huge\n", [], "'huge'"),
-        (None, None, ["--lr", "-1"], "lr=-1.0"),
+        (None, None, ["--lr", "-1"], "--lr: -1.0 must be positive"),
         (None, None, ["--batch-size", "10", "--grad-accum", "3"], "batch_size=10"),
         (None, None, ["--betas", "0.9,1.5"], "betas="),
         (None, None, ["--task-option", "colour=red"], "'colour'"),

@@ -341,16 +341,16 @@ def ms(seconds: float | None) -> float | None:
 def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
     """Measure every variant of `cfg`; a JSON-able dict (device, dtype, matmul rate, per variant)."""
     cfg.validate()
+    device = select_device(cfg.device)
+    dname = dtype_name(cfg.dtype, device_type=device.type)
+    for name, m in variant_configs(cfg):  # a user error before anything is allocated or printed
+        check_fits_bench(name, m, cfg, device, dname)
     watch = LoadWatch.start()  # before any work of ours: the verdict reads the load before it
     log(f"machine before the run: {watch.before_summary()}")
     if cfg.require_quiet and watch.noisy_before:
         raise NoisyMachine(f"noisy machine before starting: {watch.before_summary()} (--require-quiet)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = select_device(cfg.device)
-    dname = dtype_name(cfg.dtype, device_type=device.type)
-    for name, m in variant_configs(cfg):  # before anything is allocated
-        check_fits_bench(name, m, cfg, device, dname)
     tname = autocast_dtype_name(cfg.dtype, device.type)
     peak = matmul_flops_per_s(device, torch_dtype(tname))
     rate = measured_copy_rate(device)

@@ -54,6 +54,10 @@ def load_any(path: str | Path, tokenizer: str | None = None) -> Loaded:
         folder = path
     else:
         folder = gguf_cache_folder(path if path.is_file() else sorted(path.glob("*.gguf"))[0])
+    if tokenizer is not None:  # the user's choice (gpt2, bytes or a folder) over the shipped one
+        from qkvlab.data.tokenizer import resolve_tokenizer
+
+        return Loaded(model, cfg, "hf", folder, None, resolve_tokenizer(tokenizer, folder, {}))
     return Loaded(model, cfg, "hf", folder, None, hf_tokenizer(folder))
 
 
