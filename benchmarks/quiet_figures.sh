@@ -10,9 +10,21 @@ mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+# Each step waits (up to 5 min) until the 1-min load falls under cores/4 - 0.15: the previous step's own
+# threads keep it high for a minute or two, and a figure taken then would be marked noisy.
+wait_quiet() {
+  "$PY" - <<'PYEOF'
+import os, time
+limit, t0 = (os.cpu_count() or 1) / 4 - 0.15, time.time()  # margin: our own start-up adds load
+while os.getloadavg()[0] > limit and time.time() - t0 < 300:
+    time.sleep(5)
+print(f"load {os.getloadavg()[0]:.2f} after waiting {time.time() - t0:.0f} s")
+PYEOF
+}
 step() {
   local name=$1
   shift
+  wait_quiet
   echo "== $name: $*"
   "$@" 2>&1 | tee "$OUT/$name.txt"
 }
