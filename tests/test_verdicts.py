@@ -297,7 +297,7 @@ def test_lm_test_json_loss_stands_for_val_loss():
     assert score_sources([run], {"lm": "val_loss"}) == {"lm": "test split, n=300 (window of 128 tokens)"}
     from qkvlab.analysis.runs import test_value
 
-    assert test_value(test, "ppl") == (12.2, 0.0, 300)  # another metric: its value, no se (se is of "loss")
+    assert test_value(test, "ppl") == (12.2, 0.0, 300, None)  # another metric: its value, no se (se is of "loss")
 
 
 def test_values_from_runs_pairs_by_grid_point_and_seed():
@@ -380,3 +380,30 @@ def test_docs_margin_table_is_the_codes():
     assert pf.margins_markdown() in doc
     assert all(c.why for c in pf.ALL_CLAIMS)
     assert re.search(r"SOLVED_ACCURACY|solved.*0\.95", doc)
+
+
+def test_paired_units_give_the_fixed_test_sets_variance():
+    """With per-unit scores, the evaluation variance common to every seed is the spread over units
+    of the seed-averaged difference / units: A = B + 0.1 on every unit has none; without per-unit
+    scores the conservative se_A^2 + se_B^2 is added."""
+    from qkvlab.analysis.verdicts import paired_estimate
+
+    rng = random.Random(0)
+    units = [rng.gauss(4.0, 1.0) for _ in range(50)]
+    a = {
+        s: Measured(sum(units) / 50 + 0.1 + 0.01 * s, 0.14, 50, tuple(u + 0.1 + 0.01 * s for u in units))
+        for s in range(4)
+    }
+    b = {s: Measured(sum(units) / 50, 0.14, 50, tuple(units)) for s in range(4)}
+    paired = paired_estimate(a, b)
+    assert paired.eval_var == pytest.approx(0.0, abs=1e-20)
+    loose = paired_estimate({k: v._replace(per_unit=None) for k, v in a.items()}, b)
+    assert loose.eval_var == pytest.approx(2 * 0.14**2)
+    # a unit-level difference that varies: its variance over units / 50
+    noisy = {
+        s: m._replace(per_unit=tuple(u + (0.3 if i % 2 else -0.1) for i, u in enumerate(b[s].per_unit)))
+        for s, m in a.items()
+    }
+    d = [0.3 if i % 2 else -0.1 for i in range(50)]
+    mean = sum(d) / 50
+    assert paired_estimate(noisy, b).eval_var == pytest.approx(sum((x - mean) ** 2 for x in d) / 49 / 50)

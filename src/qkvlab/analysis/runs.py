@@ -76,17 +76,20 @@ def read_test(run_dir: str | Path) -> dict[str, Any] | None:
     return body
 
 
-def test_value(test: dict[str, Any] | None, metric: str) -> tuple[float, float, int] | None:
-    """(value, se, units) of a validation metric's counterpart in test.json: the same key, or the
-    key without "val_" (val_loss -> loss); se only when test.json's own metric is that key (it is
-    the standard error of that metric alone). None when test.json lacks it."""
+def test_value(test: dict[str, Any] | None, metric: str) -> tuple[float, float, int, tuple | None] | None:
+    """(value, se, units, per-unit values) of a validation metric's counterpart in test.json: the
+    same key, or the key without "val_" (val_loss -> loss); se and per-unit values only when
+    test.json's own metric is that key (they describe that metric alone). None when test.json
+    lacks it."""
     if not test:
         return None
     key = metric if test.get(metric) is not None else metric.removeprefix("val_")
     if test.get(key) is None:
         return None
-    se = float(test.get("se") or 0.0) if test.get("metric") == key else 0.0
-    return float(test[key]), se, int(test.get("n") or 0)
+    own = test.get("metric") == key
+    se = float(test.get("se") or 0.0) if own else 0.0
+    per_unit = tuple(test["per_unit"]) if own and test.get("per_unit") else None
+    return float(test[key]), se, int(test.get("n") or 0), per_unit
 
 
 def load_run(task: str, variant: str, seed: int, run_dir: str | Path, point: str = "") -> Run:

@@ -58,6 +58,7 @@ class Measured(NamedTuple):
     value: float
     se: float = 0.0
     units: int = 0
+    per_unit: tuple[float, ...] | None = None  # the score of every test unit (the same units for every run)
 
 
 Score = float | Measured
@@ -179,6 +180,9 @@ def _scores(values: Values, tasks: Sequence[str], variant: str) -> dict[Hashable
     for k in keys:
         ms = [_m(p[k]) for p in per_task]
         t = len(ms)
+        if t == 1:  # one task: its units stay paired (per_unit); a mean over tasks keeps only se
+            out[k] = ms[0]
+            continue
         out[k] = Measured(
             sum(m.value for m in ms) / t, math.sqrt(sum(m.se**2 for m in ms)) / t, sum(m.units for m in ms)
         )
@@ -188,14 +192,29 @@ def _scores(values: Values, tasks: Sequence[str], variant: str) -> dict[Hashable
 def paired_estimate(a: Mapping[Hashable, Score], b: Mapping[Hashable, Score]) -> MeanEstimate | None:
     """Mean of A - B over common keys. Its variance: the spread of the per-key differences over n
     (it holds the seed noise and the part of the evaluation noise that differs between seeds) plus
-    the evaluation variance of one difference, se_A^2 + se_B^2 averaged over keys, added whole as
-    if it were common to all seeds (the same test units score every seed: conservative)."""
+    the evaluation variance common to every seed, that of a fixed test set. With every run's
+    per-unit scores on the same units, that is the spread over units of the seed-averaged
+    difference over the number of units (a crossed seed x unit model; the seed-unit interaction is
+    counted in both terms: conservative). Without them, se_A^2 + se_B^2 averaged over keys, added
+    whole (far more conservative: it ignores that A and B are scored on the same units)."""
     keys = sorted((k for k in a if k in b), key=repr)
     if not keys:
         return None
     ma, mb = [_m(a[k]) for k in keys], [_m(b[k]) for k in keys]
-    eval_var = sum(x.se**2 + y.se**2 for x, y in zip(ma, mb)) / len(keys)
-    return mean_estimate([x.value - y.value for x, y in zip(ma, mb)], eval_var)
+    diffs = [x.value - y.value for x, y in zip(ma, mb)]
+    return mean_estimate(diffs, _unit_paired_var(ma, mb))
+
+
+def _unit_paired_var(ma: Sequence[Measured], mb: Sequence[Measured]) -> float:
+    lengths = {len(m.per_unit) if m.per_unit else 0 for m in (*ma, *mb)}
+    if len(lengths) != 1 or 0 in lengths:
+        return sum(x.se**2 + y.se**2 for x, y in zip(ma, mb)) / len(ma)
+    (units,) = lengths
+    if units < 2:
+        return 0.0
+    per_unit = [sum(x.per_unit[u] - y.per_unit[u] for x, y in zip(ma, mb)) / len(ma) for u in range(units)]
+    mean = sum(per_unit) / units
+    return sum((d - mean) ** 2 for d in per_unit) / (units - 1) / units
 
 
 def solve_estimate(a: Mapping[Hashable, Score], b: Mapping[Hashable, Score]) -> RateDifference | None:

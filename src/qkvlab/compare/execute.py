@@ -173,6 +173,19 @@ def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = pr
             D.teardown(env)
 
 
+def _training_record(out: Path) -> dict[str, Any] | None:
+    """The machine, timing and estimate that the folder's last training invocation recorded."""
+    from qkvlab.analysis.runs import read_manifest
+
+    try:
+        old = read_manifest(out)
+    except UserError:
+        return None
+    if not (old.get("timing") or {}).get("trained"):
+        return None
+    return {k: old[k] for k in ("machine", "timing", "estimate_s") if k in old}
+
+
 def _quiet(*args, **kwargs) -> None:
     pass
 
@@ -228,6 +241,9 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
         ],
         "machine": machine_info(jobs, threads or 0, device, world),
     }
+    trained_before = _training_record(out) if not todo else None
+    if trained_before:  # only re-rendering: the folder keeps the record of the invocation that trained
+        manifest.update(trained_before)
     if main:
         write_manifest(out, manifest)
         say(
@@ -282,12 +298,16 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
         from qkvlab.analysis.results import collect
 
         res = collect(out)
-        manifest["timing"] = {
-            "wall_s": round(wall, 1),
-            "trained": len(todo),
-            "skipped": len(runs) - len(todo),
-            "train_s_total": round(sum(float(r.final.get("elapsed_s") or 0) for r in res.runs), 1),
-        }
+        manifest["timing"] = (
+            trained_before.get("timing")
+            if trained_before
+            else {
+                "wall_s": round(wall, 1),
+                "trained": len(todo),
+                "skipped": len(runs) - len(todo),
+                "train_s_total": round(sum(float(r.final.get("elapsed_s") or 0) for r in res.runs), 1),
+            }
+        )
         write_manifest(out, manifest)
         res.manifest = manifest
         if cfg.sweep:

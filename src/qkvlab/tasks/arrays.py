@@ -219,7 +219,16 @@ class ArrayTask(Task):
         out.update(self.scores("test", pred, target, torch.arange(n)))
         units = self.unit_scores(pred, target)
         se = None if units is None or n < 2 else float(units.std() / n**0.5)
-        return {"split": "test", "metric": self.metric, **out, "n": n, "units": self.unit, "se": se}
+        per_unit = None if units is None else [round(float(x), 6) for x in units]  # pairs runs unit by unit
+        return {
+            "split": "test",
+            "metric": self.metric,
+            **out,
+            "n": n,
+            "units": self.unit,
+            "se": se,
+            "per_unit": per_unit,
+        }
 
     def describe(self) -> dict[str, Any]:
         return {

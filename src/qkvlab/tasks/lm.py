@@ -153,6 +153,7 @@ class LMTask(Task):
             "units": f"window of {block} tokens",
             "tokens": n * block,
             "se": float(per_window.std() / n**0.5),
+            "per_unit": [round(float(x), 6) for x in per_window],  # pairs runs window by window (analysis)
         }
 
     def save_artifacts(self, folder: Path) -> None:
