@@ -220,28 +220,9 @@ def bench_variant(
     """One variant's figures. Decoding: prefill and decode steps timed apart (qkvlab.speed), the
     decode path is generate's: the static step, eager or compiled (`compile`); the bandwidth limit of a
     step reads the weights once and each row's cache at its mean fill, at `copy_rate` bytes/s."""
-    path = "compiled" if opts.compile else "eager"
     watch = LoadWatch.start()
     dname = dtype_name(opts.dtype, device_type=device.type)
-    dtype = torch_dtype(dname)
-    per_token = kv_cache_bytes_per_token(cfg, dname)
-    out: dict = {
-        "scheme": cfg.spec.name,
-        "kv_heads": cfg.n_kv_heads,
-        "dtype": dname,
-        "context": cfg.context,
-        "batch": opts.batch,
-        "kv_cache_bytes_allocated": cache_bytes(cfg, opts.batch, dtype, device),
-        "kv_cache_bytes_analytic": per_token * opts.batch * cfg.context,
-        "kv_cache_bytes_per_token": per_token,
-    }
-    weights = analytic_params(cfg).total * DTYPE_BYTES[dname]
-    budget = opts.budget_bytes or device_memory(device)
-    out |= {
-        "memory_budget_bytes": budget,
-        "weight_bytes": weights,
-        "capacity_sequences": max(0, (budget - weights) // (per_token * cfg.context)),
-    }
+    out = cache_figures(cfg, opts, device, dname)
     if opts.train:
         out["train_dtype"] = tname = autocast_dtype_name(opts.dtype, device.type)
         tps = train_tokens_per_s(
@@ -250,28 +231,63 @@ def bench_variant(
         out["train_tokens_per_s"] = tps
         out["train_mfu"] = tps * flops_per_token(cfg) / flops_peak
     torch.manual_seed(opts.seed)
-    model = GPT(cfg).to(device=device, dtype=dtype).eval()
-    hf = None
-    if opts.hf:
-        try:
-            hf = hf_twin(model).to(device=device, dtype=dtype)
-        except UserError as e:
-            out["hf_note"] = str(e)
-    else:
-        out["hf_note"] = "skipped (--no-hf)"
-    if hf is not None:
-        hf.generation_config.eos_token_id = None
-        hf.generation_config.pad_token_id = 0
-        probe = torch.randint(0, cfg.vocab_size, (2, min(cfg.context, 12)), device=device)
-        with torch.inference_mode():
-            out["hf_max_logit_diff"] = (hf(probe).logits.float() - model(probe)[0].float()).abs().max().item()
+    model = GPT(cfg).to(device=device, dtype=torch_dtype(dname)).eval()
+    hf = _hf_twin(model, cfg, opts, device, out)
     new = min(opts.new_tokens, cfg.context - opts.prompt_len)
     if new < 1:
         raise UserError(f"--prompt-len {opts.prompt_len} leaves no room to decode in a context of {cfg.context}")
-    out |= {"decode_prompt_len": opts.prompt_len, "decode_new_tokens": new, "decode_path": path}
+    out |= {"decode_prompt_len": opts.prompt_len, "decode_new_tokens": new}
+    out |= decode_figures(name, model, hf, opts, new, copy_rate, log)
+    out["load"] = watch.finish().to_dict()
+    return out
+
+
+def cache_figures(cfg: ModelConfig, opts: BenchConfig, device, dname: str) -> dict:
+    """KV cache bytes allocated vs analytic, and how many sequences the memory budget holds."""
+    per_token = kv_cache_bytes_per_token(cfg, dname)
+    weights = analytic_params(cfg).total * DTYPE_BYTES[dname]
+    budget = opts.budget_bytes or device_memory(device)
+    return {
+        "scheme": cfg.spec.name,
+        "kv_heads": cfg.n_kv_heads,
+        "dtype": dname,
+        "context": cfg.context,
+        "batch": opts.batch,
+        "kv_cache_bytes_allocated": cache_bytes(cfg, opts.batch, torch_dtype(dname), device),
+        "kv_cache_bytes_analytic": per_token * opts.batch * cfg.context,
+        "kv_cache_bytes_per_token": per_token,
+        "memory_budget_bytes": budget,
+        "weight_bytes": weights,
+        "capacity_sequences": max(0, (budget - weights) // (per_token * cfg.context)),
+    }
+
+
+def _hf_twin(model: GPT, cfg: ModelConfig, opts: BenchConfig, device, out: dict):
+    """transformers' model with the same weights (its logit difference recorded), or None with a note."""
+    if not opts.hf:
+        out["hf_note"] = "skipped (--no-hf)"
+        return None
+    try:
+        hf = hf_twin(model).to(device=device, dtype=next(model.parameters()).dtype)
+    except UserError as e:
+        out["hf_note"] = str(e)
+        return None
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    probe = torch.randint(0, cfg.vocab_size, (2, min(cfg.context, 12)), device=device)
+    with torch.inference_mode():
+        out["hf_max_logit_diff"] = (hf(probe).logits.float() - model(probe)[0].float()).abs().max().item()
+    return hf
+
+
+def decode_figures(name: str, model: GPT, hf, opts: BenchConfig, new: int, copy_rate: float, log) -> dict:
+    """Prefill and decode per batch size, ours and transformers' in alternating rounds."""
+    path = "compiled" if opts.compile else "eager"
+    out: dict = {"decode_path": path}
     ours_by_b, hf_by_b = {}, {}
+    device = next(model.parameters()).device
     for b in opts.decode_batches:
-        prompt = torch.randint(0, cfg.vocab_size, (b, opts.prompt_len), device=device)
+        prompt = torch.randint(0, model.cfg.vocab_size, (b, opts.prompt_len), device=device)
         warm = time_decode(model, prompt, new, path)  # warm up; compiles once per shape (timed)
         if warm.compile_s is not None:
             out.setdefault("compile_seconds_by_batch", {})[str(b)] = warm.compile_s
@@ -282,11 +298,10 @@ def bench_variant(
             ours.append(time_decode(model, prompt, new, path))
             if hf is not None:
                 theirs.append(time_hf(hf, prompt, new))
-        ours_by_b[str(b)] = best_of(ours)
+        t = ours_by_b[str(b)] = best_of(ours)
         if theirs:
             hf_by_b[str(b)] = best_of(theirs)
         limit = bandwidth_limit_step_s(model, b, opts.prompt_len + new / 2, copy_rate)
-        t = ours_by_b[str(b)]
         out.setdefault("bandwidth_limit_step_ms_by_batch", {})[str(b)] = 1e3 * limit
         out.setdefault("bandwidth_fraction_by_batch", {})[str(b)] = ratio(limit, t.step_s)
         log(
@@ -295,11 +310,14 @@ def bench_variant(
             + (f"; transformers {fmt(ms(hf_by_b[str(b)].step_s), '.2f')} ms/step" if theirs else "")
             + f" [load {fmt(load1(), '.2f', '?')}]"
         )
+    return out | _by_batch_figures(ours_by_b, hf_by_b, str(opts.decode_batches[0]))
 
+
+def _by_batch_figures(ours_by_b: dict, hf_by_b: dict, first: str) -> dict:
     def by_batch(timings: dict, attr: str, scale: float = 1.0) -> dict | None:
         return {b: None if getattr(t, attr) is None else scale * getattr(t, attr) for b, t in timings.items()} or None
 
-    first = str(opts.decode_batches[0])
+    out: dict = {}
     for prefix, timings in (("", ours_by_b), ("hf_", hf_by_b)):
         out |= {
             f"{prefix}prefill_tokens_per_s_by_batch": by_batch(timings, "prefill_tokens_per_s"),
@@ -313,7 +331,6 @@ def bench_variant(
         out["end_to_end_speedup_vs_hf"] = {
             b: ratio(ours_by_b[b].end_to_end_tokens_per_s, hf_by_b[b].end_to_end_tokens_per_s) for b in hf_by_b
         }
-    out["load"] = watch.finish().to_dict()
     return out
 
 

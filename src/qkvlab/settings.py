@@ -32,6 +32,7 @@ from typing import Any
 
 from qkvlab.config_file import config_to_text, read_config_file
 from qkvlab.errors import UserError
+from qkvlab.units import BYTE_UNITS, byte_size  # noqa: F401  (the size options' parser)
 
 MISSING = dataclasses.MISSING
 
@@ -142,24 +143,6 @@ def int_list(text: str) -> tuple[int, ...]:
     if min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: each value must be a positive integer")
     return values
-
-
-BYTE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def byte_size(text: str, flag: str = "size") -> int:
-    """'24GB', '80GiB', '512MB', '1e9' -> bytes; anything else (nan, inf, 0, -1GB) is one line."""
-    t = str(text).strip().upper()
-    num = t.rstrip("KMGTIB")
-    try:
-        value = float(num) * BYTE_UNITS[t[len(num) :]]
-    except (ValueError, KeyError):
-        raise UserError(f"{flag} {text!r}: write a size like 24GB, 80GiB or 512MB") from None
-    if not math.isfinite(value):
-        raise UserError(f"{flag} {text!r} is not a finite size; write one like 24GB, 80GiB or 512MB")
-    if value <= 0:
-        raise UserError(f"{flag} {text!r} must be positive")
-    return int(value)
 
 
 # ---- what a field's annotation means ----------------------------------------------------------

@@ -140,7 +140,12 @@ def _parse(text: str) -> ProjectionSpec:
             f"attention scheme {text!r} has {n_identity} identity roles; at most one projection can be "
             "removed by a change of basis (use one Id)"
         )
-    # Group roles: '=' continues the current group.
+    source, projections = _group(text, names, seps, order)
+    return ProjectionSpec(source=source, projections=projections, plus=plus)
+
+
+def _group(text: str, names: list[str], seps: list[str], order: list[int]):
+    """(source per role, projections) from the role tokens: '=' continues the current group."""
     groups: list[list[int]] = [[0]]
     for i, sep in enumerate(seps):
         if sep == "=":
@@ -159,11 +164,10 @@ def _parse(text: str) -> ProjectionSpec:
                 )
             source[group[0]] = IDENTITY
             continue
-        source_index = len(projections)
         projections.append(tuple(ROLES[i] for i in group))
         for i in group:
-            source[i] = source_index
-    return ProjectionSpec(source=tuple(source), projections=tuple(projections), plus=plus)
+            source[i] = len(projections) - 1
+    return tuple(source), tuple(projections)
 
 
 def format_scheme(spec: ProjectionSpec) -> str:

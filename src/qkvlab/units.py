@@ -8,6 +8,10 @@ Bytes are decimal SI everywhere (1 kB = 10^3 B, 1 MB = 10^6 B, 1 GB = 10^9 B): `
 
 from __future__ import annotations
 
+import math
+
+from qkvlab.errors import UserError
+
 EMPTY = "–"  # a table cell with no value
 _SI = (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
 
@@ -38,3 +42,21 @@ def fmt_duration(s: float) -> str:
     """Seconds as m:ss, or h:mm:ss from an hour on (elapsed and estimated times)."""
     s = int(round(s))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+BYTE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def byte_size(text: str, flag: str = "size") -> int:
+    """'24GB', '80GiB', '512MB', '1e9' -> bytes; anything else (nan, inf, 0, -1GB) is one line."""
+    t = str(text).strip().upper()
+    num = t.rstrip("KMGTIB")
+    try:
+        value = float(num) * BYTE_UNITS[t[len(num) :]]
+    except (ValueError, KeyError):
+        raise UserError(f"{flag} {text!r}: write a size like 24GB, 80GiB or 512MB") from None
+    if not math.isfinite(value):
+        raise UserError(f"{flag} {text!r} is not a finite size; write one like 24GB, 80GiB or 512MB")
+    if value <= 0:
+        raise UserError(f"{flag} {text!r} must be positive")
+    return int(value)

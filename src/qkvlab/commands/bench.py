@@ -44,6 +44,32 @@ def run(args) -> int:
     except NoisyMachine as e:
         print(f"qkvlab bench: {e}", file=sys.stderr)
         return e.exit_code
+    print_table(result, cfg)
+    from qkvlab.loadavg import describe
+
+    print(f"train dtype {result['train_dtype']}; machine: {describe(result['load'])}")
+    rows = result["schemes"]
+    mismatch = [n for n, r in rows.items() if r["kv_cache_bytes_allocated"] != r["kv_cache_bytes_analytic"]]
+    if mismatch:
+        print(f"cache bytes differ from the analytic figure for: {', '.join(mismatch)}", file=sys.stderr)
+    if cfg.json:
+        from qkvlab.io import atomic_write, json_text
+
+        atomic_write(cfg.json, json_text(result, indent=2))
+    if cfg.compare_dir:
+        from qkvlab.analysis.plots import plot_cache_vs_quality
+
+        print(f"wrote {plot_cache_vs_quality(cfg.compare_dir, cfg.plot)}")
+    if cfg.require_quiet and result["load"]["noisy"]:
+        print(
+            "qkvlab bench: noisy machine during the run (--require-quiet); figures kept, marked noisy", file=sys.stderr
+        )
+        return 3
+    return 1 if mismatch else 0
+
+
+def print_table(result: dict, cfg: BenchConfig) -> None:
+    """One row per variant: training, prefill/decode per batch beside transformers, cache and capacity."""
     rows = result["schemes"]
     keys = [str(b) for b in dict.fromkeys(cfg.decode_batches)]
     head = ["variant", "train tok/s", "MFU %"]
@@ -80,23 +106,3 @@ def run(args) -> int:
     )
     for row in table:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
-    from qkvlab.loadavg import describe
-
-    print(f"train dtype {result['train_dtype']}; machine: {describe(result['load'])}")
-    mismatch = [n for n, r in rows.items() if r["kv_cache_bytes_allocated"] != r["kv_cache_bytes_analytic"]]
-    if mismatch:
-        print(f"cache bytes differ from the analytic figure for: {', '.join(mismatch)}", file=sys.stderr)
-    if cfg.json:
-        from qkvlab.io import atomic_write, json_text
-
-        atomic_write(cfg.json, json_text(result, indent=2))
-    if cfg.compare_dir:
-        from qkvlab.analysis.plots import plot_cache_vs_quality
-
-        print(f"wrote {plot_cache_vs_quality(cfg.compare_dir, cfg.plot)}")
-    if cfg.require_quiet and result["load"]["noisy"]:
-        print(
-            "qkvlab bench: noisy machine during the run (--require-quiet); figures kept, marked noisy", file=sys.stderr
-        )
-        return 3
-    return 1 if mismatch else 0

@@ -193,134 +193,151 @@ def _quiet(*args, **kwargs) -> None:
 def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outcome:
     from qkvlab.analysis.runs import write_manifest
     from qkvlab.devices import select_device
-    from qkvlab.tasks import FAMILIES
     from qkvlab.train import distributed as D
 
-    cfg, out, runs = plan.config, plan.out, plan.runs
+    cfg, out = plan.config, plan.out
     world = env.world if env is not None else 1
     main = env is None or env.main
-    family_request = cfg.task in FAMILIES and cfg.task != "lm"
-    metrics: dict[str, Any] = {}
-    if main:
-        runs, metrics = _check_tasks(runs, family_request, say)
-        if not runs:
-            raise UserError(f"no task of {cfg.task!r} could be loaded")
-    if env is not None:  # rank 0's view of tasks and finished runs is everyone's
-        plan_rel, metrics = D.all_gather_object(env, ([r.rel for r in runs], metrics))[0]
-        runs = [r for r in runs if r.rel in set(plan_rel)]
-    states = [run_state(r) for r in runs]
-    if env is not None:
-        states = D.all_gather_object(env, states)[0]
-    todo = [r for r, s in zip(runs, states) if s != "finished"]
+    runs, metrics, todo = _runs_to_train(plan, env, say)
     device = str(select_device(cfg.device))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     parallel = device == "cpu" and world == 1
     layout = choose_layout(cfg, todo, cpus, cfg.jobs, cfg.threads, say if main else _quiet) if parallel else None
     jobs, threads = (layout.jobs, layout.threads) if layout is not None else (1, None)
+    manifest = _manifest(plan, runs, metrics, command, machine_info(jobs, threads or 0, device, world))
+    trained_before = _training_record(out) if not todo else None
+    if trained_before:  # only re-rendering: the folder keeps the record of the invocation that trained
+        manifest.update(trained_before)
+    if main:
+        write_manifest(out, manifest)
+        how = (
+            f"{jobs} parallel jobs x {threads} thread{'s' if threads > 1 else ''}"
+            if parallel
+            else f"one at a time on {device}" + (f" x {world} ranks" if world > 1 else "")
+        )
+        say(
+            f"compare: {len(runs)} runs in {out} ({len(runs) - len(todo)} finished already, {len(todo)} to train; {how})"
+        )
+        estimate = layout.plan_seconds([r.cfg for r in todo]) if layout is not None else None
+        if estimate is not None:
+            say(f"compare: about {fmt_duration(estimate)} of training at this machine's measured pace", flush=True)
+            manifest["estimate_s"] = round(estimate, 1)
+    outcome = Outcome(out)
+    _train_all(
+        todo, Progress(len(runs), len(runs) - len(todo), len(todo), say=say), outcome, parallel, jobs, threads, main
+    )
+    outcome.wall_s = wall = time.perf_counter() - t_start
+    if main:
+        _write(plan, manifest, trained_before, len(runs), len(todo), wall, outcome, command, say)
+    if env is not None:
+        D.barrier(env)
+    return outcome
 
-    manifest = {
+
+def _runs_to_train(plan: Plan, env, say) -> tuple[list[PlannedRun], dict[str, Any], list[PlannedRun]]:
+    """(the runs whose tasks load, their tasks' metrics, the runs not finished yet); under torchrun
+    rank 0's view is everyone's."""
+    from qkvlab.tasks import FAMILIES
+    from qkvlab.train import distributed as D
+
+    cfg, runs, metrics = plan.config, plan.runs, {}
+    if env is None or env.main:
+        runs, metrics = _check_tasks(runs, cfg.task in FAMILIES and cfg.task != "lm", say)
+        if not runs:
+            raise UserError(f"no task of {cfg.task!r} could be loaded")
+    if env is not None:
+        plan_rel, metrics = D.all_gather_object(env, ([r.rel for r in runs], metrics))[0]
+        runs = [r for r in runs if r.rel in set(plan_rel)]
+    states = [run_state(r) for r in runs]
+    if env is not None:
+        states = D.all_gather_object(env, states)[0]
+    return runs, metrics, [r for r, s in zip(runs, states) if s != "finished"]
+
+
+def _manifest(plan: Plan, runs: list[PlannedRun], metrics, command: str | None, machine) -> dict[str, Any]:
+    """compare.json: the command, the plan, the recipe of its first run, every run, the machine."""
+    cfg = plan.config
+    if cfg.sweep:
+        recipe = "scaling sweep"
+    elif cfg.preset:
+        recipe = cfg.preset
+    elif recipe_name(cfg.recipe, cfg.full_grid, plan.family) == "paper":
+        recipe = f"the paper's recipe (PAPER_RECIPE of qkvlab.tasks.{plan.family})"
+    else:
+        recipe = f"compare default ({CPU_RECIPES[plan.family]['preset']} + CPU recipe)"
+    first = runs[0].cfg.to_dict()
+    return {
         "command": command,
         "task_label": cfg.task,
         **plan.info,
-        "train": {
-            "preset": "scaling sweep"
-            if cfg.sweep
-            else cfg.preset
-            or (
-                f"the paper's recipe (PAPER_RECIPE of qkvlab.tasks.{plan.family})"
-                if recipe_name(cfg.recipe, cfg.full_grid, plan.family) == "paper"
-                else f"compare default ({CPU_RECIPES[plan.family]['preset']} + CPU recipe)"
-            ),
-            **{k: v for k, v in runs[0].cfg.to_dict().items() if k not in ("model", "task_options")},
-        },
+        "train": {"preset": recipe, **{k: v for k, v in first.items() if k not in ("model", "task_options")}},
         "model": runs[0].cfg.model.to_dict(),
         "task_options": runs[0].cfg.task_options,
         "metrics": metrics,
         "runs": [
             {"task": r.task, "variant": r.variant.name, "seed": r.seed, "point": r.point, "dir": r.rel} for r in runs
         ],
-        "machine": machine_info(jobs, threads or 0, device, world),
+        "machine": machine,
     }
-    trained_before = _training_record(out) if not todo else None
-    if trained_before:  # only re-rendering: the folder keeps the record of the invocation that trained
-        manifest.update(trained_before)
-    if main:
-        write_manifest(out, manifest)
-        say(
-            f"compare: {len(runs)} runs in {out} ({len(runs) - len(todo)} finished already, {len(todo)} to train; "
-            + (
-                f"{jobs} parallel jobs x {threads} thread{'s' if threads > 1 else ''}"
-                if parallel
-                else f"one at a time on {device}" + (f" x {world} ranks" if world > 1 else "")
-            )
-            + ")",
-            flush=True,
-        )
-        estimate = layout.plan_seconds([r.cfg for r in todo]) if layout is not None else None
-        if estimate is not None:
-            say(f"compare: about {fmt_duration(estimate)} of training at this machine's measured pace", flush=True)
-            manifest["estimate_s"] = round(estimate, 1)
 
-    progress = Progress(len(runs), len(runs) - len(todo), len(todo), say=say)
-    outcome = Outcome(out)
+
+def _train_all(todo, progress: Progress, outcome: Outcome, parallel: bool, jobs: int, threads, main: bool) -> None:
+    """Train `todo`: in `jobs` spawned processes on CPU, else one after another in this process."""
 
     def record(r: PlannedRun, result: dict[str, Any]) -> None:
         progress.update(r, result)
         if "error" in result:
             outcome.failures.append(f"{r.rel}: {result['error']}")
 
-    if parallel and jobs > 1:
-        import multiprocessing as mp
-        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
-        with ProcessPoolExecutor(
-            jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(threads,)
-        ) as pool:
-            pending = {pool.submit(_train_one, r.cfg, str(r.dir), False): r for r in todo}
-            try:
-                while pending:
-                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        record(pending.pop(fut), fut.result())
-            except BaseException:
-                for fut in pending:
-                    fut.cancel()
-                raise
-    else:
+    if not (parallel and jobs > 1):
         if parallel:
             _worker_init(threads)
         for r in todo:
             record(r, _train_one(r.cfg, str(r.dir), progress=not parallel and main))
+        return
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    outcome.wall_s = wall = time.perf_counter() - t_start
-    if main:
-        from qkvlab.analysis.report import write_results
-        from qkvlab.analysis.results import collect
+    with ProcessPoolExecutor(
+        jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(threads,)
+    ) as pool:
+        pending = {pool.submit(_train_one, r.cfg, str(r.dir), False): r for r in todo}
+        try:
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    record(pending.pop(fut), fut.result())
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
 
-        res = collect(out)
-        manifest["timing"] = (
-            trained_before.get("timing")
-            if trained_before
-            else {
-                "wall_s": round(wall, 1),
-                "trained": len(todo),
-                "skipped": len(runs) - len(todo),
-                "train_s_total": round(sum(float(r.final.get("elapsed_s") or 0) for r in res.runs), 1),
-            }
-        )
-        write_manifest(out, manifest)
-        res.manifest = manifest
-        if cfg.sweep:
-            from qkvlab.analysis.scaling_report import write_scaling_results
 
-            outcome.results = write_scaling_results(out, out, command=command or "", plots=cfg.plots)
-        else:
-            outcome.results = write_results(out, res, plots=cfg.plots)
-        say(
-            f"compare: wrote {out / 'results.md'}, {out / 'results.csv'}"
-            + (" and plots" if cfg.plots else "")
-            + f"; wall time {fmt_duration(wall)} ({wall:.0f} s)"
-        )
-    if env is not None:
-        D.barrier(env)
-    return outcome
+def _write(
+    plan: Plan, manifest, trained_before, n_runs: int, n_trained: int, wall: float, outcome, command, say
+) -> None:
+    """The timing into compare.json, then results.md/csv and plots (the sweep's own writer for --sweep)."""
+    from qkvlab.analysis.report import write_results
+    from qkvlab.analysis.results import collect
+    from qkvlab.analysis.runs import write_manifest
+
+    out, cfg = plan.out, plan.config
+    res = collect(out)
+    manifest["timing"] = (trained_before or {}).get("timing") or {
+        "wall_s": round(wall, 1),
+        "trained": n_trained,
+        "skipped": n_runs - n_trained,
+        "train_s_total": round(sum(float(r.final.get("elapsed_s") or 0) for r in res.runs), 1),
+    }
+    write_manifest(out, manifest)
+    res.manifest = manifest
+    if cfg.sweep:
+        from qkvlab.analysis.scaling_report import write_scaling_results
+
+        outcome.results = write_scaling_results(out, out, command=command or "", plots=cfg.plots)
+    else:
+        outcome.results = write_results(out, res, plots=cfg.plots)
+    plots = " and plots" if cfg.plots else ""
+    say(
+        f"compare: wrote {out / 'results.md'}, {out / 'results.csv'}{plots}; wall time {fmt_duration(wall)} ({wall:.0f} s)"
+    )

@@ -79,8 +79,8 @@ def parse_sizes(text: str) -> list[SweepSize]:
     return out
 
 
-def plan_sweep(cfg):
-    """The sweep's Plan: one TrainConfig per (size, variant, seed)."""
+def _check_sweep_settings(cfg) -> None:
+    """Settings a sweep decides itself are refused with the reason."""
     for key, flag in (("max_steps", "--steps"), ("preset", "--preset"), ("full_grid", "--full-grid")):
         if getattr(cfg, key):
             raise UserError(f"{flag} does not apply to --sweep: steps follow from --tokens-per-param and each size")
@@ -89,6 +89,11 @@ def plan_sweep(cfg):
         raise UserError(f"--{shape[0].replace('_', '-')} does not apply to --sweep: --sizes sets each size's shape")
     if cfg.task != "lm":
         raise UserError(f"--sweep trains language models; --task {cfg.task!r} is not lm")
+
+
+def plan_sweep(cfg):
+    """The sweep's Plan: one TrainConfig per (size, variant, seed)."""
+    _check_sweep_settings(cfg)
     r = SWEEP_RECIPE
     sizes = parse_sizes(cfg.sizes or SWEEP_SIZES)
     variants = parse_variants(cfg.variants if cfg.variants is not None else list(SWEEP_VARIANTS))
