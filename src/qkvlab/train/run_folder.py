@@ -30,18 +30,13 @@ REFUSAL_ADVICE = {
 def claim_run_folder(out: Path, env: D.Env, resume: bool) -> Claim | None:
     """Rank 0 creates and locks OUT, refusing what is not a run it may write; every rank learns
     the verdict (so a refusal is one line on every rank, not a hang at the next barrier)."""
-    claim, error = None, None
-    if env.main:
-        try:
-            claim = claim_folder(out, accept=("run",) if resume else (), advice=REFUSAL_ADVICE)
-        except UserError as e:
-            error = e
-    verdict = D.all_gather_object(env, None if error is None else str(error))[0]
-    if error is not None:
-        raise error
-    if verdict is not None:
-        raise UserError(verdict)
-    return claim
+    claimed: list[Claim | None] = [None]
+
+    def claim() -> None:
+        claimed[0] = claim_folder(out, accept=("run",) if resume else (), advice=REFUSAL_ADVICE)
+
+    verdict_on_rank0(env, claim)
+    return claimed[0]
 
 
 @dataclass
