@@ -24,6 +24,7 @@ from typing import Any
 from qkvlab.devices import DEVICE_HELP, INFERENCE_DTYPES, check_device, dtype_choices, dtype_name
 from qkvlab.errors import UserError
 from qkvlab.settings import byte_size, check, setting
+from qkvlab.units import nbytes
 
 
 @dataclass
@@ -183,7 +184,7 @@ def serve(cfg: ServeConfig) -> int:
     print(
         f"qkvlab serve: http://{host if ':' not in host else f'[{host}]'}:{port}/v1 serving {served.name} "
         f"({served.scheme}, {built.dtype} on {built.device}): capacity {rows:,} sequences of {served.context:,} tokens "
-        f"({served.cache_bytes_per_token:,} bytes per token, {served.cache_bytes / 2**20:,.1f} MiB)",
+        f"({served.cache_bytes_per_token:,} bytes per token, {nbytes(served.cache_bytes)})",
         flush=True,
     )
     built.engine.start()
