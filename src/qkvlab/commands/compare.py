@@ -12,7 +12,7 @@ parameter count; `/width=S`: d_model shrunk to S's; '+' stays the 2D score term,
 
 `--sweep` trains the LM variants at several model sizes (`--sizes`, tokens proportional to
 parameters, `--tokens-per-param`) into OUT/<size>/<variant>/seed<k> and writes each variant's gap
-to Q-K-V against size and compute, a fitted trend and its extrapolation to the papers' sizes.
+to Q-K-V per size with intervals and its slope in log N (nothing predicted beyond 10x the largest size).
 
 Runs go to OUT/<task>/<variant>/seed<k> (OUT/<task>/<grid point>/... on a grid); a finished run
 (final model + metrics) is skipped when compare runs again, an interrupted one resumes. On CPU the

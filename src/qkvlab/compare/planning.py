@@ -92,7 +92,7 @@ class CompareConfig:
     sweep: bool = setting(
         False,
         help="the scaling sweep: the LM variants at several sizes, tokens proportional to parameters; "
-        "writes the gap to Q-K-V against size and compute, a fit and its extrapolation to 124M/300M",
+        "writes the gap to Q-K-V per size with intervals and its slope in log N (no prediction beyond 10x the largest size)",
     )
     sizes: str | None = setting(
         None,

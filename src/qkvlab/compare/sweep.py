@@ -1,6 +1,6 @@
 """The scaling sweep (`qkvlab compare --sweep`): the LM variants at several model sizes, training
 tokens proportional to parameters; results are each variant's gap to Q-K-V against size and
-compute, a fitted trend and its extrapolation to the papers' sizes (qkvlab.analysis.scaling).
+compute with intervals and the slope in log N (qkvlab.analysis.scaling; no prediction beyond 10x).
 
 A size is ``d<d_model>-L<n_layer>-h<n_head>[-b<sequences per step>][-s<seeds>]``; sizes are
 comma-separated. Per size: the base model is ``ModelConfig(d_model, n_layer, n_head, vocab,
@@ -75,7 +75,7 @@ def parse_sizes(text: str) -> list[SweepSize]:
             raise UserError(f"sweep sizes {text!r}: {size.label} appears twice (a size's folder is d..-L..)")
         out.append(size)
     if len(out) < 2:
-        raise UserError(f"sweep sizes {text!r}: a trend needs at least 2 sizes (4 or more to extrapolate)")
+        raise UserError(f"sweep sizes {text!r}: a slope needs at least 2 sizes")
     return out
 
 
