@@ -32,6 +32,7 @@ def tiny(plays_file, **over) -> TrainConfig:
         batch_size=8,
         eval_batches=2,
         log_tensorboard=False,
+        dtype="fp32",  # exact comparisons: "auto" is bf16 autocast on CPUs with native bf16
     )
     return train_preset("tiny", **{**base, **over})
 
@@ -47,6 +48,8 @@ CLI_BASE = [
     "8",
     "--eval-batches",
     "2",
+    "--dtype",
+    "fp32",  # as tiny(): exact comparisons need fp32 where "auto" would pick bf16
     "--quiet",
 ]
 
