@@ -86,3 +86,29 @@ def test_tiny_sweep_end_to_end_then_render_only(tmp_path, corpus, capsys, monkey
     assert main(args + ["--no-plots"]) == 0
     assert calls == [] and "8 finished already, 0 to train" in capsys.readouterr().out
     assert (out / "results.md").is_file()
+
+
+def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(monkeypatch):
+    """--dtype is one setting for the whole comparison (grid and sweep); machine_info records the
+    dtype it resolved to on this machine (auto: bf16 only where the CPU multiplies bf16 natively)."""
+    from qkvlab.compare import execute
+    from qkvlab.compare.sweep import SWEEP_RECIPE, SWEEP_SIZES
+    from qkvlab.settings import check
+
+    for dtype in ("fp32", "bf16"):
+        grid = plan(CompareConfig(out="/nowhere", dtype=dtype, seeds=1))
+        sweep = plan(CompareConfig(sweep=True, out="/nowhere", dtype=dtype, sizes="d32-L1-h2,d48-L2-h3"))
+        assert {r.cfg.dtype for r in grid.runs + sweep.runs} == {dtype}
+    assert {r.cfg.dtype for r in plan(CompareConfig(out="/nowhere", seeds=1)).runs} == {"auto"}
+    with pytest.raises(UserError, match="fp16"):
+        check(CompareConfig(dtype="fp16"))
+    monkeypatch.setattr("qkvlab.devices.cpu_has_bf16", lambda cpuinfo=None: False)
+    assert execute.machine_info(2, 1, "cpu", 1, "auto")["train_dtype"] == "fp32"
+    assert execute.machine_info(1, 0, "cuda:1", 1, "auto")["train_dtype"] == "bf16"
+    monkeypatch.setattr("qkvlab.devices.cpu_has_bf16", lambda cpuinfo=None: True)
+    assert execute.machine_info(2, 1, "cpu", 1, "auto")["train_dtype"] == "bf16"
+    assert execute.machine_info(2, 1, "cpu", 1, "fp32")["train_dtype"] == "fp32"
+    # the help states the sweep's real defaults
+    fields = {f.name: f for f in __import__("dataclasses").fields(CompareConfig)}
+    assert SWEEP_SIZES in fields["sizes"].metadata["help"]
+    assert f"default {SWEEP_RECIPE['tokens_per_param']:g}" in fields["tokens_per_param"].metadata["help"]

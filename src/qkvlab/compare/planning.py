@@ -23,7 +23,7 @@ from qkvlab.compare.recipes import (
 )
 from qkvlab.config import PRESETS, ModelConfig
 from qkvlab.config import preset as model_preset
-from qkvlab.devices import check_device
+from qkvlab.devices import TRAIN_DTYPES, check_device, dtype_choices
 from qkvlab.errors import UserError
 from qkvlab.io import read_config
 from qkvlab.settings import check, setting
@@ -88,6 +88,12 @@ class CompareConfig:
     )
     threads: int | None = setting(None, help="torch threads per job on CPU (default: CPU count / jobs)", minimum=1)
     device: str = setting("auto", help="auto, cpu, cuda, cuda:N or mps", metavar="DEVICE")
+    dtype: str = setting(
+        "auto",
+        help="training autocast dtype of every run (auto: bf16 on CUDA and on CPUs with native bf16, fp32 "
+        "elsewhere; compare.json and results.md record what it resolved to)",
+        choices=dtype_choices(TRAIN_DTYPES),
+    )
     plots: bool = setting(True, help="write the plots")
     sweep: bool = setting(
         False,
@@ -97,11 +103,14 @@ class CompareConfig:
     sizes: str | None = setting(
         None,
         help="sweep sizes, comma-separated d<d_model>-L<layers>-h<heads>[-b<batch>][-s<seeds>] "
-        "(default d32-L1-h2-b4-s2,d48-L2-h3-b8-s2,d64-L3-h4-b16-s2,d96-L4-h6-b32-s1)",
+        "(default d48-L2-h4-b16-s3,d64-L3-h4-b16-s3,d96-L4-h4-b32-s3,d128-L6-h4-b32-s3)",
         metavar="LIST",
     )
     tokens_per_param: float | None = setting(
-        None, help="sweep: training tokens per non-embedding parameter of Q-K-V (default 5)", metavar="X", positive=True
+        None,
+        help="sweep: training tokens per non-embedding parameter of Q-K-V (default 20)",
+        metavar="X",
+        positive=True,
     )
     dry_run: bool = setting(False, help="print the plan, train nothing")
 
@@ -284,7 +293,9 @@ def base_train_config(cfg: CompareConfig, family: str, task: str, point: dict[st
     overrides.update(g_model)
     overrides.update(cfg.model)
     model = model_preset(model_name, **overrides)
-    body.update(task=task, task_options=task_options, model=model, device=cfg.device, log_tensorboard=False)
+    body.update(
+        task=task, task_options=task_options, model=model, device=cfg.device, dtype=cfg.dtype, log_tensorboard=False
+    )
     return TrainConfig.from_dict(body), body.get("weight_decay") is not None
 
 

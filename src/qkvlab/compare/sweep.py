@@ -133,6 +133,7 @@ def plan_sweep(cfg):
                         eval_every=cfg.eval_every or max(1, steps // 10),
                         log_tensorboard=False,
                         device=cfg.device,
+                        dtype=cfg.dtype,
                         **SWEEP_EVAL,
                     )
                 )
