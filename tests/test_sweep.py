@@ -102,12 +102,16 @@ def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(mo
     assert {r.cfg.dtype for r in plan(CompareConfig(out="/nowhere", seeds=1)).runs} == {"auto"}
     with pytest.raises(UserError, match="fp16"):
         check(CompareConfig(dtype="fp16"))
-    monkeypatch.setattr("qkvlab.devices.cpu_has_bf16", lambda cpuinfo=None: False)
-    assert execute.machine_info(2, 1, "cpu", 1, "auto")["train_dtype"] == "fp32"
-    assert execute.machine_info(1, 0, "cuda:1", 1, "auto")["train_dtype"] == "bf16"
-    monkeypatch.setattr("qkvlab.devices.cpu_has_bf16", lambda cpuinfo=None: True)
-    assert execute.machine_info(2, 1, "cpu", 1, "auto")["train_dtype"] == "bf16"
-    assert execute.machine_info(2, 1, "cpu", 1, "fp32")["train_dtype"] == "fp32"
+    wide = plan(CompareConfig(out="/nowhere", seeds=1, model={"d_model": 256, "n_head": 4}))
+    sweep = plan(CompareConfig(sweep=True, out="/nowhere", sizes="d64-L1-h2,d256-L1-h4"))
+    for has_bf16, grid_dtype, sweep_dtype in ((False, "fp32", "fp32"), (True, "bf16", "bf16, fp32")):
+        monkeypatch.setattr("qkvlab.devices.cpu_has_bf16", lambda cpuinfo=None, v=has_bf16: v)
+        assert execute._train_dtype(wide, "cpu") == grid_dtype
+        assert execute._train_dtype(sweep, "cpu") == sweep_dtype
+        assert execute._train_dtype(grid, "cpu") == "bf16"  # the last grid above: --dtype bf16
+        assert execute._train_dtype(plan(CompareConfig(out="/nowhere", seeds=1)), "cpu") == "fp32"  # d 64: narrow
+    assert execute._train_dtype(wide, "cuda:1") == "bf16"
+    assert execute.machine_info(2, 1, "cpu", 1, "bf16, fp32")["train_dtype"] == "bf16, fp32"
     # the help states the sweep's real defaults
     fields = {f.name: f for f in __import__("dataclasses").fields(CompareConfig)}
     assert SWEEP_SIZES in fields["sizes"].metadata["help"]

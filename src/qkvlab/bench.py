@@ -224,7 +224,7 @@ def bench_variant(
     dname = dtype_name(opts.dtype, device_type=device.type)
     out = cache_figures(cfg, opts, device, dname)
     if opts.train:
-        out["train_dtype"] = tname = autocast_dtype_name(opts.dtype, device.type)
+        out["train_dtype"] = tname = autocast_dtype_name(opts.dtype, device.type, d_model=cfg.d_model)
         tps = train_tokens_per_s(
             cfg, batch=opts.train_batch, steps=opts.train_steps, device=device, dtype=torch_dtype(tname), seed=opts.seed
         )
@@ -368,7 +368,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
         raise NoisyMachine(f"noisy machine before starting: {watch.before_summary()} (--require-quiet)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    tname = autocast_dtype_name(cfg.dtype, device.type)
+    tname = autocast_dtype_name(cfg.dtype, device.type, d_model=cfg.model_config.d_model)
     peak = matmul_flops_per_s(device, torch_dtype(tname))
     rate = measured_copy_rate(device)
     log(f"matmul rate on {device} ({tname}): {peak / 1e9:.1f} GFLOP/s; copy rate {rate / 1e9:.1f} GB/s")

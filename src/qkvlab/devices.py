@@ -2,7 +2,8 @@
 
 dtype names: fp32, bf16, fp16, fp64 (also spelled float32, bfloat16, float16, float64), and "auto"
 (bf16 on CUDA, fp32 elsewhere; for training's autocast also bf16 on CPUs with native bf16
-instructions, `cpu_has_bf16`: fp32 master weights and loss either way). An option's choices are
+instructions, `cpu_has_bf16`, for models at least CPU_BF16_MIN_WIDTH wide: fp32 master weights and
+loss either way). An option's choices are
 `dtype_choices(ALLOWED)`: every spelling of the dtypes it allows. Devices: auto, cpu, cuda, cuda:N,
 mps; `select_device` is the one resolver (a bare "cuda" is always this process's cuda:LOCAL_RANK,
 cuda:0 outside torchrun; an explicit cuda:N is refused with more than one rank).
@@ -66,11 +67,20 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
         return False
 
 
-def autocast_dtype_name(name: str, device_type: str = "cpu", *, has_bf16: bool | None = None) -> str:
-    """Training's autocast dtype: "auto" -> bf16 on CUDA and on CPUs with native bf16 (`cpu_has_bf16`),
-    fp32 elsewhere; anything else as `dtype_name`."""
+# Narrowest model that trains faster under CPU bf16 autocast than in fp32: below it the casts around
+# every small matmul cost more than AMX saves (docs/inference.md, "bf16 autocast on the CPU").
+CPU_BF16_MIN_WIDTH = 192
+
+
+def autocast_dtype_name(
+    name: str, device_type: str = "cpu", *, d_model: int | None = None, has_bf16: bool | None = None
+) -> str:
+    """Training's autocast dtype: "auto" -> bf16 on CUDA; on the CPU bf16 where it pays, i.e. the CPU
+    multiplies bf16 natively (`cpu_has_bf16`) and the model is at least CPU_BF16_MIN_WIDTH wide
+    (d_model; None: unknown, taken as wide enough); fp32 elsewhere. Anything else as `dtype_name`."""
     if name == "auto" and device_type == "cpu":
-        return "bf16" if (cpu_has_bf16() if has_bf16 is None else has_bf16) else "fp32"
+        wide = d_model is None or d_model >= CPU_BF16_MIN_WIDTH
+        return "bf16" if wide and (cpu_has_bf16() if has_bf16 is None else has_bf16) else "fp32"
     return dtype_name(name, device_type=device_type)
 
 
@@ -81,11 +91,11 @@ def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES) -> str:
     return name
 
 
-def torch_dtype(name: str, device_type: str = "cpu", *, autocast: bool = False):
-    """The torch dtype of a name; autocast: "auto" resolves as training's (`autocast_dtype_name`)."""
+def torch_dtype(name: str, device_type: str = "cpu"):
+    """The torch dtype of a name ("auto" as `dtype_name`; training's auto: `autocast_dtype_name`)."""
     import torch
 
-    short = autocast_dtype_name(name, device_type) if autocast else dtype_name(name, device_type=device_type)
+    short = dtype_name(name, device_type=device_type)
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[short]
 
 

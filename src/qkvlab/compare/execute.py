@@ -79,12 +79,10 @@ class Progress:
         )
 
 
-def machine_info(jobs: int, threads: int, device: str, world: int, dtype: str = "auto") -> dict[str, Any]:
-    """Where the runs trained; train_dtype is the autocast dtype `dtype` resolved to here (auto: bf16 on
-    CUDA and on bf16-native CPUs), so a result says whether it was trained in fp32 or under bf16."""
+def machine_info(jobs: int, threads: int, device: str, world: int, train_dtype: str = "fp32") -> dict[str, Any]:
+    """Where the runs trained; train_dtype: the autocast dtype(s) the runs' dtype setting resolved to
+    here (`_train_dtype`), so a result says whether it was trained in fp32 or under bf16."""
     import torch
-
-    from qkvlab.devices import autocast_dtype_name
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -105,7 +103,7 @@ def machine_info(jobs: int, threads: int, device: str, world: int, dtype: str = 
         "jobs": jobs,
         "threads_per_job": threads,
         "world_size": world,
-        "train_dtype": autocast_dtype_name(dtype, device.split(":")[0]),
+        "train_dtype": train_dtype,
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
@@ -191,9 +189,13 @@ def _training_record(out: Path) -> dict[str, Any] | None:
     return {k: old[k] for k in ("machine", "timing", "estimate_s") if k in old}
 
 
-def _train_dtype(plan: Plan) -> str:
-    """The plan's training dtype setting (every run of a comparison has the same one)."""
-    return plan.runs[0].cfg.dtype if plan.runs else "auto"
+def _train_dtype(plan: Plan, device: str) -> str:
+    """What the runs' dtype setting resolves to on `device` (auto depends on the model's width on
+    the CPU, so a sweep may train its narrow sizes in fp32 and its wide ones under bf16)."""
+    from qkvlab.devices import autocast_dtype_name
+
+    names = [autocast_dtype_name(r.cfg.dtype, device.split(":")[0], d_model=r.cfg.model.d_model) for r in plan.runs]
+    return ", ".join(sorted(set(names))) or "fp32"
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -215,7 +217,7 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
     layout = choose_layout(cfg, todo, cpus, cfg.jobs, cfg.threads, say if main else _quiet) if parallel else None
     jobs, threads = (layout.jobs, layout.threads) if layout is not None else (1, None)
     manifest = _manifest(
-        plan, runs, metrics, command, machine_info(jobs, threads or 0, device, world, _train_dtype(plan))
+        plan, runs, metrics, command, machine_info(jobs, threads or 0, device, world, _train_dtype(plan, device))
     )
     trained_before = _training_record(out) if not todo else None
     if trained_before:  # only re-rendering: the folder keeps the record of the invocation that trained

@@ -16,7 +16,7 @@ from typing import Any
 
 from qkvlab.config import ModelConfig, model_from_mapping, preset
 from qkvlab.config_file import read_config_file
-from qkvlab.devices import SHARDINGS, TRAIN_DTYPES, check_device, check_dtype, dtype_choices
+from qkvlab.devices import CPU_BF16_MIN_WIDTH, SHARDINGS, TRAIN_DTYPES, check_device, check_dtype, dtype_choices
 from qkvlab.errors import UserError
 from qkvlab.settings import check, resumable_fields, setting
 
@@ -73,7 +73,8 @@ class TrainConfig:
     compile: bool = setting(False, help="torch.compile the model", resumable=True)
     dtype: str = setting(
         "auto",
-        help="autocast dtype (auto: bf16 on CUDA and on CPUs with native bf16, fp32 elsewhere)",
+        help=f"autocast dtype (auto: bf16 on CUDA and, for d_model >= {CPU_BF16_MIN_WIDTH}, on CPUs with native bf16; "
+        "fp32 elsewhere)",
         choices=dtype_choices(TRAIN_DTYPES),
     )
     device: str = setting(
