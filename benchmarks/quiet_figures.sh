@@ -42,4 +42,6 @@ step train "$PY" "$ROOT/benchmarks/train_throughput.py" --threads 2 --rounds 7 -
 # 4. the reduced schemes keep their FLOP savings
 step schemes "$PY" "$ROOT/benchmarks/train_throughput.py" --threads 2 --rounds 7 \
   --schemes Q-K-V,Id-K-V,Q-K=V,Q=K=V --json "$OUT/schemes.json"
+# 5. where CPU bf16 autocast pays (the crossover behind qkvlab.devices.CPU_BF16_MIN_WIDTH)
+step bf16_widths bash "$ROOT/benchmarks/bf16_widths.sh"
 grep -h "machine during the run" "$OUT"/*.txt
