@@ -11,8 +11,8 @@ sends --requests streaming requests with Poisson arrivals from up to --clients c
 - per-token latency: a request's seconds from its first to its last token / (tokens - 1), the
   time per output token of each request (p50, p99 over requests);
 - peak concurrent sequences: the server's own count (/health peak_active);
-- the 1-minute load average at the run's start and end (os.getloadavg, read here: the shared
-  load recorder was not on main when this was written).
+- the 1-minute load average at the run's start and end; for the whole measurement, qkvlab.loadavg's
+  record (load before, CPU that other processes took, steal) and its quiet/noisy verdict.
 
 Everything is bounded: a run stops sending at --time-limit seconds and then cancels what is left;
 each server is stopped with SIGTERM. Output: OUT/results.md (a table), OUT/results.json and
@@ -43,6 +43,7 @@ from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 from qkvlab.io import atomic_file, atomic_write, json_text, save_model
+from qkvlab.loadavg import LoadWatch, load1
 from qkvlab.settings import byte_size, float_list
 from qkvlab.variants import parse_variants
 
@@ -50,11 +51,9 @@ START_TIMEOUT = 120.0  # seconds a server may take to print its start-up line
 
 
 def load_average() -> float | None:
-    """1-minute load average (the shared helper in qkvlab was not on main yet)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
+    """The 1-minute load average now, rounded (qkvlab.loadavg.load1)."""
+    now = load1()
+    return None if now is None else round(now, 2)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -305,6 +304,8 @@ def main(argv=None) -> int:
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise SystemExit(f"serve_load: {out} is not empty; pass --overwrite to replace its results")
     log = lambda s: print(s, file=sys.stderr, flush=True)
+    watch = LoadWatch.start()  # the servers are waited-for children: their CPU is ours, not "others"
+    log(f"machine before the run: {watch.before_summary()}")
     load_start, t0 = load_average(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="qkvlab-serve-load-") as tmp:
         models = write_models(args, Path(tmp))
@@ -322,9 +323,12 @@ def main(argv=None) -> int:
         "load_start": load_start,
         "load_end": load_average(),
         "wall_s": round(time.perf_counter() - t0, 1),
+        "load": watch.finish().to_dict(),
     }
     head = f"# qkvlab serve under load\n\n`{command}`\n\n{meta['cpus']} CPUs; load average {load_start} at the start, "
-    head += f"{meta['load_end']} at the end; {meta['wall_s']} s in all.\n\n"
+    head += (
+        f"{meta['load_end']} at the end; {meta['wall_s']} s in all.\n\nMachine during the run: {watch.summary()}.\n\n"
+    )
     atomic_write(out / "results.md", head + md)
     atomic_write(out / "results.json", json_text({**meta, "cache_bytes": cache_bytes, "rows": rows}, indent=2))
     plot(rows, out / "serve_load.png")
