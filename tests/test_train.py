@@ -453,3 +453,21 @@ def test_direct_full_state_matches_torch_distributed_checkpoint_layout():
     load_full_state(fresh, fresh_opt, w2, o2)  # DCP's dicts load through the direct route
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
     assert str(fresh_opt.state_dict()) == str(opt.state_dict())
+
+
+def test_a_run_records_the_dtype_it_trained_in(plays_file, tmp_path, monkeypatch, capsys):
+    """The dtype setting resolved (auto depends on the device, the CPU and the width) is what the
+    checkpoint, the result and test.json record, and what `qkvlab train` prints."""
+    monkeypatch.setattr("qkvlab.devices.cpu_has_bf16", lambda cpuinfo=None: True)  # auto: bf16 only if wide
+    for dtype, short, long in (("bf16", "bf16", "bfloat16"), ("auto", "fp32", "float32")):
+        cfg = tiny(plays_file, max_steps=2, eval_every=2, dtype=dtype)
+        assert cfg.model.d_model < 192  # narrower than CPU_BF16_MIN_WIDTH: auto stays fp32
+        out = tmp_path / f"{dtype}"
+        result = train(cfg, out, progress=False)
+        assert result.train_dtype == short
+        assert json.loads((out / "checkpoint" / "state.json").read_text())["train_dtype"] == short
+        test = out / "test.json"
+        assert json.loads(test.read_text())["dtype"] == long  # the test split was scored in it
+    assert cli.main(["train", *CLI_BASE[:-3], "--dtype", "bf16", "--max-steps", "2", "--data", str(plays_file),
+                     "--out", str(tmp_path / "cli")]) == 0  # fmt: skip
+    assert "tokens/s (bf16) ->" in capsys.readouterr().out

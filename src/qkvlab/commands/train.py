@@ -76,6 +76,6 @@ def run(args) -> int:
         score = " ".join(f"{k} {m[k]:.4f}" for k in keys if isinstance(m.get(k), float))
         print(
             f"{cfg.model.attn}: {result.step} steps, {result.tokens:,} tokens, {result.params:,} params, "
-            f"{score}, {result.tokens_per_s:,.0f} tokens/s -> {run_opts.out}"
+            f"{score}, {result.tokens_per_s:,.0f} tokens/s{f' ({result.train_dtype})' if result.train_dtype else ''} -> {run_opts.out}"
         )
     return 0

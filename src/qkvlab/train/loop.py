@@ -70,6 +70,7 @@ class TrainResult:
     tokens_per_s: float = 0.0
     metric: str = "val_loss"
     higher_is_better: bool = False
+    train_dtype: str | None = None  # the autocast dtype it trained in (its dtype setting, resolved); None: not recorded
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Run:
     train_fwd: nn.Module  # fwd, DDP-wrapped when replicating: the training forward
     optimizer: torch.optim.Optimizer
     autocast: Any  # a context manager
+    train_dtype: str  # what cfg.dtype resolved to here: "fp32" (no autocast) or the autocast dtype
     sharded: bool
     aliases: dict[str, str]  # tied parameter names (qkvlab.io.tied_aliases)
     params: int
@@ -195,7 +197,8 @@ def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
     params = sum(p.numel() for p in raw.parameters())
     sharded = env.distributed and cfg.sharding == "fsdp"
     # auto: bf16 on CUDA, and on bf16-native CPUs for models wide enough to gain from it
-    dtype = torch_dtype(autocast_dtype_name(cfg.dtype, env.device.type, d_model=model_cfg.d_model))
+    train_dtype = autocast_dtype_name(cfg.dtype, env.device.type, d_model=model_cfg.d_model)
+    dtype = torch_dtype(train_dtype)
     if sharded:  # blocks compiled one by one before sharding; bf16 all-gathers, fp32 reduction
         D.shard(raw, env, param_dtype=dtype if dtype != torch.float32 else None, compile=cfg.compile)
     optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, cfg.betas, env.device)
@@ -213,6 +216,7 @@ def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
         train_fwd=train_fwd,
         optimizer=optimizer,
         autocast=autocast,
+        train_dtype=train_dtype,
         sharded=sharded,
         aliases=aliases,
         params=params,
@@ -327,7 +331,7 @@ def score_test(run: Run) -> dict[str, Any] | None:
     with torch.no_grad(), run.autocast:
         scored = run.task.test(run.fwd, batch_size=run.cfg.val_batch_size)
     run.fwd.train()
-    dtype = str(torch_dtype(run.cfg.dtype, run.env.device.type)).removeprefix("torch.")
+    dtype = str(torch_dtype(run.train_dtype)).removeprefix("torch.")  # what the scoring forward ran in
     return None if scored is None else {**scored, "step": run.cfg.max_steps, "dtype": dtype}
 
 
@@ -394,6 +398,7 @@ def save_checkpoint(run: Run, state: State) -> dict[str, Any]:
         "higher_is_better": run.task.higher_is_better,
         "task": run.task.describe(),
         "train_config": run.cfg.to_dict(),
+        "train_dtype": run.train_dtype,
     }
     if env.main:
         ck.save_checkpoint(
@@ -425,6 +430,7 @@ def _result(out: Path, st: dict[str, Any], tokens_per_s: float) -> TrainResult:
         tokens_per_s=tokens_per_s,
         metric=st.get("metric", "val_loss"),
         higher_is_better=st.get("higher_is_better", False),
+        train_dtype=st.get("train_dtype"),  # None in checkpoints written before it was recorded
     )
 
 
