@@ -335,6 +335,40 @@ def test_two_trainings_started_at_once_one_is_refused(plays_file, tmp_path):
     assert [r["step"] for r in read_metrics(out)] == [0, 4, 8]
 
 
+def test_a_refused_racer_never_removes_the_folder_its_rival_works_in(tmp_path, monkeypatch):
+    """Both processes saw the folder missing; this one created it, the other locked it first: the
+    refusal must leave the folder (and what the holder writes there) alone. And a folder another
+    process created between the look and the mkdir is not this process's to remove."""
+    from qkvlab import folders
+
+    out = tmp_path / "run"
+
+    def rival_holds_it(path, flag):
+        (path / "train_config.json").write_text("{}")  # the holder is writing
+        raise folders.FolderInUse(f"{flag} {path} is in use by another qkvlab process")
+
+    monkeypatch.setattr(folders, "_lock", rival_holds_it)
+    with pytest.raises(folders.FolderInUse):
+        folders.claim_folder(out, accept=(), advice={})
+    assert (out / "train_config.json").is_file()
+
+    other = tmp_path / "other"
+    real_mkdir = type(other).mkdir
+
+    def created_by_another_first(self, *args, **kwargs):
+        real_mkdir(self)  # the rival's mkdir lands between this process's look and its own mkdir
+        return real_mkdir(self, *args, **kwargs)
+
+    def refuse(path, flag):
+        raise UserError(f"{flag} {path}: cannot write there")
+
+    monkeypatch.setattr(type(other), "mkdir", created_by_another_first)
+    monkeypatch.setattr(folders, "_lock", refuse)
+    with pytest.raises(UserError):
+        folders.claim_folder(other, accept=(), advice={})
+    assert other.is_dir()  # not created by this process: not removed by its refusal
+
+
 def test_two_racing_trainings_killed_then_resumed_is_bit_identical(plays_file, tmp_path):
     """Both racers are SIGKILLed (one mid-run); the lock dies with them; one resume finishes the run
     exactly as an uninterrupted one."""

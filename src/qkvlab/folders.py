@@ -126,6 +126,10 @@ def _check_creatable(path: Path, flag: str) -> None:
         raise UserError(f"{flag} {path}: {parent or path} is not writable")
 
 
+class FolderInUse(UserError):
+    """Another process holds the folder's lock."""
+
+
 @dataclass
 class Claim:
     """A folder this process writes, locked until `release`; `undo` removes what it created."""
@@ -162,9 +166,11 @@ def claim_folder(path: str | Path, *, accept: tuple[str, ...], advice: dict[str,
     path = Path(path)
     found = inspect(path)
     _refuse_unless(path, found, accept, advice, flag)
-    created = found.kind == "missing"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
+    try:  # created: by this mkdir, not merely missing a moment ago (a racing process may create it too)
+        path.mkdir(parents=True)
+        created = True
+    except FileExistsError:
+        created = False
     except OSError as e:
         raise UserError(f"{flag} {path}: cannot create it ({e.strerror})") from None
     claim = Claim(path, created, found.kind == "empty")
@@ -173,6 +179,8 @@ def claim_folder(path: str | Path, *, accept: tuple[str, ...], advice: dict[str,
         found = inspect(path)  # again, under the lock: another process may have written meanwhile
         _refuse_unless(path, found, accept, advice, flag)
         claim.was_empty = claim.was_empty and found.kind == "empty"
+    except FolderInUse:
+        raise  # its lock holder works in it now, even if this process created it a moment ago: leave it
     except BaseException:
         claim.undo() if created else claim.release()
         raise
@@ -198,7 +206,7 @@ def _lock(path: Path, flag: str) -> int | None:
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise UserError(
+            raise FolderInUse(
                 f"{flag} {path} is in use by another qkvlab process (it holds {LOCK}); wait for it or choose another {flag}"
             ) from None
         raise UserError(no_lock_message(flag, path, e)) from None
