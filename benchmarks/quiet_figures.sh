@@ -6,6 +6,10 @@
 # 64 new tokens; training at T256 B8, no biases. Which README/docs rows each replaces: docs/inference.md.
 set -u
 OUT=${OUT:-quiet}
+if [ -e "$OUT" ] && { [ ! -d "$OUT" ] || [ -n "$(ls -A "$OUT")" ]; }; then  # never overwrite earlier figures
+  echo "quiet_figures: $OUT exists and is not an empty folder; choose another OUT" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

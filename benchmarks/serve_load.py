@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)
     watch = LoadWatch.start()  # the servers are waited-for children: their CPU is ours, not "others"
     log(f"machine before the run: {watch.before_summary()}")
-    load_start, t0 = load_average(), time.perf_counter()
+    load_start, t0 = None if watch.load_before is None else round(watch.load_before, 2), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="qkvlab-serve-load-") as tmp:
         models = write_models(args, Path(tmp))
         per_token = dict((n, b) for n, _, b in models)

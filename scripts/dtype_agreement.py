@@ -14,7 +14,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from qkvlab.analysis.intervals import mean_interval
+from qkvlab.analysis.intervals import mean_interval, paired_differences
 from qkvlab.analysis.runs import read_manifest, read_test, test_value
 
 
@@ -43,7 +43,7 @@ def main() -> None:
         seeds = sorted(s for w, s in a if w == v and (v, s) in b)
         if len(seeds) < 2:
             continue
-        diffs = [b[(v, s)] - a[(v, s)] for s in seeds]
+        diffs = paired_differences({s: b[(v, s)] for s in seeds}, {s: a[(v, s)] for s in seeds})
         iv = mean_interval(diffs)
         sd = statistics.stdev(a[(v, s)] for s in seeds)
         within = "yes" if max(abs(iv.lo), abs(iv.hi)) < sd else ("no" if abs(iv.estimate) >= sd else "interval wider")

@@ -2,6 +2,7 @@
 end: trained once, then only re-rendered."""
 
 import csv
+import dataclasses
 
 import pytest
 
@@ -113,6 +114,6 @@ def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(mo
     assert execute._train_dtype(wide, "cuda:1") == "bf16"
     assert execute.machine_info(2, 1, "cpu", 1, "bf16, fp32")["train_dtype"] == "bf16, fp32"
     # the help states the sweep's real defaults
-    fields = {f.name: f for f in __import__("dataclasses").fields(CompareConfig)}
+    fields = {f.name: f for f in dataclasses.fields(CompareConfig)}
     assert SWEEP_SIZES in fields["sizes"].metadata["help"]
     assert f"default {SWEEP_RECIPE['tokens_per_param']:g}" in fields["tokens_per_param"].metadata["help"]

@@ -79,7 +79,7 @@ class Progress:
         )
 
 
-def machine_info(jobs: int, threads: int, device: str, world: int, train_dtype: str = "fp32") -> dict[str, Any]:
+def machine_info(jobs: int, threads: int, device: str, world: int, train_dtype: str) -> dict[str, Any]:
     """Where the runs trained; train_dtype: the autocast dtype(s) the runs' dtype setting resolved to
     here (`_train_dtype`), so a result says whether it was trained in fp32 or under bf16."""
     import torch
@@ -192,10 +192,7 @@ def _training_record(out: Path) -> dict[str, Any] | None:
 def _train_dtype(plan: Plan, device: str) -> str:
     """What the runs' dtype setting resolves to on `device` (auto depends on the model's width on
     the CPU, so a sweep may train its narrow sizes in fp32 and its wide ones under bf16)."""
-    from qkvlab.devices import autocast_dtype_name
-
-    names = [autocast_dtype_name(r.cfg.dtype, device.split(":")[0], d_model=r.cfg.model.d_model) for r in plan.runs]
-    return ", ".join(sorted(set(names))) or "fp32"
+    return ", ".join(sorted({r.cfg.train_dtype(device.split(":")[0]) for r in plan.runs})) or "fp32"
 
 
 def _quiet(*args, **kwargs) -> None:

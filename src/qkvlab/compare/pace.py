@@ -65,7 +65,7 @@ def step_seconds(cfg, threads: int, steps: int = PROBE_STEPS) -> float:
     autocast the run would train with (cfg.dtype; auto is bf16 on bf16-native CPUs)."""
     import torch
 
-    from qkvlab.devices import autocast_dtype_name, torch_dtype
+    from qkvlab.devices import torch_dtype
     from qkvlab.tasks import get_task
     from qkvlab.train.optim import make_optimizer
 
@@ -73,7 +73,7 @@ def step_seconds(cfg, threads: int, steps: int = PROBE_STEPS) -> float:
     task = get_task(cfg.task, **cfg.task_options)
     model = task.build_model(task.adapt_config(cfg.model))
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, torch.device("cpu"))
-    dtype = torch_dtype(autocast_dtype_name(cfg.dtype, "cpu", d_model=cfg.model.d_model))
+    dtype = torch_dtype(cfg.train_dtype("cpu"))
     autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
     t0 = 0.0
     for k in range(steps + 3):

@@ -16,7 +16,15 @@ from typing import Any
 
 from qkvlab.config import ModelConfig, model_from_mapping, preset
 from qkvlab.config_file import read_config_file
-from qkvlab.devices import CPU_BF16_MIN_WIDTH, SHARDINGS, TRAIN_DTYPES, check_device, check_dtype, dtype_choices
+from qkvlab.devices import (
+    CPU_BF16_MIN_WIDTH,
+    SHARDINGS,
+    TRAIN_DTYPES,
+    autocast_dtype_name,
+    check_device,
+    check_dtype,
+    dtype_choices,
+)
 from qkvlab.errors import UserError
 from qkvlab.settings import check, resumable_fields, setting
 
@@ -109,6 +117,11 @@ class TrainConfig:
     @property
     def ckpt_every(self) -> int:
         return self.checkpoint_every or self.eval_every
+
+    def train_dtype(self, device_type: str) -> str:
+        """The dtype this run trains in on `device_type`: its dtype setting resolved (auto depends on
+        the device, on the CPU's bf16 instructions and on the model's width: devices.autocast_dtype_name)."""
+        return autocast_dtype_name(self.dtype, device_type, d_model=self.model.d_model)
 
     def accum_steps(self, world: int) -> int:
         """Micro-batches per rank per step at this world size (checks divisibility)."""

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from qkvlab.config import ModelConfig
-from qkvlab.devices import autocast_dtype_name, torch_dtype
+from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.folders import Claim
 from qkvlab.io import (
@@ -196,8 +196,7 @@ def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
     aliases = tied_aliases(raw)
     params = sum(p.numel() for p in raw.parameters())
     sharded = env.distributed and cfg.sharding == "fsdp"
-    # auto: bf16 on CUDA, and on bf16-native CPUs for models wide enough to gain from it
-    train_dtype = autocast_dtype_name(cfg.dtype, env.device.type, d_model=model_cfg.d_model)
+    train_dtype = cfg.train_dtype(env.device.type)  # auto: bf16 on CUDA, and on bf16-native CPUs for wide models
     dtype = torch_dtype(train_dtype)
     if sharded:  # blocks compiled one by one before sharding; bf16 all-gathers, fp32 reduction
         D.shard(raw, env, param_dtype=dtype if dtype != torch.float32 else None, compile=cfg.compile)
