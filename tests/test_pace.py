@@ -2,12 +2,13 @@
 and how --seeds auto chooses n from a pilot."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
-from qkvlab.compare import CompareConfig, plan
+from qkvlab.compare import CompareConfig, pace, plan
 from qkvlab.compare.auto import MAX_AUTO_SEEDS, choose_seeds
-from qkvlab.compare.pace import Layout, choose_layout, parse_duration
+from qkvlab.compare.pace import Layout, choose_layout, parse_duration, point_key, step_work
 from qkvlab.errors import UserError
 
 
@@ -23,15 +24,53 @@ def test_parse_duration_refuses(bad):
 
 
 def test_layout_estimates_and_user_choice_wins():
-    cfg = plan(CompareConfig()).runs[0].cfg  # 600 steps, eval every 60 of 8 batches
+    todo = plan(CompareConfig()).runs
+    cfg = todo[0].cfg  # 600 steps, eval every 60 of 8 batches
     lay = Layout(2, 1, step_s=0.01)
     one = lay.run_seconds(cfg)
     assert one == pytest.approx(0.01 * (600 + 11 * 8 * cfg.val_batch_size / 16 / 3) + 3.0)
-    assert lay.plan_seconds([cfg] * 4) == pytest.approx(2 * one)
-    assert Layout(2, 1).plan_seconds([cfg]) is None  # not probed: no estimate
-    todo = plan(CompareConfig()).runs
+    assert lay.plan_seconds(todo[:4]) == pytest.approx(2 * one)
+    assert Layout(2, 1).plan_seconds(todo[:1]) is None  # not probed: no estimate
     assert choose_layout(cfg, todo, cpus=2, jobs=1, threads=None) == Layout(1, 2)
     assert choose_layout(cfg, todo[:3], cpus=4, jobs=None, threads=None) == Layout(3, 1)  # too few to probe
+
+
+def test_a_sweep_is_estimated_per_size(monkeypatch):
+    """Each size is timed where it would train (the first size's pace said 23 min for a 80 min sweep);
+    sizes beyond the probe's cap are scaled by FLOPs per step; the ETA weighs runs by that estimate."""
+    from qkvlab.compare.execute import Progress
+
+    sweep = plan(CompareConfig(sweep=True, variants="Q-K-V,Q-K=V", sizes="d16-L1-h2,d32-L1-h2,d64-L2-h2"))
+    timed = []
+
+    def fake_step_seconds(cfg, threads, steps=pace.PROBE_STEPS):
+        timed.append(cfg.model.d_model)
+        return 1e-9 * step_work(cfg) * (2.0 if cfg.model.d_model == 64 else 1.0)  # the largest runs slower
+
+    monkeypatch.setattr(pace, "step_seconds", fake_step_seconds)
+    lay = choose_layout(sweep.runs[0].cfg, sweep.runs, cpus=1, jobs=None, threads=None)
+    assert sorted(set(timed)) == [16, 32, 64] and len(lay.point_step_s) == 3
+    by_size = {r.point: lay.run_seconds(r.cfg, point_key(r)) for r in sweep.runs}
+    first = sweep.runs[0]
+    flat = Layout(1, 1, lay.step_s, probed_work=step_work(first.cfg))  # first size's pace, scaled by FLOPs
+    big = next(r for r in sweep.runs if r.point == "d64-L2")
+    assert by_size["d64-L2"] - 3.0 == pytest.approx(2 * (flat.run_seconds(big.cfg) - 3.0))
+    assert lay.plan_seconds(sweep.runs) == pytest.approx(sum(by_size[r.point] for r in sweep.runs))
+    monkeypatch.setattr(pace, "MAX_POINTS_PROBED", 2)  # the third size is scaled, not timed
+    timed.clear()
+    capped = choose_layout(sweep.runs[0].cfg, sweep.runs, cpus=1, jobs=None, threads=None)
+    assert sorted(set(timed)) == [16, 32]
+    assert capped.run_seconds(big.cfg, point_key(big)) == pytest.approx(flat.run_seconds(big.cfg))
+
+    lines = []
+    progress = Progress(2, 0, 2, say=lambda *a, **k: lines.append(a[0]), work={"a": 1.0, "b": 9.0})
+    progress.t0 -= 10.0  # the cheap run took 10 s: the expensive one is 9x its work
+    progress.update(
+        SimpleNamespace(rel="a", task="lm", point="", variant=SimpleNamespace(name="Q-K-V"), seed=0),
+        {"metric": "val_loss", "metrics": {"val_loss": 1.0}, "seconds": 10.0},
+    )
+    eta = lines[-1].split("ETA ")[1]
+    assert eta in ("1:30", "1:31"), lines[-1]
 
 
 def test_choose_seeds_from_the_pilot():

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkvlab.compare.pace import choose_layout
+from qkvlab.compare.pace import choose_layout, point_key
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
 from qkvlab.errors import UserError
@@ -54,10 +54,22 @@ def _train_one(cfg, out_dir: str, progress: bool):
 
 
 class Progress:
-    """One line per finished run: run i/N, its score, elapsed and ETA."""
+    """One line per finished run: run i/N, its score, elapsed and ETA. The ETA weighs each run by
+    `work` (its estimated seconds, by PlannedRun.rel) where given, so a sweep whose last size costs
+    20x its first is not promised early."""
 
-    def __init__(self, total: int, done: int, to_train: int, say: Callable[..., None] = print):
+    def __init__(
+        self,
+        total: int,
+        done: int,
+        to_train: int,
+        say: Callable[..., None] = print,
+        work: dict[str, float] | None = None,
+    ):
         self.total, self.done, self.to_train, self.trained = total, done, to_train, 0
+        self.work = work or {}
+        self.work_left = sum(self.work.values())
+        self.work_done = 0.0
         self.t0 = time.perf_counter()
         self.say = say
 
@@ -65,7 +77,12 @@ class Progress:
         self.done += 1
         self.trained += 1
         elapsed = time.perf_counter() - self.t0
-        eta = elapsed / self.trained * (self.to_train - self.trained)
+        if run.rel in self.work:
+            self.work_done += self.work[run.rel]
+            self.work_left -= self.work[run.rel]
+            eta = elapsed / self.work_done * max(0.0, self.work_left) if self.work_done > 0 else 0.0
+        else:
+            eta = elapsed / self.trained * (self.to_train - self.trained)
         if "error" in result:
             score = f"FAILED: {result['error']}"
         else:
@@ -229,14 +246,15 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
         say(
             f"compare: {len(runs)} runs in {out} ({len(runs) - len(todo)} finished already, {len(todo)} to train; {how})"
         )
-        estimate = layout.plan_seconds([r.cfg for r in todo]) if layout is not None else None
+        estimate = layout.plan_seconds(todo) if layout is not None else None
         if estimate is not None:
             say(f"compare: about {fmt_duration(estimate)} of training at this machine's measured pace", flush=True)
             manifest["estimate_s"] = round(estimate, 1)
     outcome = Outcome(out)
-    _train_all(
-        todo, Progress(len(runs), len(runs) - len(todo), len(todo), say=say), outcome, parallel, jobs, threads, main
-    )
+    work = {r.rel: layout.run_seconds(r.cfg, point_key(r)) for r in todo} if layout is not None else {}
+    work = {k: v for k, v in work.items() if v is not None}
+    progress = Progress(len(runs), len(runs) - len(todo), len(todo), say=say, work=work)
+    _train_all(todo, progress, outcome, parallel, jobs, threads, main)
     outcome.wall_s = wall = time.perf_counter() - t_start
     if main:
         _write(plan, manifest, trained_before, len(runs), len(todo), wall, outcome, command, say)

@@ -20,6 +20,7 @@ from qkvlab.units import fmt_duration  # noqa: F401  (callers' old import)
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d*)?)h)?(?:(\d+(?:\.\d*)?)m(?:in)?)?(?:(\d+(?:\.\d*)?)s?)?$")
 PROBE_STEPS = 12  # timed steps per probe (after 3 warm-up steps)
 MIN_RUNS_TO_PROBE = 8  # fewer runs: the probe would cost more than a wrong layout
+MAX_POINTS_PROBED = 8  # grid points timed (a point's first run); the rest are scaled by FLOPs per step
 
 
 def parse_duration(text: str | float | int) -> float:
@@ -43,21 +44,48 @@ class Layout:
     threads: int
     step_s: float | None = None  # one run's seconds per optimizer step at this layout (None: not probed)
     note: str = ""
+    probed_work: float | None = None  # step_work of the run step_s was measured on
+    # (point_key, seconds per step) of each task/grid point probed: a sweep's sizes differ ~20x in
+    # cost, so one point's pace says little about another's
+    point_step_s: tuple[tuple[str, float], ...] = ()
 
-    def run_seconds(self, cfg) -> float | None:
-        """About how long one run of TrainConfig `cfg` takes at this layout (steps + evaluations)."""
+    def step_seconds(self, cfg, key: str = "") -> float | None:
+        """Seconds per step of a run at point `key` (point_key): measured there, else step_s scaled by
+        training FLOPs per step (points beyond the probe's cap)."""
+        measured = dict(self.point_step_s)
+        if key in measured:
+            return measured[key]
         if self.step_s is None:
+            return None
+        return self.step_s * (step_work(cfg) / self.probed_work if self.probed_work else 1.0)
+
+    def run_seconds(self, cfg, key: str = "") -> float | None:
+        """About how long one run of TrainConfig `cfg` takes at this layout (steps + evaluations)."""
+        step = self.step_seconds(cfg, key)
+        if step is None:
             return None
         evals = cfg.max_steps // max(1, cfg.eval_every) + 1
         eval_steps = evals * cfg.eval_batches * cfg.val_batch_size / max(1, cfg.batch_size) / 3  # forward ~ 1/3
-        return self.step_s * (cfg.max_steps + eval_steps) + 3.0  # + start-up
+        return step * (cfg.max_steps + eval_steps) + 3.0  # + start-up
 
-    def plan_seconds(self, cfgs) -> float | None:
-        """Wall time of training `cfgs` at this layout: runs go `jobs` at a time."""
-        per_run = [self.run_seconds(c) for c in cfgs]
+    def plan_seconds(self, runs) -> float | None:
+        """Wall time of training PlannedRuns `runs` at this layout: runs go `jobs` at a time."""
+        per_run = [self.run_seconds(r.cfg, point_key(r)) for r in runs]
         if not per_run or None in per_run:
             return None
         return sum(per_run) / self.jobs
+
+
+def point_key(run) -> str:
+    """A PlannedRun's task and grid point: runs that share it share a shape and a pace."""
+    return f"{run.task}/{run.point}"
+
+
+def step_work(cfg) -> float:
+    """Training FLOPs of one optimizer step of TrainConfig `cfg` (a cost proxy across sizes)."""
+    from qkvlab.accounting import flops_per_token
+
+    return float(flops_per_token(cfg.model) * cfg.model.context * cfg.batch_size)
 
 
 def step_seconds(cfg, threads: int, steps: int = PROBE_STEPS) -> float:
@@ -87,25 +115,39 @@ def step_seconds(cfg, threads: int, steps: int = PROBE_STEPS) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def probe(cfg, cpus: int, say=print) -> Layout:
-    """Time `cpus` parallel one-thread runs against one run on `cpus` threads; keep the faster."""
+def probe(todo: list, cpus: int, say=print) -> Layout:
+    """Time `cpus` parallel one-thread runs against one run on `cpus` threads on the first run; keep
+    the faster; then time the first run of each other grid point (up to MAX_POINTS_PROBED) that way."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
+    cfg = todo[0].cfg
+    first = point_key(todo[0])
+    firsts = {}  # point_key -> its first run's TrainConfig
+    for run in todo:
+        firsts.setdefault(point_key(run), run.cfg)
+    others = [(k, c) for k, c in firsts.items() if k != first][: MAX_POINTS_PROBED - 1]
     if cpus < 2:
-        return Layout(1, 1, step_seconds(cfg, 1), "one core")
+        steps = {first: step_seconds(cfg, 1)} | {k: step_seconds(c, 1) for k, c in others}
+        return Layout(1, 1, steps[first], "one core", step_work(cfg), tuple(steps.items()))
     with ProcessPoolExecutor(cpus, mp_context=mp.get_context("spawn")) as pool:
         list(pool.map(_warm, range(cpus)))  # imports outside the timing
         parallel = max(pool.map(step_seconds, [cfg] * cpus, [1] * cpus))
         threaded = pool.submit(step_seconds, cfg, cpus).result()
-    # throughput in runs' steps per second: cpus runs at 1/parallel each, or one run at 1/threaded
-    if cpus / parallel >= 1 / threaded:
-        layout = Layout(cpus, 1, parallel, f"probe: {cpus} jobs x 1 thread {cpus / parallel:.1f} steps/s")
+        # throughput in runs' steps per second: cpus runs at 1/parallel each, or one run at 1/threaded
+        jobs = cpus if cpus / parallel >= 1 / threaded else 1
+        steps = {first: parallel if jobs > 1 else threaded}
+        for key, c in others:  # timed as they would train: `jobs` side by side
+            steps[key] = max(pool.map(step_seconds, [c] * jobs, [cpus // jobs] * jobs))
+    if jobs > 1:
+        note = f"probe: {cpus} jobs x 1 thread {cpus / parallel:.1f} steps/s"
     else:
-        layout = Layout(1, cpus, threaded, f"probe: 1 job x {cpus} threads {1 / threaded:.1f} steps/s")
+        note = f"probe: 1 job x {cpus} threads {1 / threaded:.1f} steps/s"
+    layout = Layout(jobs, cpus // jobs, steps[first], note, step_work(cfg), tuple(steps.items()))
     say(
         f"compare: {layout.note} (vs {'1 job' if layout.jobs > 1 else f'{cpus} jobs'}: "
-        f"{1 / threaded if layout.jobs > 1 else cpus / parallel:.1f} steps/s)",
+        f"{1 / threaded if layout.jobs > 1 else cpus / parallel:.1f} steps/s)"
+        + (f"; {len(steps)} grid points timed" if len(steps) > 1 else ""),
         flush=True,
     )
     return layout
@@ -123,4 +165,4 @@ def choose_layout(cfg, todo: list, cpus: int, jobs: int | None, threads: int | N
     if jobs is not None or threads is not None or len(todo) < MIN_RUNS_TO_PROBE:
         j = min(jobs or min(cpus, 8), max(1, len(todo)))
         return Layout(j, threads or max(1, cpus // j))
-    return probe(todo[0].cfg, min(cpus, 8), say)
+    return probe(todo, min(cpus, 8), say)

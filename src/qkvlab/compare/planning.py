@@ -104,7 +104,7 @@ class CompareConfig:
     sizes: str | None = setting(
         None,
         help="sweep sizes, comma-separated d<d_model>-L<layers>-h<heads>[-b<batch>][-s<seeds>] "
-        "(default d48-L2-h4-b16-s3,d64-L3-h4-b16-s3,d96-L4-h4-b32-s3,d128-L6-h4-b32-s3)",
+        "(default d48-L2-h4-b16-s6,d80-L2-h4-b16-s6,d128-L2-h4-b32-s3,d208-L2-h4-b32-s3)",
         metavar="LIST",
     )
     tokens_per_param: float | None = setting(

@@ -24,10 +24,12 @@ from qkvlab.train.config import TrainConfig, default_weight_decay
 from qkvlab.variants import parse_variants
 
 SWEEP_VARIANTS = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=V-K", "Q=K=V", "Q-K=V/MQA")
-# 4 sizes spanning 21x in non-embedding parameters (55k .. 1.18M), 4 heads at every size so MQA keeps
-# 1 of 4 kv heads (25% of Q-K=V's cache) throughout; 20 tokens per parameter (Chinchilla's ratio),
-# 3 seeds per size. About 9 h of 2 CPU cores (the probe prints its estimate), minutes on one GPU.
-SWEEP_SIZES = "d48-L2-h4-b16-s3,d64-L3-h4-b16-s3,d96-L4-h4-b32-s3,d128-L6-h4-b32-s3"
+# 4 widths at depth 2 spanning 19x in non-embedding parameters (55k .. 1.04M, about 2.7x apart), 4
+# heads at every size so MQA keeps 1 of 4 kv heads (25% of Q-K=V's cache) throughout; 20 tokens per
+# parameter (Chinchilla's ratio); 6 seeds where a run costs seconds, 3 where it costs minutes. Depth
+# stays 2 because the cost grows as N^2 (tokens follow N): the largest size is ~21 min per run on one
+# CPU core (bf16 autocast from d 192 where the CPU has it), the 8 variants about 6 h of 2 cores.
+SWEEP_SIZES = "d48-L2-h4-b16-s6,d80-L2-h4-b16-s6,d128-L2-h4-b32-s3,d208-L2-h4-b32-s3"
 # lr per size: base_lr * (LR_WIDTH / d_model), the 1/width rule of muP-style transfer for Adam's
 # hidden matrices, fixed before any run (2e-3 is the CPU LM recipe's lr at d 64).
 LR_WIDTH = 64
