@@ -266,6 +266,32 @@ def test_compare_bad_input_one_line(tmp_path, capsys, argv, needle):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--tokenizer", "foo"], "unknown tokenizer 'foo'"),
+        (["--data", "{empty}"], "has no *.txt"),
+        (["--out", "{file}"], "holds a file"),
+        (["--device", "nosuch"], "nosuch"),
+        (["--pos", "rope", "--rope-theta", "0"], "--rope-theta: 0.0 must be positive"),
+        (["--init-std", "-1"], "--init-std: -1.0 must be >= 0"),
+        (["--norm-eps", "-1"], "--norm-eps: -1.0 must be >= 0"),
+    ],
+)
+def test_a_dry_run_refuses_what_the_run_would(tmp_path, capsys, argv, needle):
+    """--dry-run checks --out, the device and each task's options and data as a real run does (it
+    printed a plan for a bad tokenizer, an empty corpus folder, a file as --out); nothing is created."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.txt").write_text("mine")
+    argv = [a.format(empty=tmp_path / "empty", file=tmp_path / "file.txt") for a in argv]
+    out = ["--out", str(tmp_path / "never")] if "--out" not in argv else []
+    assert main(["compare", "--dry-run", *out, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file.txt"]
+    assert (tmp_path / "file.txt").read_text() == "mine"
+
+
 def test_full_grid_plan(tmp_path, capsys):
     assert main(["compare", "--task", "synthetic", "--full-grid", "--dry-run", "--out", str(tmp_path / "g")]) == 0
     first = capsys.readouterr().out.splitlines()[0]

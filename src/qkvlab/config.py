@@ -54,21 +54,21 @@ class ModelConfig:
         None, help="re-spend saved attention params on the MLP to match SCHEME's count", metavar="SCHEME"
     )
     norm: str = setting("layernorm", help="normalisation", choices=NORMS)
-    norm_eps: float = setting(1e-5, help="epsilon of the norms")
+    norm_eps: float = setting(1e-5, help="epsilon of the norms", minimum=0)
     norm_position: str = setting(
         "pre", help="pre: x + f(norm(x)); post: norm(x + f(x)) (Borji's encoder)", choices=NORM_POSITIONS
     )
     mlp_skip: bool = setting(True, help="residual skip around the MLP (Paper A's theorems need it off)")
     share_layers: bool = setting(False, help="one block's weights for every layer (ALBERT-style)")
     pos: str = setting("learned", help="input positions (sinusoidal: fixed, added to the input)", choices=POSITIONS)
-    rope_theta: float = setting(10000.0, help="rotary base (pos=rope)")
+    rope_theta: float = setting(10000.0, help="rotary base (pos=rope)", positive=True)
     vocab_size: int = setting(256, help="vocabulary size (tasks fit it to their data)", minimum=1)
     context: int = setting(256, help="longest sequence (positions)", minimum=1)
     bias: bool = setting(False, help="biases in linear layers")
     dropout: float = setting(0.0, help="dropout probability, in [0, 1)", minimum=0)
     tie_embeddings: bool = setting(True, help="output head shares the token embedding")
     causal: bool = setting(True, help="causal attention (set by the task)", cli=False)
-    init_std: float = setting(0.02, help="std of the normal initialisation")
+    init_std: float = setting(0.02, help="std of the normal initialisation", minimum=0)
     head: str = setting(
         "linear",
         help="encoders' output head: linear; mlp (Linear-act-Linear, Borji's ViT); norm_mlp (+ a norm, his encoder)",

@@ -187,6 +187,11 @@ def claim_folder(path: str | Path, *, accept: tuple[str, ...], advice: dict[str,
     return claim
 
 
+def check_folder(path: str | Path, *, accept: tuple[str, ...], advice: dict[str, str], flag: str = "--out") -> None:
+    """claim_folder's refusal without creating or locking anything (a dry run's check)."""
+    _refuse_unless(Path(path), inspect(path), accept, advice, flag)
+
+
 def _refuse_unless(path: Path, found: Found, accept: tuple[str, ...], advice: dict[str, str], flag: str) -> None:
     if found.kind in ("missing", "empty", *accept):
         return

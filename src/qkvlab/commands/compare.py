@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from qkvlab.compare import CompareConfig, plan
+from qkvlab.compare import CompareConfig, plan, preflight
 from qkvlab.compare import run as run_plan
 from qkvlab.settings import add_config_options, add_options, load, print_config
 
@@ -41,6 +41,7 @@ def run(args) -> int:
         return 0
     p = plan(cfg)
     if cfg.dry_run:
+        preflight(p)
         for line in p.describe():
             print(line)
         return 0

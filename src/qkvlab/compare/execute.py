@@ -17,7 +17,7 @@ from qkvlab.compare.pace import choose_layout, point_key
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
 from qkvlab.errors import UserError
-from qkvlab.folders import claim_folder, inspect
+from qkvlab.folders import check_folder, claim_folder, inspect
 from qkvlab.units import fmt_duration
 
 
@@ -161,6 +161,19 @@ COMPARE_ADVICE = {
     "model": "that is a model folder, not a compare folder: choose another --out",
     "file": "give --out a folder path",
 }
+
+
+def preflight(plan: Plan, say: Callable[..., None] = print) -> list[PlannedRun]:
+    """What a dry run checks before printing the plan, as a real run would refuse it: --out (never
+    a file, a run or a model), the device, and every task's options and data (tasks are built once,
+    which caches a tokenized corpus) -> the runs that would train."""
+    from qkvlab.devices import select_device
+    from qkvlab.tasks import FAMILIES
+
+    check_folder(plan.out, accept=("compare",), advice=COMPARE_ADVICE)
+    select_device(plan.config.device)
+    runs, _ = _check_tasks(plan.runs, plan.config.task in FAMILIES and plan.config.task != "lm", say)
+    return runs
 
 
 def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = print) -> Outcome:

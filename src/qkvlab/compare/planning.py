@@ -186,11 +186,15 @@ class Plan:
             f"variants {', '.join(v.name for v in self.variants)}; seeds {len(self.seeds)}; "
             f"grid points {len(self.grid)}"
         ]
-        c = self.runs[0].cfg
-        lines.append(
-            f"  per run: {c.max_steps} steps x {c.batch_size} examples, lr {c.lr}, model d{c.model.d_model} "
-            f"L{c.model.n_layer} h{c.model.n_head}"
-        )
+        firsts: dict[tuple[str, str], PlannedRun] = {}  # each task/grid point's recipe, once
+        for r in self.runs:
+            firsts.setdefault((r.task, r.point), r)
+        for (task, point), r in list(firsts.items())[:limit]:
+            c, where = r.cfg, "/".join(x for x in (task if len(self.tasks) > 1 else "", point) if x)
+            lines.append(
+                f"  per run{' at ' + where if where else ''}: {c.max_steps} steps x {c.batch_size} examples, "
+                f"lr {c.lr:.3g}, model d{c.model.d_model} L{c.model.n_layer} h{c.model.n_head}"
+            )
         lines += [f"  {r.rel}  [{run_state(r)}]" for r in self.runs[:limit]]
         if len(self.runs) > limit:
             lines.append(f"  ... {len(self.runs) - limit} more")
