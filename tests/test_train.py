@@ -471,3 +471,14 @@ def test_a_run_records_the_dtype_it_trained_in(plays_file, tmp_path, monkeypatch
     assert cli.main(["train", *CLI_BASE[:-3], "--dtype", "bf16", "--max-steps", "2", "--data", str(plays_file),
                      "--out", str(tmp_path / "cli")]) == 0  # fmt: skip
     assert "tokens/s (bf16) ->" in capsys.readouterr().out
+
+
+def test_resume_with_nothing_to_resume_says_it_starts_anew(plays_file, tmp_path, capsys):
+    """`--resume` into a folder with no run (a typo, a first launch of a requeue script) trains from
+    step 0, and says so in one line instead of silently."""
+    out = tmp_path / "typo"
+    argv = ["train", *CLI_BASE[:-3], "--max-steps", "2", "--data", str(plays_file), "--out", str(out), "--resume"]
+    assert cli.main(argv) == 0
+    assert f"nothing to resume in {out} (no run there yet): starting a new run" in capsys.readouterr().err
+    assert cli.main(argv) == 0  # now there is a run: finished, nothing said
+    assert "nothing to resume" not in capsys.readouterr().err

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from qkvlab.config import DEFAULT_PRESET
 from qkvlab.errors import UserError
+from qkvlab.folders import inspect
 from qkvlab.settings import add_config_options, add_options, load, options_from_args, print_config
 from qkvlab.train.config import TrainConfig, TrainRun
 
@@ -65,6 +66,11 @@ def run(args) -> int:
         return 0
     if run_opts.out is None:
         raise UserError("--out DIR is required (the run folder)")
+    if run_opts.resume and inspect(run_opts.out).kind in ("missing", "empty") and int(os.environ.get("RANK", "0")) == 0:
+        # a typo in --out would otherwise restart from step 0 unannounced
+        print(
+            f"qkvlab train: nothing to resume in {run_opts.out} (no run there yet): starting a new run", file=sys.stderr
+        )
     try:
         result = train(cfg, run_opts.out, resume=run_opts.resume, progress=not run_opts.quiet)
     except TrainingDiverged as e:
