@@ -231,3 +231,29 @@ def test_layer_notation_round_trips(kw):
         if text is not None:
             assert "/1" not in text and "/2" not in text  # written canonically: /MQA, /GQA-2
             assert parse_layers(text, n_layer=c.n_layer, n_head=c.n_head, attn=c.attn, kv_heads=c.kv_heads) == table
+
+
+def test_gelu_takes_the_faster_cpu_kernel_and_stays_exact_gelu():
+    """qkvlab.model.gelu: ATen's kernel up to GELU_ATEN_MAX elements (oneDNN's costs ~20 us a call),
+    oneDNN's beyond; both are exact GELU (float32 within 2e-6, float64 identical), the oneDNN switch
+    is restored after every call, and a user's own disabling of it is left alone."""
+    import torch.nn.functional as F
+
+    from qkvlab.model import GELU_ATEN_MAX, gelu
+
+    for n in (7, 1536, GELU_ATEN_MAX, GELU_ATEN_MAX + 1):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 4
+        torch.testing.assert_close(gelu(x), F.gelu(x), rtol=0, atol=2e-6)
+        assert torch.equal(gelu(x.double()), F.gelu(x.double()))
+        assert torch.backends.mkldnn.enabled
+    small = torch.randn(64)
+    torch.backends.mkldnn.enabled = False
+    try:
+        assert torch.equal(gelu(small), F.gelu(small)) and not torch.backends.mkldnn.enabled
+    finally:
+        torch.backends.mkldnn.enabled = True
+    x = torch.randn(3, 5, requires_grad=True)
+    gelu(x).sum().backward()  # differentiable like F.gelu
+    y = x.detach().clone().requires_grad_()
+    F.gelu(y).sum().backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=2e-6)

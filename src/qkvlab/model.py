@@ -32,6 +32,27 @@ def fixed_positions(cfg: ModelConfig, n: int) -> SinusoidalPositions | None:
     return SinusoidalPositions(n, cfg.d_model) if cfg.pos == "sinusoidal" else None
 
 
+# PyTorch runs an exact GELU on a CPU float32 tensor through oneDNN, which costs ~20 us a call
+# whatever the size; ATen's own kernel is ~10x faster up to ~64k elements (a decode step's
+# (B, 1, 4d) at batch <= 16) and oneDNN 1.5-3x faster beyond (2 threads; benchmarks/gelu_kernels.py).
+# The two agree to ~1e-6 (different erf approximations); float64 never takes the oneDNN path.
+GELU_ATEN_MAX = 1 << 16
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """Exact GELU on the faster CPU kernel for x's size (see GELU_ATEN_MAX)."""
+    if x.numel() > GELU_ATEN_MAX or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return F.gelu(x)
+    mkldnn = torch.backends.mkldnn
+    if not mkldnn.enabled:
+        return F.gelu(x)
+    mkldnn.enabled = False  # process-wide for the one call: both kernels are exact GELU
+    try:
+        return F.gelu(x)
+    finally:
+        mkldnn.enabled = True
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -48,8 +69,10 @@ class MLP(nn.Module):
             h = F.silu(self.gate(x)) * self.up(x)
         elif self.kind == "relu":
             h = F.relu(self.up(x))
-        else:
-            h = F.gelu(self.up(x), approximate="tanh" if self.kind == "gelu_tanh" else "none")
+        elif self.kind == "gelu":
+            h = gelu(self.up(x))
+        else:  # gelu_tanh: ATen's kernel at every size
+            h = F.gelu(self.up(x), approximate="tanh")
         return self.dropout(self.down(h))
 
 
