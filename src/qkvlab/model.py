@@ -41,10 +41,8 @@ GELU_ATEN_MAX = 1 << 16
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
     """Exact GELU on the faster CPU kernel for x's size (see GELU_ATEN_MAX)."""
-    if x.numel() > GELU_ATEN_MAX or x.device.type != "cpu" or torch.compiler.is_compiling():
-        return F.gelu(x)
     mkldnn = torch.backends.mkldnn
-    if not mkldnn.enabled:
+    if x.numel() > GELU_ATEN_MAX or x.device.type != "cpu" or not mkldnn.enabled or torch.compiler.is_compiling():
         return F.gelu(x)
     mkldnn.enabled = False  # process-wide for the one call: both kernels are exact GELU
     try:

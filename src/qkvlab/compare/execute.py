@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkvlab.compare.pace import choose_layout, point_key
+from qkvlab.compare.pace import choose_layout
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
 from qkvlab.errors import UserError
@@ -68,8 +68,7 @@ class Progress:
     ):
         self.total, self.done, self.to_train, self.trained = total, done, to_train, 0
         self.work = work or {}
-        self.work_left = sum(self.work.values())
-        self.work_done = 0.0
+        self.work_total, self.work_done = sum(self.work.values()), 0.0
         self.t0 = time.perf_counter()
         self.say = say
 
@@ -79,8 +78,7 @@ class Progress:
         elapsed = time.perf_counter() - self.t0
         if run.rel in self.work:
             self.work_done += self.work[run.rel]
-            self.work_left -= self.work[run.rel]
-            eta = elapsed / self.work_done * max(0.0, self.work_left) if self.work_done > 0 else 0.0
+            eta = elapsed / self.work_done * max(0.0, self.work_total - self.work_done) if self.work_done > 0 else 0.0
         else:
             eta = elapsed / self.trained * (self.to_train - self.trained)
         if "error" in result:
@@ -163,17 +161,22 @@ COMPARE_ADVICE = {
 }
 
 
-def preflight(plan: Plan, say: Callable[..., None] = print) -> list[PlannedRun]:
+def preflight(plan: Plan, say: Callable[..., None] = print) -> None:
     """What a dry run checks before printing the plan, as a real run would refuse it: --out (never
     a file, a run or a model), the device, and every task's options and data (tasks are built once,
-    which caches a tokenized corpus) -> the runs that would train."""
+    which caches a tokenized corpus)."""
     from qkvlab.devices import select_device
-    from qkvlab.tasks import FAMILIES
 
     check_folder(plan.out, accept=("compare",), advice=COMPARE_ADVICE)
     select_device(plan.config.device)
-    runs, _ = _check_tasks(plan.runs, plan.config.task in FAMILIES and plan.config.task != "lm", say)
-    return runs
+    _check_tasks(plan.runs, _family_request(plan.config), say)
+
+
+def _family_request(cfg) -> bool:
+    """A task family other than lm was asked for: a task whose data is missing is skipped, not fatal."""
+    from qkvlab.tasks import FAMILIES
+
+    return cfg.task in FAMILIES and cfg.task != "lm"
 
 
 def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = print) -> Outcome:
@@ -243,6 +246,7 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
     parallel = device == "cpu" and world == 1
     layout = choose_layout(cfg, todo, cpus, cfg.jobs, cfg.threads, say if main else _quiet) if parallel else None
     jobs, threads = (layout.jobs, layout.threads) if layout is not None else (1, None)
+    work = (layout.run_estimates(todo) if layout is not None else None) or {}  # seconds per run, once
     manifest = _manifest(
         plan, runs, metrics, command, machine_info(jobs, threads or 0, device, world, _train_dtype(plan, device))
     )
@@ -259,13 +263,11 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
         say(
             f"compare: {len(runs)} runs in {out} ({len(runs) - len(todo)} finished already, {len(todo)} to train; {how})"
         )
-        estimate = layout.plan_seconds(todo) if layout is not None else None
+        estimate = sum(work.values()) / layout.jobs if work else None
         if estimate is not None:
             say(f"compare: about {fmt_duration(estimate)} of training at this machine's measured pace", flush=True)
             manifest["estimate_s"] = round(estimate, 1)
     outcome = Outcome(out)
-    work = {r.rel: layout.run_seconds(r.cfg, point_key(r)) for r in todo} if layout is not None else {}
-    work = {k: v for k, v in work.items() if v is not None}
     progress = Progress(len(runs), len(runs) - len(todo), len(todo), say=say, work=work)
     _train_all(todo, progress, outcome, parallel, jobs, threads, main)
     outcome.wall_s = wall = time.perf_counter() - t_start
@@ -279,12 +281,11 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
 def _runs_to_train(plan: Plan, env, say) -> tuple[list[PlannedRun], dict[str, Any], list[PlannedRun]]:
     """(the runs whose tasks load, their tasks' metrics, the runs not finished yet); under torchrun
     rank 0's view is everyone's."""
-    from qkvlab.tasks import FAMILIES
     from qkvlab.train import distributed as D
 
     cfg, runs, metrics = plan.config, plan.runs, {}
     if env is None or env.main:
-        runs, metrics = _check_tasks(runs, cfg.task in FAMILIES and cfg.task != "lm", say)
+        runs, metrics = _check_tasks(runs, _family_request(cfg), say)
         if not runs:
             raise UserError(f"no task of {cfg.task!r} could be loaded")
     if env is not None:

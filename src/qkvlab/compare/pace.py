@@ -68,17 +68,29 @@ class Layout:
         eval_steps = evals * cfg.eval_batches * cfg.val_batch_size / max(1, cfg.batch_size) / 3  # forward ~ 1/3
         return step * (cfg.max_steps + eval_steps) + 3.0  # + start-up
 
+    def run_estimates(self, runs) -> dict[str, float] | None:
+        """{PlannedRun.rel: its run_seconds} for `runs`; None when nothing was probed."""
+        if self.step_s is None and not self.point_step_s:
+            return None
+        return {r.rel: self.run_seconds(r.cfg, point_key(r)) for r in runs}
+
     def plan_seconds(self, runs) -> float | None:
         """Wall time of training PlannedRuns `runs` at this layout: runs go `jobs` at a time."""
-        per_run = [self.run_seconds(r.cfg, point_key(r)) for r in runs]
-        if not per_run or None in per_run:
-            return None
-        return sum(per_run) / self.jobs
+        per_run = self.run_estimates(runs)
+        return sum(per_run.values()) / self.jobs if per_run else None
 
 
 def point_key(run) -> str:
     """A PlannedRun's task and grid point: runs that share it share a shape and a pace."""
     return f"{run.task}/{run.point}"
+
+
+def first_run_per_point(runs) -> dict:
+    """{point_key: the first PlannedRun at that task/grid point}, in plan order."""
+    firsts: dict = {}
+    for run in runs:
+        firsts.setdefault(point_key(run), run)
+    return firsts
 
 
 def step_work(cfg) -> float:
@@ -123,10 +135,7 @@ def probe(todo: list, cpus: int, say=print) -> Layout:
 
     cfg = todo[0].cfg
     first = point_key(todo[0])
-    firsts = {}  # point_key -> its first run's TrainConfig
-    for run in todo:
-        firsts.setdefault(point_key(run), run.cfg)
-    others = [(k, c) for k, c in firsts.items() if k != first][: MAX_POINTS_PROBED - 1]
+    others = [(k, r.cfg) for k, r in first_run_per_point(todo).items() if k != first][: MAX_POINTS_PROBED - 1]
     if cpus < 2:
         steps = {first: step_seconds(cfg, 1)} | {k: step_seconds(c, 1) for k, c in others}
         return Layout(1, 1, steps[first], "one core", step_work(cfg), tuple(steps.items()))

@@ -12,6 +12,7 @@ from typing import Any
 
 from qkvlab.analysis.paper_figures import PAPER_B_SCHEMES
 from qkvlab.analysis.runs import run_finished
+from qkvlab.compare.pace import first_run_per_point
 from qkvlab.compare.recipes import (
     ANOMALY_GRID,
     CPU_RECIPES,
@@ -186,11 +187,8 @@ class Plan:
             f"variants {', '.join(v.name for v in self.variants)}; seeds {len(self.seeds)}; "
             f"grid points {len(self.grid)}"
         ]
-        firsts: dict[tuple[str, str], PlannedRun] = {}  # each task/grid point's recipe, once
-        for r in self.runs:
-            firsts.setdefault((r.task, r.point), r)
-        for (task, point), r in list(firsts.items())[:limit]:
-            c, where = r.cfg, "/".join(x for x in (task if len(self.tasks) > 1 else "", point) if x)
+        for r in list(first_run_per_point(self.runs).values())[:limit]:  # each task/grid point's recipe, once
+            c, where = r.cfg, "/".join(x for x in (r.task if len(self.tasks) > 1 else "", r.point) if x)
             lines.append(
                 f"  per run{' at ' + where if where else ''}: {c.max_steps} steps x {c.batch_size} examples, "
                 f"lr {c.lr:.3g}, model d{c.model.d_model} L{c.model.n_layer} h{c.model.n_head}"
