@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 18's speed table, measured on a quiet machine (nothing else running), ~12 min on 2 cores.
+# Issue 18's speed table, measured on a quiet machine (nothing else running), ~15 min on 2 cores.
 #   OUT=quiet bash benchmarks/quiet_figures.sh        # from the repository root
+#   STEPS="train schemes heap" OUT=quiet bash benchmarks/quiet_figures.sh   # some steps only
 # Every step records its load and says quiet/NOISY on its last line; $OUT gets one .txt and one
 # .json per step. The anchor shape: L6 H6 D384 V4096, 2 threads; decode at context 1024, prompt 448 +
 # 64 new tokens; training at T256 B8, no biases. Which README/docs rows each replaces: docs/inference.md.
@@ -28,6 +29,7 @@ PYEOF
 step() {
   local name=$1
   shift
+  case " ${STEPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac  # STEPS="train heap": only those
   wait_quiet
   echo "== $name: $*"
   "$@" 2>&1 | tee "$OUT/$name.txt"
@@ -46,6 +48,8 @@ step train "$PY" "$ROOT/benchmarks/train_throughput.py" --threads 2 --rounds 7 -
 # 4. the reduced schemes keep their FLOP savings
 step schemes "$PY" "$ROOT/benchmarks/train_throughput.py" --threads 2 --rounds 7 \
   --schemes Q-K-V,Id-K-V,Q-K=V,Q=K=V --json "$OUT/schemes.json"
-# 5. where CPU bf16 autocast pays (the crossover behind qkvlab.devices.CPU_BF16_MIN_WIDTH)
+# 5. what holding freed memory (qkvlab.heap, set by CPU training) buys the anchor, alternating child processes
+step heap "$PY" "$ROOT/benchmarks/heap_hold.py" --threads 2 --rounds 4 --json "$OUT/heap.json"
+# 6. where CPU bf16 autocast pays (the crossover behind qkvlab.devices.CPU_BF16_MIN_WIDTH)
 step bf16_widths bash "$ROOT/benchmarks/bf16_widths.sh"
-grep -h "machine during the run" "$OUT"/*.txt
+grep -h "machine during the run" "$OUT"/*.txt 2>/dev/null

@@ -18,6 +18,11 @@ With --schemes, a regression check across schemes instead: qkvlab's tokens/s per
 alternately, as a ratio to the first scheme's (Q-K-V) beside the ideal ratio of their FLOPs per token;
 exits 1 when a scheme reaches less than --min-of-ideal of its ideal.
 
+On the CPU the heap holds freed memory, as qkvlab's training sets it (qkvlab.heap: no page faults
+for a step's fresh tensors), for every contestant alike (--heap glibc: its defaults). The ceiling
+line: this model's matmuls and attention timed alone at its shapes, what a step reaches with every
+other op free; the fp32 goal is read against it.
+
 Every figure carries the 1-min load; the run's verdict (qkvlab.loadavg) comes last; --require-quiet
 exits 3 on a noisy machine; --json FILE writes the figures and the load.
 
@@ -29,6 +34,7 @@ exits 3 on a noisy machine; --json FILE writes the figures and the load.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 from dataclasses import dataclass
@@ -40,6 +46,7 @@ from qkvlab.accounting import flops_per_token
 from qkvlab.bench import matmul_flops_per_s, timed
 from qkvlab.config import ModelConfig, preset
 from qkvlab.devices import cpu_has_bf16, torch_dtype
+from qkvlab.heap import hold_freed_memory
 from qkvlab.loadavg import ScriptRun, add_options
 from qkvlab.model import GPT
 from qkvlab.train.optim import make_optimizer
@@ -129,23 +136,79 @@ def race(args, cfg: ModelConfig, device, run: ScriptRun) -> dict:
     for fn in steps.values():  # warm up (and compile)
         fn(), fn()
     rates: dict[str, list[float]] = {k: [] for k in steps}
+    faults = dict.fromkeys(steps, 0)
     for _ in range(args.rounds):  # load drifts: every contestant once per round
         for name, fn in steps.items():
+            before = page_faults()
             dt = timed(lambda fn=fn: [fn() for _ in range(args.steps)], device)
+            faults[name] += page_faults() - before
             rates[name].append(tokens * args.steps / dt)
     best = {k: max(v) for k, v in rates.items()}  # contention only slows a round down
+    # MFU's denominator: the faster of before and after the rounds (one 0.5 s reading varies ~10%)
+    peaks = {d: max(p, matmul_flops_per_s(device, torch_dtype(d))) for d, p in peaks.items()}
+    print(
+        "  matmul rate, the faster of before and after: "
+        + ", ".join(f"{d} {p / 1e9:.1f} GFLOP/s" for d, p in peaks.items())
+    )
     figures = {"contestants": {}, "matmul_flops_per_s": peaks, "flops_per_token": fpt}
     for c in contestants:
         mfu = best[c.name] * fpt / peaks[c.dtype]
         figures["contestants"][c.name] = dict(
-            dtype=c.dtype, compiled=c.compiled, best_tokens_per_s=best[c.name], rounds=rates[c.name], mfu=mfu
+            dtype=c.dtype,
+            compiled=c.compiled,
+            best_tokens_per_s=best[c.name],
+            rounds=rates[c.name],
+            mfu=mfu,
+            page_faults_per_step=faults[c.name] / (args.rounds * args.steps),
         )
         print(
             f"  {c.name:>22}: best {best[c.name]:9,.0f} tok/s, median {statistics.median(rates[c.name]):9,.0f}  "
             f"{mfu:6.1%} of the {c.dtype} matmul rate  {run.tag()}"
         )
     figures["ratios"] = ratios(contestants, best, run)
+    if "fp32" in peaks and args.ceiling:
+        figures["ceiling"] = ceiling(cfg, args.batch, device, peaks["fp32"], args.rounds, run)
     return figures
+
+
+def page_faults() -> int:
+    """This process's minor page faults so far (pages the kernel mapped in and zeroed for it)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def ceiling(cfg: ModelConfig, batch: int, device, peak: float, rounds: int, run: ScriptRun) -> dict:
+    """The most an fp32 step of this model can reach: its matmuls (forward, grad of input, grad of
+    weight for every Linear, each with its own weight) and its attention (SDPA forward and backward,
+    causal) timed alone at the model's shapes, every other op free. Activations are shared between
+    layers, so they sit warmer in cache than in a real step: an upper bound."""
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    M = batch * cfg.context
+    acts = {n: torch.randn(M, n, device=device) for n in {d for w in weights for d in w.shape}}
+    B, H, T, hd = batch, cfg.n_head, cfg.context, cfg.head_dim
+    qkv = [torch.randn(B, H, T, hd, device=device, requires_grad=True) for _ in range(3)]
+    grad_out = torch.randn(B, H, T, hd, device=device)
+
+    def matmuls():
+        for w in weights:  # (out, in)
+            x, g = acts[w.shape[1]], acts[w.shape[0]]
+            x @ w.t(), g @ w, g.t() @ x
+
+    def attention():
+        for _ in range(cfg.n_layer):
+            out = torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True)
+            torch.autograd.grad(out, qkv, grad_out)
+
+    matmuls(), attention()  # warm up
+    mm_s = min(timed(matmuls, device) for _ in range(rounds))
+    attn_s = min(timed(attention, device) for _ in range(rounds))
+    mfu = M * flops_per_token(cfg) / (mm_s + attn_s) / peak
+    print(
+        f"  ceiling (fp32): matmuls {mm_s * 1e3:.1f} ms + attention {attn_s * 1e3:.1f} ms a step, alone at "
+        f"this model's shapes -> {M / (mm_s + attn_s):,.0f} tok/s, {mfu:.1%} of the fp32 matmul rate  {run.tag()}"
+    )
+    return dict(matmul_s=mm_s, attention_s=attn_s, tokens_per_s=M / (mm_s + attn_s), mfu=mfu)
 
 
 def ratios(contestants: list[Contestant], best: dict[str, float], run: ScriptRun) -> dict[str, float]:
@@ -224,11 +287,21 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="--schemes: compile every scheme")
     p.add_argument("--schemes", help="comma-separated schemes: the regression check across schemes")
     p.add_argument("--min-of-ideal", type=float, default=0.9, help="regression threshold (fraction of FLOP ideal)")
+    p.add_argument(
+        "--heap",
+        choices=["hold", "glibc"],
+        default="hold",
+        help="hold: the heap keeps freed memory, as qkvlab's CPU training sets it (qkvlab.heap; for every "
+        "contestant, it is process-wide); glibc: its defaults (run both, alternately, to price it)",
+    )
+    p.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True, help="time the fp32 ceiling line")
     add_options(p)
     args = p.parse_args()
     run = ScriptRun(args, "train_throughput")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.heap == "hold":
+        hold_freed_memory()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = anchor_config(args)
     if args.schemes:

@@ -41,6 +41,7 @@ from qkvlab.devices import (
     torch_dtype,
 )
 from qkvlab.errors import UserError
+from qkvlab.heap import hold_freed_memory
 from qkvlab.limits import check_fits, check_model, check_training
 from qkvlab.loadavg import LoadWatch, NoisyMachine, fmt, load1
 from qkvlab.model import GPT
@@ -173,7 +174,10 @@ def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, seconds: float 
 
 
 def train_tokens_per_s(cfg: ModelConfig, *, batch: int, steps: int, device, dtype, seed: int = 0) -> float:
-    """Forward + backward + AdamW steps on random tokens at the model's context."""
+    """Forward + backward + AdamW steps on random tokens at the model's context (on the CPU with the
+    heap holding freed memory, as training runs)."""
+    if torch.device(device).type == "cpu":
+        hold_freed_memory()
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")

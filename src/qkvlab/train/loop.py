@@ -31,6 +31,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.folders import Claim
+from qkvlab.heap import hold_freed_memory
 from qkvlab.io import (
     METRICS,
     atomic_write,
@@ -191,6 +192,8 @@ def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
     task = get_task(cfg.task, **cfg.task_options)
     model_cfg = task.adapt_config(cfg.model)
     _check_memory(cfg, model_cfg, env, with_vocab=True)
+    if env.device.type == "cpu":
+        hold_freed_memory()  # each step reuses the last one's pages instead of faulting in new ones
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     raw = task.build_model(model_cfg).to(env.device)
     aliases = tied_aliases(raw)
