@@ -166,9 +166,23 @@ def race(args, cfg: ModelConfig, device, run: ScriptRun) -> dict:
             f"{mfu:6.1%} of the {c.dtype} matmul rate  {run.tag()}"
         )
     figures["ratios"] = ratios(contestants, best, run)
+    if args.profile:
+        profile_step(steps[contestants[0].name], contestants[0].name, args.steps)
     if "fp32" in peaks and args.ceiling:
         figures["ceiling"] = ceiling(cfg, args.batch, device, peaks["fp32"], args.rounds, run)
     return figures
+
+
+def profile_step(step, name: str, steps: int) -> None:
+    """torch.profiler's 15 costliest ops (self time, ms a step, its overhead included) of `steps` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    print(f"  {name}, torch.profiler, ms a step (self time; the profiler's overhead included):")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]:
+        print(f"    {e.self_cpu_time_total / 1e3 / steps:8.1f}  {e.count // steps:4d} calls  {e.key}")
 
 
 def page_faults() -> int:
@@ -294,6 +308,7 @@ def main() -> None:
         help="hold: the heap keeps freed memory, as qkvlab's CPU training sets it (qkvlab.heap; for every "
         "contestant, it is process-wide); glibc: its defaults (run both, alternately, to price it)",
     )
+    p.add_argument("--profile", action="store_true", help="after the rounds: the first contestant's costliest ops")
     p.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True, help="time the fp32 ceiling line")
     add_options(p)
     args = p.parse_args()
