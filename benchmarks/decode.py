@@ -40,6 +40,7 @@ from qkvlab.devices import DTYPES, torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.loadavg import ScriptRun, add_options, fmt, load1
 from qkvlab.model import GPT
+from qkvlab.settings import positive_int
 from qkvlab.speed import (
     bandwidth_limit_step_s,
     best_of,
@@ -194,27 +195,27 @@ def rope_on_read(args, base: ModelConfig, figures: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n-layer", type=int, default=6)
-    p.add_argument("--n-head", type=int, default=6)
-    p.add_argument("--d-model", type=int, default=384)
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--n-layer", type=positive_int, default=6)
+    p.add_argument("--n-head", type=positive_int, default=6)
+    p.add_argument("--d-model", type=positive_int, default=384)
+    p.add_argument("--vocab-size", type=positive_int, default=4096)
+    p.add_argument("--context", type=positive_int, default=1024)
     p.add_argument("--variants", default="Q-K-V,Q-K=V/MQA,Id-K=V/MQA", help="as for qkvlab bench (/MQA, /GQA-g)")
     p.add_argument(
         "--modes",
         default="eager,static,compiled",
         help="decode paths: eager, dynamic, static, compiled, or a torch.compile mode (reduce-overhead: CUDA graphs)",
     )
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--prompt-len", type=int, default=448)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--prompt-len", type=positive_int, default=448)
+    p.add_argument("--new-tokens", type=positive_int, default=64)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="cpu, cuda (the rope section always runs on the CPU)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    p.add_argument("--fills", type=int, nargs="+", default=[64, 512, 2048])
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--rope-batch", type=int, default=1)
+    p.add_argument("--fills", type=positive_int, nargs="+", default=[64, 512, 2048])
+    p.add_argument("--steps", type=positive_int, default=16)
+    p.add_argument("--rope-batch", type=positive_int, default=1)
     p.add_argument("--rope-mode", default="dynamic", choices=["dynamic", "static"])
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-decode", action="store_true")

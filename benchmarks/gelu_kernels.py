@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from qkvlab.loadavg import ScriptRun, add_options
 from qkvlab.model import GELU_ATEN_MAX
+from qkvlab.settings import positive_int
 
 SIZES = (1536, 6144, 24576, 49152, 98304, 393216, 3 * 2**20)  # elements: decode b1 / b4 / b16 ... training
 
@@ -37,8 +38,8 @@ def per_call(x: torch.Tensor, onednn: bool, calls: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
+    p.add_argument("--rounds", type=positive_int, default=7)
     add_options(p)
     args = p.parse_args()
     run = ScriptRun(args, "gelu_kernels")

@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 from qkvlab.loadavg import ScriptRun, add_options
+from qkvlab.settings import positive_int
+from train_throughput import parse_contestants  # this folder: run as a script, it is on the path
 
 HERE = Path(__file__).resolve().parent
 WAYS = ("hold", "glibc")
@@ -42,12 +44,14 @@ def one(way: str, args, json_path: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contestant", default="qkvlab", help="one train_throughput.py contestant (default qkvlab)")
-    p.add_argument("--rounds", type=int, default=4, help="alternating rounds (two children each)")
-    p.add_argument("--child-rounds", type=int, default=2, help="each child's own rounds")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per child round")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--rounds", type=positive_int, default=4, help="alternating rounds (two children each)")
+    p.add_argument("--child-rounds", type=positive_int, default=2, help="each child's own rounds")
+    p.add_argument("--steps", type=positive_int, default=3, help="timed steps per child round")
+    p.add_argument("--threads", type=positive_int, default=None)
     add_options(p)
     args = p.parse_args()
+    if len(parse_contestants(args.contestant, "fp32")) != 1:  # its own one-line refusal for a bad name
+        raise SystemExit(f"--contestant: {args.contestant!r} is not one contestant")
     run = ScriptRun(args, "heap_hold")
     best: dict[str, list[float]] = {w: [] for w in WAYS}
     faults: dict[str, list[float]] = {w: [] for w in WAYS}

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from qkvlab.attention import ride_key_term
 from qkvlab.loadavg import ScriptRun, add_options
 from qkvlab.positions import ScoreTerm2D
+from qkvlab.settings import positive_int
 
 
 def before(term, q, k, v, pos, scale):
@@ -54,11 +55,11 @@ def saved_bytes(fn, *args) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--B", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--T", type=int, default=512)
-    p.add_argument("--d-head", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--B", type=positive_int, default=4)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--T", type=positive_int, default=512)
+    p.add_argument("--d-head", type=positive_int, default=64)
+    p.add_argument("--rounds", type=positive_int, default=7)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     add_options(p)

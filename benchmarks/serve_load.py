@@ -44,7 +44,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 from qkvlab.io import atomic_file, atomic_write, json_text, save_model
 from qkvlab.loadavg import LoadWatch, load1
-from qkvlab.settings import byte_size, float_list
+from qkvlab.settings import byte_size, float_list, positive_int
 from qkvlab.variants import parse_variants
 
 START_TIMEOUT = 120.0  # seconds a server may take to print its start-up line
@@ -270,22 +270,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder (results.md, results.json, serve_load.png)")
     p.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in --out")
     p.add_argument("--variants", default="Q-K-V,Q-K=V,Id-K=V/MQA", help="comma-separated variants")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--n-layer", type=positive_int, default=4)
+    p.add_argument("--n-head", type=positive_int, default=8)
+    p.add_argument("--d-model", type=positive_int, default=256)
+    p.add_argument("--vocab-size", type=positive_int, default=2048)
+    p.add_argument("--context", type=positive_int, default=256)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--new-tokens", type=positive_int, default=64)
     p.add_argument("--rates", type=float_list, default=(4.0, 8.0, 16.0, 32.0, 64.0), help="offered loads, requests/s")
-    p.add_argument("--requests", type=int, default=96, help="requests per run")
-    p.add_argument("--clients", type=int, default=64, help="most requests in flight at once")
+    p.add_argument("--requests", type=positive_int, default=96, help="requests per run")
+    p.add_argument("--clients", type=positive_int, default=64, help="most requests in flight at once")
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds per run before it stops sending")
     p.add_argument(
         "--cache-memory", default=None, metavar="SIZE", help="the servers' --cache-memory (default: --qkv-sequences)"
     )
-    p.add_argument("--qkv-sequences", type=int, default=4, help="default cache memory: room for this many Q-K-V")
-    p.add_argument("--server-threads", type=int, default=None, help="OMP_NUM_THREADS of the servers")
+    p.add_argument(
+        "--qkv-sequences", type=positive_int, default=4, help="default cache memory: room for this many Q-K-V"
+    )
+    p.add_argument("--server-threads", type=positive_int, default=None, help="OMP_NUM_THREADS of the servers")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("n_layer", "n_head", "d_model", "vocab_size", "context", "prompt_len", "new_tokens", "requests"):

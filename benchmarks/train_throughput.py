@@ -49,6 +49,7 @@ from qkvlab.devices import cpu_has_bf16, torch_dtype
 from qkvlab.heap import hold_freed_memory
 from qkvlab.loadavg import ScriptRun, add_options
 from qkvlab.model import GPT
+from qkvlab.settings import positive_int
 from qkvlab.train.optim import make_optimizer
 
 LR, WEIGHT_DECAY, BETAS = 1e-4, 0.1, (0.9, 0.95)
@@ -282,18 +283,18 @@ DEFAULT_CONTESTANTS = "qkvlab,qkvlab-compiled,nanogpt,nanogpt-compiled"
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", help="a qkvlab preset instead of the anchor shape (e.g. gpt2-124m on a GPU)")
-    p.add_argument("--n-layer", type=int, default=6)
-    p.add_argument("--n-head", type=int, default=6)
-    p.add_argument("--d-model", type=int, default=384)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--n-layer", type=positive_int, default=6)
+    p.add_argument("--n-head", type=positive_int, default=6)
+    p.add_argument("--d-model", type=positive_int, default=384)
+    p.add_argument("--context", type=positive_int, default=256)
+    p.add_argument("--vocab-size", type=positive_int, default=4096)
     p.add_argument(
         "--bias", action="store_true", help="biases in linears and norms (nanoGPT's default; not the anchor)"
     )
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per contestant per round")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--steps", type=positive_int, default=3, help="timed steps per contestant per round")
+    p.add_argument("--rounds", type=positive_int, default=7)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     p.add_argument(
         "--dtype", choices=["fp32", "bf16"], help="contestants without @DTYPE (default fp32 on CPU, bf16 on CUDA)"
     )
