@@ -101,6 +101,16 @@ def test_print_config_round_trips_through_a_config_file(tmp_path, capsys):
         (["train", "--preset", "tiny", "--lr", "inf", "--print-config"], "finite"),
         (["bench", "--variants", "Q-K=V:mqa", "--print-config"], "Q-K=V/MQA"),
         (["bench", "--decode-batches", "1,0", "--print-config"], "positive"),
+        # a seed beyond torch's signed 64 bits was an overflow traceback in every command that seeds
+        (["train", "--preset", "tiny", "--seed", str(2**64), "--print-config"], f"must be <= {2**63 - 1}"),
+        (["generate", "m", "--seed", str(2**64), "--print-config"], f"must be <= {2**63 - 1}"),
+        (["generate", "m", "--seed", "-5", "--print-config"], "must be >= 0"),
+        (["init", "--out", "m", "--seed", str(2**64), "--print-config"], f"must be <= {2**63 - 1}"),
+        (["bench", "--seed", "-1", "--print-config"], "must be >= 0"),
+        (["retrofit", "m", "--seed", str(2**64), "--print-config"], f"must be <= {2**63 - 1}"),
+        # 10**23 seeds (or `--seed 5`, argparse's abbreviation of --seeds) planned for ever
+        (["compare", "--seeds", str(10**23), "--dry-run"], "must be <= 10000"),
+        (["compare", "--seed", "5", "--dry-run"], "unrecognized arguments: --seed 5"),  # no abbreviations
     ],
 )
 def test_bad_values_are_one_line_exit_2(capsys, argv, needle):

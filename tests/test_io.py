@@ -115,3 +115,12 @@ def test_one_metrics_reader(tmp_path):
     (tmp_path / METRICS).write_text('{"step": 0}\n{"step": \n')
     with pytest.raises(UserError, match=r"metrics.jsonl:2: not a JSON line"):
         read_metrics(tmp_path)
+
+
+def test_a_folder_named_as_a_text_file_is_called_a_folder(tmp_path):
+    from qkvlab.files import read_user_text
+
+    with pytest.raises(UserError, match="is a folder; give a file"):  # was "no such file"
+        read_user_text(tmp_path, "--config")
+    with pytest.raises(UserError, match="no such file"):
+        read_user_text(tmp_path / "missing")

@@ -56,4 +56,6 @@ def test_time_decode_times_prefill_and_steps_apart():
         assert t.end_to_end_tokens_per_s == pytest.approx(2 * 5 / (t.prefill_s + 4 * t.step_s))
     best = best_of(runs)
     assert best.step_s == min(t.step_s for t in runs) and best.prefill_s == min(t.prefill_s for t in runs)
+    one = time_decode(model, prompt, 1)  # no decode step to time: unmeasured, never a rate of nothing
+    assert one.step_s is None and one.decode_tokens_per_s is None and one.end_to_end_tokens_per_s is None
     assert copy_rate(nbytes=2**20, seconds=0.01) > 0

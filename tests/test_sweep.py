@@ -17,7 +17,8 @@ from qkvlab.errors import UserError
 def test_parse_sizes():
     assert parse_sizes("d32-L1-h2-b4-s2, d48-L2-h3") == [SweepSize(32, 1, 2, 4, 2), SweepSize(48, 2, 3)]
     assert parse_sizes("d64-L3-h4-s3,d8-L1-h1-b2")[0].label == "d64-L3"
-    for bad in ("d32-L1", "d32-L1-h2-x4,d8-L1-h1", "d32-L1-h2", "d32-L1-h2,d32-L1-h4", "d0-L1-h1,d8-L1-h1"):
+    bad_sizes = ("d32-L1", "d32-L1-h2-x4,d8-L1-h1", "d32-L1-h2", "d32-L1-h2,d32-L1-h4", "d0-L1-h1,d8-L1-h1")
+    for bad in (*bad_sizes, "d32-L1-h2-s99999999,d8-L1-h1"):  # the last planned for minutes
         with pytest.raises(UserError):
             parse_sizes(bad)
 

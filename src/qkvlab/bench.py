@@ -45,7 +45,7 @@ from qkvlab.heap import hold_freed_memory
 from qkvlab.limits import check_fits, check_model, check_training
 from qkvlab.loadavg import LoadWatch, NoisyMachine, fmt, load1
 from qkvlab.model import GPT
-from qkvlab.settings import byte_size, check, setting
+from qkvlab.settings import byte_size, check, seed_setting, setting
 from qkvlab.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
 from qkvlab.speed import copy_rate as measured_copy_rate
 from qkvlab.variants import parse_variants
@@ -88,7 +88,7 @@ class BenchConfig:
     hf: bool = setting(True, help="time transformers' generate on the same weights")
     train: bool = setting(True, help="measure training throughput")
     threads: int | None = setting(None, help="torch CPU threads (default: torch's)", minimum=1)
-    seed: int = setting(0, help="seed of the weights and prompts")
+    seed: int = seed_setting(0, help="seed of the weights and prompts")
     json: str | None = setting(None, help="also write the results as JSON to FILE", metavar="FILE")
     compare_dir: str | None = setting(None, help="a qkvlab compare output: plot cache bytes vs quality", metavar="DIR")
     plot: str = setting("cache_vs_quality.png", help="where the plot goes", metavar="FILE")

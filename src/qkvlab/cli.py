@@ -32,7 +32,12 @@ COMMANDS = {
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports errors as one line and exit status 2."""
+    """argparse that reports errors as one line and exit status 2, and takes only whole option names
+    (its default would read `compare --seed 5` as `--seeds 5`: five seeds, not seed 5)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # noqa: D401
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -11,7 +11,7 @@ from qkvlab.accounting import matched_mlp_hidden
 from qkvlab.config_file import read_config_file
 from qkvlab.errors import UserError
 from qkvlab.positions import PLUS_ENCODINGS
-from qkvlab.settings import check, setting
+from qkvlab.settings import check, seed_setting, setting
 from qkvlab.spec import ProjectionSpec, parse_layers, parse_scheme, validate_heads
 
 NORMS = ("layernorm", "rmsnorm", "none")
@@ -242,7 +242,7 @@ class InitConfig:
     """What `qkvlab init` writes: a random model of the chosen config (`--config FILE`: a model config)."""
 
     out: str = setting(help="model folder to write", metavar="DIR")
-    seed: int = setting(0, help="seed of the random weights", minimum=0)
+    seed: int = seed_setting(0, help="seed of the random weights")
     overwrite: bool = setting(False, help="replace DIR if it already holds a model")
     preset: str | None = setting(None, help=f"start from a model preset (default {DEFAULT_PRESET})", choices=PRESETS)
     model: dict[str, Any] = setting(help="model options", default_factory=dict, group=ModelConfig)

@@ -165,6 +165,8 @@ def read_user_text(path: str | Path, label: str | None = None) -> str:
     starting with `label` (default: the path)."""
     path = Path(path)
     label = label or str(path)
+    if path.is_dir():
+        raise UserError(f"{label}: is a folder; give a file")
     if not path.is_file():
         raise UserError(f"{label}: no such file")
     try:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from qkvlab.devices import DEVICE_HELP, INFERENCE_DTYPES, check_device, dtype_choices
 from qkvlab.errors import UserError
 from qkvlab.generate import COMPILE_MODES, Sampling
-from qkvlab.settings import check, setting
+from qkvlab.settings import check, seed_setting, setting
 
 
 @dataclass
@@ -24,7 +24,7 @@ class GenerateConfig:
     temperature: float = setting(0.8, help="0 = greedy", minimum=0)
     top_k: int = setting(0, help="keep the K most likely tokens (0 = off)", metavar="K", minimum=0)
     top_p: float = setting(1.0, help="nucleus sampling mass in (0, 1] (1 = off)", metavar="P", positive=True, maximum=1)
-    seed: int | None = setting(None, help="seed for sampling (default: random)")
+    seed: int | None = seed_setting(None, help="seed for sampling (default: random)")
     tokenizer: str | None = setting(None, help="tokenizer when the model folder records none", metavar="gpt2|bytes|DIR")
     device: str = setting("auto", help=DEVICE_HELP, metavar="DEVICE")
     dtype: str = setting(

@@ -108,6 +108,14 @@ def finite_float(text: str) -> float:
     return value
 
 
+SEED_MAX = 2**63 - 1  # torch's generators take a signed 64-bit seed
+
+
+def seed_setting(default: Any = 0, *, help: str) -> Any:
+    """A seed: a whole number in [0, SEED_MAX] (a larger one made torch raise an overflow)."""
+    return setting(default, help=help, minimum=0, maximum=SEED_MAX)
+
+
 def integer(text: str) -> int:
     try:
         return int(text)
@@ -171,7 +179,7 @@ def _bound_problem(value: Any, m: Mapping[str, Any]) -> str | None:
         return "must be positive"
     lo, hi = m.get("minimum"), m.get("maximum")
     if lo is not None and value < lo:
-        return "must be a positive integer" if whole and lo == 1 and hi is None else f"must be >= {lo}"
+        return "must be a positive integer" if whole and lo == 1 else f"must be >= {lo}"
     if hi is not None and value > hi:
         return f"must be <= {hi}"
     return None

@@ -133,7 +133,8 @@ def time_decode(model, prompt: torch.Tensor, new_tokens: int, mode: str = "eager
             positions += 1
         _sync(device)
         t2 = time.perf_counter()
-    return DecodeTiming(B, T, new_tokens, t1 - t0, (t2 - t1) / max(1, new_tokens - 1), compile_s)
+    step_s = (t2 - t1) / (new_tokens - 1) if new_tokens > 1 else None  # None: no step to time
+    return DecodeTiming(B, T, new_tokens, t1 - t0, step_s, compile_s)
 
 
 def best_of(timings: list[DecodeTiming]) -> DecodeTiming:

@@ -32,6 +32,8 @@ from qkvlab.tasks import FAMILIES, TASK_MODULES
 from qkvlab.train.config import TRAIN_PRESETS, TrainConfig, changed_fields, default_weight_decay
 from qkvlab.variants import Variant, parse_variants
 
+MAX_SEEDS = 10_000  # per variant (or sweep size): a plan of that many runs still prints in seconds
+
 
 @dataclass
 class CompareConfig:
@@ -55,6 +57,7 @@ class CompareConfig:
         "a 3-seed pilot, then as many seeds as its undecided claims need at their margins (compare/auto.py)",
         metavar="N|auto",
         minimum=1,
+        maximum=MAX_SEEDS,
     )
     budget: str | None = setting(
         None, help="with --seeds auto: the most extra training time to spend, e.g. 90m, 2h, 1h30m", metavar="DURATION"

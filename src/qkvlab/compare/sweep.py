@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkvlab.accounting import analytic_params
-from qkvlab.compare.planning import Plan, PlannedRun
+from qkvlab.compare.planning import MAX_SEEDS, Plan, PlannedRun
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 from qkvlab.train.config import TrainConfig, default_weight_decay
@@ -73,6 +73,8 @@ def parse_sizes(text: str) -> list[SweepSize]:
         size = SweepSize(int(m.group(1)), int(m.group(2)), int(m.group(3)), opts.get("b"), opts.get("s"))
         if min(size.d_model, size.n_layer, size.n_head, size.batch_size or 1, size.seeds or 1) < 1:
             raise UserError(f"sweep size {item!r}: every number must be positive")
+        if (size.seeds or 1) > MAX_SEEDS:
+            raise UserError(f"sweep size {item!r}: {size.seeds} seeds; at most {MAX_SEEDS:,}")
         if any(s.label == size.label for s in out):
             raise UserError(f"sweep sizes {text!r}: {size.label} appears twice (a size's folder is d..-L..)")
         out.append(size)

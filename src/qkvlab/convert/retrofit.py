@@ -45,7 +45,7 @@ from qkvlab.errors import UserError
 from qkvlab.files import atomic_dir
 from qkvlab.io import atomic_write, json_text, load_model, write_model_files
 from qkvlab.model import GPT
-from qkvlab.settings import check, setting
+from qkvlab.settings import check, seed_setting, setting
 from qkvlab.spec import select_layers
 
 # The fit's names, for `from qkvlab.convert.retrofit import ...` (the library entry point).
@@ -182,7 +182,7 @@ class RetrofitOptions:
     lm_weight: float = setting(1.0, help="weight of the LM loss (0: pure distillation)", minimum=0)
     eval_every: int = setting(50, help="uptraining steps between evaluations and checkpoints", minimum=1)
     eval_batches: int = setting(10, help="validation batches per uptraining evaluation", minimum=1)
-    seed: int = setting(0, help="uptraining batch order", minimum=0)
+    seed: int = seed_setting(0, help="uptraining batch order")
     device: str = setting("auto", help=f"device for calibration and uptraining: {DEVICE_HELP}", metavar="DEVICE")
     dtype: str = setting(
         "auto",

@@ -26,7 +26,7 @@ from qkvlab.devices import (
     dtype_choices,
 )
 from qkvlab.errors import UserError
-from qkvlab.settings import check, resumable_fields, setting
+from qkvlab.settings import check, resumable_fields, seed_setting, setting
 
 WEIGHT_DECAY = 0.1  # nanoGPT's, on weights with dim >= 2
 IDENTITY_WEIGHT_DECAY = 2**-5  # Paper A's identity models (an identity Q, K or V role)
@@ -47,7 +47,7 @@ class TrainConfig:
         metavar="KEY=VALUE",
     )
     model: ModelConfig = setting(help="model options", default_factory=ModelConfig, group=ModelConfig)
-    seed: int = setting(0, help="seed of the initial weights and the data order", minimum=0)
+    seed: int = seed_setting(0, help="seed of the initial weights and the data order")
     max_steps: int = setting(1000, help="optimizer steps (may grow on resume)", resumable=True, minimum=1)
     batch_size: int = setting(32, help="global sequences (examples) per optimizer step, over all ranks", minimum=1)
     grad_accum: int = setting(1, help="micro-batches per rank per step", minimum=1)
