@@ -114,6 +114,7 @@ def test_cache_budget_picks_best_fitting_layers():
         (dict(to="Q-K=V", cache_budget=1.5), "fraction"),
         (dict(to="Q-K=V", layers="7"), "out of range"),
         (dict(to="Q-K=V", pool="max"), "pool='max'"),
+        (dict(to="Q-K-V"), "nothing to retrofit"),  # Q-K-V already: it fitted and uptrained a copy
     ],
 )
 def test_refusals_one_line(kw, needle):
@@ -232,4 +233,11 @@ def test_retrofit_refuses_bad_target_and_layers_before_any_work(trained, capsys,
     assert main(argv + ["--layers", "99"]) == 2
     err = capsys.readouterr().err
     assert "layer 99 is out of range" in err and len(err.strip().splitlines()) == 1
+    assert main(argv + ["--to", "Q-K-V"]) == 2  # the teacher is Q-K-V already
+    assert "nothing to retrofit" in capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.setattr(rf, "load_source", lambda *a: pytest.fail("loaded the model before checking the weights"))
+    argv[argv.index("--steps") + 1] = "5"  # both weights 0 refused before the fit (it used to write OUT/fit first)
+    assert main(argv + ["--to", "Q-K=V", "--kl-weight", "0", "--lm-weight", "0"]) == 2
+    assert "both 0: nothing to uptrain on" in capsys.readouterr().err
     assert not (trained / "bad").exists()

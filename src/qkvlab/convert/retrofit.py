@@ -194,6 +194,8 @@ class RetrofitOptions:
         check(self)  # types, choices and bounds of every field; below: the rules across fields
         if not self.heldout_fraction < 1:
             raise UserError(f"heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        if self.kl_weight == 0 and self.lm_weight == 0 and self.steps:  # the distill task says so too, after the fit
+            raise UserError("kl_weight and lm_weight are both 0: nothing to uptrain on (or --steps 0: fit only)")
         if self.layers is not None and self.cache_budget is not None:
             raise UserError("give --layers or --cache-budget, not both (the budget chooses the layers)")
         check_target(self.to, self.pool, self.cache_budget)  # before any model is loaded
@@ -285,7 +287,7 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     src = load_source(source)
     check_layers((src.cfg.n_layer, src.cfg.n_head), opts)  # a .gguf: known only now, still before any perplexity
     model, cfg = src.model.float().to(device), src.cfg
-    candidate_layers(cfg, opts.layers, opts.kv_heads)  # refused before any text is read or scored
+    candidate_layers(cfg, opts.layers, opts.kv_heads, opts.to)  # refused before any text is read or scored
     block = opts.block_size or min(cfg.context, 256)
     train_ids, held_ids = corpus_tokens(src, opts.data, opts.heldout_fraction)
     write_tokens(out / TOKENS_FILE, train_ids, held_ids)

@@ -156,13 +156,24 @@ def check_target(to: str, pool: str = "fit", cache_budget: float | None = None) 
     return dst.name
 
 
-def candidate_layers(cfg: ModelConfig, layers: str | None, kv_heads: int | None) -> list[int]:
-    """The layers a fit may convert; what does not fit this model is refused before any work."""
+def candidate_layers(cfg: ModelConfig, layers: str | None, kv_heads: int | None, to: str) -> list[int]:
+    """The layers a fit may convert; what does not fit this model, or would change none of its
+    layers (already `to` with those key/value heads), is refused before any work."""
     if kv_heads is not None and (kv_heads <= 0 or cfg.n_head % kv_heads):
         raise UserError(f"--kv-heads {kv_heads} must divide n_head={cfg.n_head}")
     if cfg.share_layers:
         raise UserError("share_layers=True: one block serves every layer, so layers cannot be retrofitted one by one")
-    return select_layers(layers, cfg.n_layer) if layers else list(range(cfg.n_layer))
+    chosen = select_layers(layers, cfg.n_layer) if layers else list(range(cfg.n_layer))
+    dst = parse_scheme(to).name
+    unchanged = [
+        (lc.spec.name, lc.n_kv_heads) == (dst, kv_heads or lc.n_kv_heads) for lc in map(cfg.layer_config, chosen)
+    ]
+    if all(unchanged):
+        raise UserError(
+            f"--to {to}: the chosen layers are {dst} with those key/value heads already; nothing to retrofit "
+            "(give another --to, or --kv-heads for GQA/MQA)"
+        )
+    return chosen
 
 
 def fit(
@@ -182,7 +193,7 @@ def fit(
     """The retrofitted model (in the source's dtype) and per-layer fit quality; see the module doc.
     inputs: the layers' calibration inputs from `attention_inputs` (computed here when None)."""
     dst = check_target(to, pool, cache_budget)
-    candidates = candidate_layers(cfg, layers, kv_heads)
+    candidates = candidate_layers(cfg, layers, kv_heads, dst)
     block = block or min(cfg.context, 256)
     xs = inputs if inputs is not None else attention_inputs(model, calib, calib_tokens, block)
     fits: dict[int, tuple] = {}
