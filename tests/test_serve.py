@@ -325,6 +325,7 @@ BAD = [
     (b'{"prompt": "Hello", "stop": 7}', 400, "stop"),
     (b'{"prompt": "Hello", "seed": 1.5}', 400, "seed"),
     (b'{"prompt": "Hello", "seed": 100000000000000000000000}', 400, "seed"),
+    (b'{"prompt": "Hello", "seed": -3}', 400, "seed"),  # torch would take it as 2**64 - 3: one seed, one spelling
     (b'{"prompt": "Hello", "n": 3}', 400, "n"),
     (b'{"prompt": "Hello", "frobnicate": 1}', 400, "frobnicate"),
     (b'{"prompt": [1, 2, 300]}', 400, "vocabulary"),

@@ -19,6 +19,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from qkvlab.settings import SEED_MAX
+
 MAX_STOPS = 4  # as OpenAI
 
 
@@ -39,7 +41,7 @@ class CompletionRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # not OpenAI's (vLLM's extension): 0 = off
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)  # the seeds every qkvlab command takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
