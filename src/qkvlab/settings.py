@@ -108,7 +108,7 @@ def finite_float(text: str) -> float:
     return value
 
 
-SEED_MAX = 2**63 - 1  # torch's generators take a signed 64-bit seed
+SEED_MAX = 2**63 - 1  # a signed 64-bit integer: what torch's generators and C-side seed arithmetic all take
 
 
 def seed_setting(default: Any = 0, *, help: str) -> Any:
