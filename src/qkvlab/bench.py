@@ -372,6 +372,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
         raise NoisyMachine(f"noisy machine before starting: {watch.before_summary()} (--require-quiet)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.train and device.type == "cpu":  # as training runs; from the start, so every figure sees one heap
+        hold_freed_memory()
     tname = autocast_dtype_name(cfg.dtype, device.type, d_model=cfg.model_config.d_model)
     peak = matmul_flops_per_s(device, torch_dtype(tname))
     rate = measured_copy_rate(device)
