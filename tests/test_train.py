@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from qkvlab import cli
+from qkvlab.cli import main
 from qkvlab.errors import UserError
 from qkvlab.io import load_model
 from qkvlab.train import checkpoint as ck
@@ -482,3 +483,14 @@ def test_resume_with_nothing_to_resume_says_it_starts_anew(plays_file, tmp_path,
     assert f"nothing to resume in {out} (no run there yet): starting a new run" in capsys.readouterr().err
     assert cli.main(argv) == 0  # now there is a run: finished, nothing said
     assert "nothing to resume" not in capsys.readouterr().err
+
+
+def test_a_preset_with_another_task_leaves_its_corpus_options_behind(tmp_path, capsys):
+    """README's `qkvlab train --task reverse --preset tiny` failed: the preset's lm options (its
+    tokenizer) were handed to the reverse task, which has no such option."""
+    assert train_preset("tiny").task_options == {"tokenizer": "bpe:512"}
+    assert train_preset("tiny", task="reverse").task_options == {}
+    assert train_preset("tiny", task="reverse", task_options={"length": 8}).task_options == {"length": 8}
+    argv = ["train", "--out", str(tmp_path / "rev"), "--task", "reverse", "--preset", "tiny", "--attn", "(Q=K=V)+"]
+    assert main([*argv, "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1", "--quiet"]) == 0
+    assert (tmp_path / "rev" / "model.safetensors").is_file()

@@ -326,7 +326,9 @@ def train_preset(name: str, **overrides: Any) -> TrainConfig:
         model = preset(model_name)
     else:
         raise UserError(f"model must be a mapping of model config keys, got {model_over!r}")
-    body = merge({**recipe, "task_options": dict(recipe.get("task_options", {}))}, overrides)
+    task = overrides.get("task", recipe.get("task", "lm"))
+    lm_options = recipe.get("task_options", {}) if task == "lm" else {}  # a preset's options name its corpus
+    body = merge({**recipe, "task_options": dict(lm_options)}, overrides)
     body["model"] = model
     return TrainConfig.from_dict(body)
 
