@@ -174,10 +174,8 @@ def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, seconds: float 
 
 
 def train_tokens_per_s(cfg: ModelConfig, *, batch: int, steps: int, device, dtype, seed: int = 0) -> float:
-    """Forward + backward + AdamW steps on random tokens at the model's context (on the CPU with the
-    heap holding freed memory, as training runs)."""
-    if torch.device(device).type == "cpu":
-        hold_freed_memory()
+    """Forward + backward + AdamW steps on random tokens at the model's context (`run` holds the CPU
+    heap first, as training does)."""
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")

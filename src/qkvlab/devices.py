@@ -11,6 +11,7 @@ cuda:0 outside torchrun; an explicit cuda:N is refused with more than one rank).
 
 from __future__ import annotations
 
+import os
 import re
 
 from qkvlab.errors import UserError
@@ -103,6 +104,13 @@ def check_device(name: str) -> str:
     if not isinstance(name, str) or not _DEVICE.fullmatch(name):
         raise UserError(f"device={name!r} is not allowed; use {DEVICE_HELP}")
     return name
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun sets them in the environment; (0, 1, 0) outside it.
+    Readable before any process group exists (a command's rank-0-only lines)."""
+    env = os.environ
+    return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0"))
 
 
 def select_device(requested: str = "auto", local_rank: int = 0, world: int = 1, cuda_count: int | None = None):

@@ -13,11 +13,11 @@ Exit status: 0 done, 2 bad input, 3 the loss became non-finite.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from qkvlab.config import DEFAULT_PRESET
+from qkvlab.devices import torchrun_env
 from qkvlab.errors import UserError
 from qkvlab.folders import inspect
 from qkvlab.settings import add_config_options, add_options, load, options_from_args, print_config
@@ -66,7 +66,8 @@ def run(args) -> int:
         return 0
     if run_opts.out is None:
         raise UserError("--out DIR is required (the run folder)")
-    if run_opts.resume and inspect(run_opts.out).kind in ("missing", "empty") and int(os.environ.get("RANK", "0")) == 0:
+    main_rank = torchrun_env()[0] == 0
+    if run_opts.resume and main_rank and inspect(run_opts.out).kind in ("missing", "empty"):
         # a typo in --out would otherwise restart from step 0 unannounced
         print(
             f"qkvlab train: nothing to resume in {run_opts.out} (no run there yet): starting a new run", file=sys.stderr
@@ -76,7 +77,7 @@ def run(args) -> int:
     except TrainingDiverged as e:
         print(f"qkvlab train: error: {e}", file=sys.stderr)
         return 3
-    if int(os.environ.get("RANK", "0")) == 0:
+    if main_rank:
         m = result.metrics
         keys = dict.fromkeys(("val_loss", "val_ppl", result.metric))
         score = " ".join(f"{k} {m[k]:.4f}" for k in keys if isinstance(m.get(k), float))

@@ -16,6 +16,7 @@ from typing import Any
 from qkvlab.compare.pace import choose_layout
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
+from qkvlab.devices import torchrun_env
 from qkvlab.errors import UserError
 from qkvlab.folders import check_folder, claim_folder, inspect
 from qkvlab.units import fmt_duration
@@ -183,8 +184,8 @@ def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = pr
     """Train every run of `plan` that is not finished (resuming interrupted ones), then write the
     results. `command` is recorded in compare.json; `say` gets the progress lines (rank 0 only)."""
     t_start = time.perf_counter()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if int(os.environ.get("RANK", "0")) != 0:
+    rank, world, _ = torchrun_env()
+    if rank != 0:
         say = lambda *a, **k: None  # noqa: E731
     env = None
     if world > 1:  # under torchrun every rank walks the same plan; each run is one distributed train()
@@ -193,7 +194,7 @@ def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = pr
         env = D.setup(plan.config.device)
     claim = None
     try:
-        if int(os.environ.get("RANK", "0")) == 0:  # one compare per folder at a time; never into a run or a file
+        if rank == 0:  # one compare per folder at a time; never into a run or a file
             claim = claim_folder(plan.out, accept=("compare",), advice=COMPARE_ADVICE)
         return _run_plan(plan, env, say, t_start, command)
     except UserError:

@@ -47,6 +47,7 @@ from qkvlab.io import atomic_write, json_text, load_model, write_model_files
 from qkvlab.model import GPT
 from qkvlab.settings import check, seed_setting, setting
 from qkvlab.spec import select_layers
+from qkvlab.tasks.distill import check_loss_weights
 
 # The fit's names, for `from qkvlab.convert.retrofit import ...` (the library entry point).
 __all__ = [
@@ -194,8 +195,8 @@ class RetrofitOptions:
         check(self)  # types, choices and bounds of every field; below: the rules across fields
         if not self.heldout_fraction < 1:
             raise UserError(f"heldout_fraction={self.heldout_fraction} must be in (0, 1)")
-        if self.kl_weight == 0 and self.lm_weight == 0 and self.steps:  # the distill task says so too, after the fit
-            raise UserError("kl_weight and lm_weight are both 0: nothing to uptrain on (or --steps 0: fit only)")
+        if self.steps:  # the uptraining's distill task would refuse them only after the fit
+            check_loss_weights(self.kl_weight, self.lm_weight, "nothing to uptrain on (or --steps 0: fit only)")
         if self.layers is not None and self.cache_budget is not None:
             raise UserError("give --layers or --cache-budget, not both (the budget chooses the layers)")
         check_target(self.to, self.pool, self.cache_budget)  # before any model is loaded

@@ -40,6 +40,15 @@ def kl_teacher_student(teacher_logits: torch.Tensor, student_logits: torch.Tenso
     return (t.exp() * (t - s)).sum(-1).mean()
 
 
+def check_loss_weights(kl_weight, lm_weight, nothing: str = "nothing to train on") -> None:
+    """The distillation loss's two weights: numbers >= 0, not both 0 (retrofit checks them before its fit)."""
+    for key, value in (("kl_weight", kl_weight), ("lm_weight", lm_weight)):
+        if not (isinstance(value, (int, float)) and value >= 0):
+            raise UserError(f"{key}={value!r} must be a number >= 0")
+    if kl_weight == 0 and lm_weight == 0:
+        raise UserError(f"kl_weight and lm_weight are both 0: {nothing}")
+
+
 class DistillTask(Task):
     name = "distill"
     model_kind = "gpt"
@@ -58,11 +67,7 @@ class DistillTask(Task):
         for key, value in (("teacher", teacher), ("student", student), ("tokens", tokens)):
             if not value:
                 raise UserError(f"the distill task needs the option {key} (a path)")
-        for key, value in (("kl_weight", kl_weight), ("lm_weight", lm_weight)):
-            if not (isinstance(value, (int, float)) and value >= 0):
-                raise UserError(f"{key}={value!r} must be a number >= 0")
-        if kl_weight == 0 and lm_weight == 0:
-            raise UserError("kl_weight and lm_weight are both 0: nothing to train on")
+        check_loss_weights(kl_weight, lm_weight)
         if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
             raise UserError(f"block_size={block_size!r} must be a positive integer")
         self.teacher_path, self.student_path, self.tokens_path = str(teacher), str(student), str(tokens)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from qkvlab.config import ModelConfig
 from qkvlab.data.prepare import PreparedData, fixed_val_batches, get_batch, prepare
 from qkvlab.data.tokenizer import DEFAULT_TOKENIZER
+from qkvlab.devices import torchrun_env
 from qkvlab.errors import UserError
 from qkvlab.model import GPT
 from qkvlab.tasks.base import Task
@@ -55,7 +55,7 @@ class LMTask(Task):
             raise UserError(f"block_size={block_size!r} must be a positive integer")
         self.source, self.tokenizer_spec, self._block_size = data, tokenizer, block_size
         # ranks of a multi-process run never tokenize: `qkvlab prepare` does it once, beforehand
-        single = int(os.environ.get("WORLD_SIZE", "1")) <= 1
+        single = torchrun_env()[1] <= 1
         self.prepared: PreparedData = prepare(data, tokenizer, val_fraction=val_fraction, tokenize=single)
         self._val: dict[tuple[int, int, int], list] = {}
         self.cfg: ModelConfig | None = None  # set by adapt_config

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from qkvlab.devices import select_device
+from qkvlab.devices import select_device, torchrun_env
 
 
 @dataclass
@@ -40,8 +39,7 @@ class Env:
 def setup(device: str = "auto", timeout_s: float | None = None) -> Env:
     """Read torchrun's env vars; initialise the process group when WORLD_SIZE > 1 (timeout_s: the
     collectives' timeout, None = torch's default)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world, local_rank = torchrun_env()
     dev = select_device(device, local_rank, world)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
