@@ -326,7 +326,15 @@ BAD = [
     (b'{"prompt": "Hello", "seed": 1.5}', 400, "seed"),
     (b'{"prompt": "Hello", "seed": 100000000000000000000000}', 400, "seed"),
     (b'{"prompt": "Hello", "seed": -3}', 400, "seed"),  # torch would take it as 2**64 - 3: one seed, one spelling
-    (b'{"prompt": "Hello", "n": 3}', 400, "n"),
+    (b'{"prompt": "Hello", "n": 0}', 400, "n"),
+    (b'{"prompt": "Hello", "n": 1000}', 400, "n"),
+    (b'{"prompt": "Hello", "temperature": 5}', 400, "temperature"),  # OpenAI's range is [0, 2]
+    (b'{"prompt": "Hello", "logprobs": 21}', 400, "logprobs"),
+    (b'{"prompt": "Hello", "logprobs": true}', 400, "logprobs"),
+    (b'{"prompt": "Hello", "best_of": 3}', 400, "best_of"),
+    (b'{"prompt": "Hello", "guided_json": {}}', 400, "unknown field 'guided_json'"),  # a vLLM extension not here
+    (b'{"prompt": "Hello", "stop_token_ids": [999]}', 400, "vocabulary"),
+    (b'{"prompt": [[1, 2], []]}', 400, "empty prompt"),
     (b'{"prompt": "Hello", "frobnicate": 1}', 400, "frobnicate"),
     (b'{"prompt": [1, 2, 300]}', 400, "vocabulary"),
     (b'{"prompt": [1, 2.5]}', 400, "prompt"),
@@ -437,7 +445,7 @@ def test_sigterm_drains_a_real_server_process(model_dir, tmp_path):
 
 def test_cli_refusals_are_one_line(model_dir, tmp_path, capsys):
     cases = [
-        ([str(tmp_path / "missing")], "no such model folder"),
+        ([str(tmp_path / "missing")], "no such file or folder"),
         ([str(model_dir), "--cache-memory", "1KB"], "holds no sequence"),
         ([str(model_dir), "--cache-memory", "lots"], "--cache-memory"),
         ([str(model_dir), "--port", "70000"], "--port"),

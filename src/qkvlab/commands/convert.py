@@ -4,7 +4,9 @@
   qkvlab convert --from-hf IN OUT                 IN: a transformers folder (safetensors) or a .gguf
   qkvlab convert IN OUT --to-hf gpt2|llama        write a GPT2LMHeadModel / LlamaForCausalLM folder
 
-Steps combine (--from-hf with --to, --to with --to-hf). Every step is checked on random inputs;
+Steps combine (--from-hf with --to, --to with --to-hf). The tokenizer travels with the weights:
+into OUT/tokenizer/ for a qkvlab folder, into OUT itself (transformers' files) with --to-hf.
+Every step is checked on random inputs;
 the last line printed is max_rel_logit_diff=<value> (max |Δlogit| / max |logit|, worst step).
 Exit 0: written and equivalent; 2: refused (the reason on one line); 1: the check failed.
 Nothing is written unless every check passed.
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from qkvlab.convert.config import ConvertConfig
+from qkvlab.convert.load import TOKENIZER_DIR
 from qkvlab.convert.reparam import TOLERANCE, CheckFailed, check, convert, logit_diff
 from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
@@ -73,9 +76,11 @@ def _run(opts: ConvertConfig, src: Path) -> int:
         worst = max(worst, _step(f"import {hf.config.model_type} -> {cfg.scheme_label}", abs_d, rel_d))
         del hf
         stored = torch.float32
+        tok = _source_tokenizer(src, True)
     else:
         model, cfg, _ = load_model(src)
         stored = model.tok_emb.weight.dtype
+        tok = _source_tokenizer(src, False)
     dtype = torch_dtype(opts.dtype) if opts.dtype else stored
     model = model.to(dtype)
     notes: list[str] = []
@@ -102,8 +107,9 @@ def _run(opts: ConvertConfig, src: Path) -> int:
             if not rel_d <= tol:
                 raise CheckFailed(f"exported {opts.to_hf} checkpoint differs: max_rel_logit_diff={rel_d:.3g} > {tol:g}")
             worst = max(worst, _step(f"export {cfg.scheme_label} -> {type(back).__name__}", abs_d, rel_d))
+            _export_tokenizer(tok, tmp)
         else:
-            meta = {"converted_from": str(src), "conversion": notes}
+            meta = {"converted_from": str(src), "conversion": notes, **_keep_tokenizer(tok, tmp / TOKENIZER_DIR)}
             write_model_files(tmp, model, cfg, meta)
             back, _, _ = load_model(tmp)  # what a reader will get, checked before it is published
             abs_d, rel_d = logit_diff(model, back, cfg.vocab_size, cfg.context)
@@ -112,3 +118,81 @@ def _run(opts: ConvertConfig, src: Path) -> int:
     print(f"wrote {opts.output}")
     print(f"max_rel_logit_diff={worst:.3g}")
     return 0
+
+
+# ---- the tokenizer, carried beside the weights -------------------------------------------------
+def _source_tokenizer(src: Path, from_hf: bool) -> tuple[str, object, Path | None] | None:
+    """(kind, tokenizer, its folder) of IN: ("hf", a transformers tokenizer, the folder with its
+    files and generation_config.json), ("qkvlab", a qkvlab tokenizer, its saved folder or None),
+    or None when IN has none. A GGUF's tokenizer is read by load_hf into its cache folder."""
+    from qkvlab.convert.load import model_tokenizer
+
+    if from_hf:  # read once load_hf has run (a GGUF's tokenizer is written into its cache folder then)
+        from qkvlab.convert.hf import gguf_cache_folder
+
+        ggufs = sorted(src.glob("*.gguf")) if src.is_dir() and not (src / "config.json").exists() else [src]
+        return "hf", None, gguf_cache_folder(ggufs[0]) if ggufs and ggufs[0].suffix == ".gguf" else src
+    from qkvlab.io import find_model_dir, read_config
+
+    folder = find_model_dir(src)
+    tok, tok_dir = model_tokenizer(None, folder, read_config(folder)[1])
+    if tok is None:
+        return None
+    if tok_dir is not None:
+        return "hf", tok, tok_dir
+    saved = folder / TOKENIZER_DIR
+    return "qkvlab", tok, saved if saved.is_dir() else None
+
+
+def _hf_of(source) -> tuple[object, Path | None] | None:
+    """A transformers tokenizer for the source tokenizer (None: it has no transformers form)."""
+    from qkvlab.convert.load import hf_tokenizer
+
+    kind, tok, folder = source
+    if kind == "hf":
+        tok = tok if tok is not None else hf_tokenizer(folder)  # a GGUF's: written when load_hf read it
+        return None if tok is None else (tok, folder)
+    if hasattr(tok, "_tok"):  # a qkvlab BPE is a `tokenizers` tokenizer: transformers wraps it as it is
+        from transformers import PreTrainedTokenizerFast
+
+        from qkvlab.data.tokenizer import EOT_TOKEN
+
+        return PreTrainedTokenizerFast(tokenizer_object=tok._tok, eos_token=EOT_TOKEN), None
+    return None
+
+
+def _keep_tokenizer(source, out: Path) -> dict:
+    """OUT/tokenizer/: a qkvlab tokenizer's saved folder as it is, a transformers one's files ->
+    what config.json must record (a tokenizer known by name: gpt2, bytes)."""
+    import shutil
+
+    from qkvlab.convert.load import save_hf_tokenizer
+
+    if source is None:
+        return {}
+    kind, tok, folder = source
+    if kind == "qkvlab":
+        if folder is None:
+            return {"tokenizer": tok.spec}
+        shutil.copytree(folder, out)
+        return {}
+    hf = _hf_of(source)
+    if hf is None:
+        print(f"note: no tokenizer found beside {folder}; OUT has none")
+        return {}
+    save_hf_tokenizer(hf[0], out, None if hf[1] is None else hf[1] / "generation_config.json")
+    return {}
+
+
+def _export_tokenizer(source, out: Path) -> None:
+    """transformers' tokenizer files beside the exported weights, so AutoTokenizer reads OUT."""
+    from qkvlab.convert.load import save_hf_tokenizer
+
+    if source is None:
+        return
+    hf = _hf_of(source)
+    if hf is None:
+        print(f"note: tokenizer {source[1].name} has no transformers form here; OUT has no tokenizer files")
+        return
+    # the source's generation_config.json (its end-of-turn ids) over the one the export derived
+    save_hf_tokenizer(hf[0], out, None if hf[1] is None else hf[1] / "generation_config.json")

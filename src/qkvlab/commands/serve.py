@@ -1,7 +1,8 @@
-"""Serve a model folder over HTTP, OpenAI-compatible, with continuous batching on the spec-sized KV cache.
+"""Serve a model over HTTP, OpenAI/vLLM-compatible, with continuous batching on the spec-sized KV cache.
 
-POST /v1/completions (prompt, max_tokens, temperature, top_p, stop, seed, stream), GET /v1/models,
-GET /health. The cache is a pool of --cache-memory bytes: capacity = cache memory / (KV-cache bytes
+MODEL: a qkvlab folder, a Hugging Face folder or a .gguf, with its own tokenizer and chat template.
+POST /v1/completions, /v1/chat/completions (streaming, logprobs, n, echo), /tokenize, /detokenize;
+GET /v1/models, /health, /metrics (Prometheus, vLLM's names). The cache is a pool of --cache-memory bytes: capacity = cache memory / (KV-cache bytes
 per token x context) sequences, so Q-K=V serves twice the sequences of Q-K-V and MQA more. Needs the
 `serve` extra: pip install 'qkvlab[serve]'. See docs/serve.md. The settings: ServeConfig
 (qkvlab/serve/server.py).
@@ -25,6 +26,7 @@ def run(args) -> int:
         return 0
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise UserError(

@@ -1,6 +1,10 @@
 """The one "load any model" path: a qkvlab model folder (or a run folder's checkpoint/), a Hugging
 Face GPT-2/Llama folder (safetensors) or a .gguf file -> a qkvlab GPT and its tokenizer.
 
+A tokenizer comes with the model: a qkvlab folder's tokenizer/ holds a qkvlab tokenizer or the
+transformers tokenizer files `convert --from-hf` carried over (special tokens, chat template,
+generation_config.json's end-of-turn ids); an HF folder's and a GGUF's are transformers'.
+
 Every route ends in qkvlab.io.build_model_from_state (meta device, tensors assigned, every key
 checked by name and shape, tied weights through io.tied_aliases): a missing tensor is refused by
 name, never left at a random initialisation. `retrofit`, the `distill` teacher and `similarity`
@@ -19,6 +23,7 @@ from qkvlab.io import CONFIG, is_model_folder, load_model
 from qkvlab.model import GPT
 
 TOKENIZER_DIR = "tokenizer"
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # either marks a transformers tokenizer folder
 
 
 @dataclass
@@ -29,21 +34,21 @@ class Loaded:
     folder: Path  # the model folder (qkvlab), or the folder holding the HF tokenizer files
     body: dict[str, Any] | None = None  # a qkvlab folder's config.json
     tokenizer: Any = None  # .encode(str) -> ids; None when the model ships none
+    tokenizer_dir: Path | None = None  # the folder a transformers tokenizer was read from
 
 
 def load_any(path: str | Path, tokenizer: str | None = None) -> Loaded:
-    """The model at `path` and its tokenizer (qkvlab folders: `tokenizer` (gpt2, bytes or a folder)
-    wins over what the folder records; HF: the tokenizer files beside the weights)."""
+    """The model at `path` and its tokenizer (`tokenizer`: gpt2, bytes, a saved qkvlab tokenizer's
+    folder or a transformers tokenizer's, wins over what the model carries)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such file or folder")
     if path.is_dir() and not (path / CONFIG).exists() and (path / "checkpoint" / CONFIG).exists():
         path = path / "checkpoint"  # a run folder still training: its checkpoint
     if path.is_dir() and is_model_folder(path):
-        from qkvlab.data.tokenizer import resolve_tokenizer
-
         model, cfg, body = load_model(path)
-        return Loaded(model, cfg, "qkvlab", path, body, resolve_tokenizer(tokenizer, path, body))
+        tok, tok_dir = model_tokenizer(tokenizer, path, body)
+        return Loaded(model, cfg, "qkvlab", path, body, tok, tok_dir)
     from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet
 
     quiet()
@@ -54,11 +59,50 @@ def load_any(path: str | Path, tokenizer: str | None = None) -> Loaded:
         folder = path
     else:
         folder = gguf_cache_folder(path if path.is_file() else sorted(path.glob("*.gguf"))[0])
-    if tokenizer is not None:  # the user's choice (gpt2, bytes or a folder) over the shipped one
-        from qkvlab.data.tokenizer import resolve_tokenizer
+    if tokenizer is not None:  # the user's choice over the shipped one
+        tok, tok_dir = model_tokenizer(tokenizer, folder, {})
+        return Loaded(model, cfg, "hf", folder, None, tok, tok_dir)
+    tok = hf_tokenizer(folder)
+    return Loaded(model, cfg, "hf", folder, None, tok, folder if tok is not None else None)
 
-        return Loaded(model, cfg, "hf", folder, None, resolve_tokenizer(tokenizer, folder, {}))
-    return Loaded(model, cfg, "hf", folder, None, hf_tokenizer(folder))
+
+def is_hf_tokenizer_folder(folder: Path) -> bool:
+    from qkvlab.data.tokenizer import META_FILE
+
+    return (
+        folder.is_dir()
+        and not (folder / META_FILE).exists()
+        and any((folder / f).is_file() for f in HF_TOKENIZER_FILES)
+    )
+
+
+def model_tokenizer(choice: str | None, model_dir: Path, body: dict) -> tuple[Any, Path | None]:
+    """The tokenizer of a model folder and, for a transformers one, the folder it was read from:
+    `choice` wins; else the folder's tokenizer/ (qkvlab's or transformers' files); else what its
+    config records (data/tokenizer.py's resolve_tokenizer)."""
+    from qkvlab.data.tokenizer import resolve_tokenizer
+
+    if choice is not None and is_hf_tokenizer_folder(Path(choice)):
+        tok = hf_tokenizer(Path(choice))
+        if tok is None:
+            raise UserError(f"--tokenizer {choice}: transformers could not read a tokenizer there")
+        return tok, Path(choice)
+    if choice is None and is_hf_tokenizer_folder(model_dir / TOKENIZER_DIR):
+        tok = hf_tokenizer(model_dir / TOKENIZER_DIR)
+        return tok, model_dir / TOKENIZER_DIR if tok is not None else None
+    return resolve_tokenizer(choice, model_dir, body), None
+
+
+def save_hf_tokenizer(tok, folder: Path, generation_config: Path | None = None) -> None:
+    """A transformers tokenizer's files (and the generation_config.json holding a model's end-of-turn
+    ids, when there is one) into `folder`, so the model it belongs to keeps its text, special tokens
+    and chat template."""
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(folder)
+    if generation_config is not None and generation_config.is_file():
+        shutil.copyfile(generation_config, folder / "generation_config.json")
 
 
 def hf_tokenizer(folder: Path):

@@ -14,8 +14,15 @@ Admission is by rows, and rows by cache bytes: the pool holds --cache-memory / (
 context) sequences, so a scheme that caches less serves more at once. When every row is taken,
 requests wait in the queue; they never fail for lack of room.
 
+A request asks for `n` choices: n sequences that share one prefill of the prompt when they are
+admitted together (its keys and values are copied into each one's row) and then decode on their
+own; seeded sampling gives choice i the seed + i, so choice 0 is what n = 1 gives. With `logprobs`
+each token carries its log-probability and the top-k alternatives (of the model's distribution,
+before temperature, as vLLM reports them); `prompt_logprobs` does the same for the prompt (echo).
+
 Tokens leave through each request's `emit(Event)`, called on the engine thread (the app forwards
-them to its event loop). Sampling is per request: its temperature, top-k, top-p and seed.
+them to its event loop). Sampling is per request: its temperature, top-k, top-p and seed. The
+serving metrics (metrics.py) are observed here, where a token's time is known.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -31,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from qkvlab.errors import UserError
-from qkvlab.generate import Sampling, check_prompts, decode_step, left_pad, max_steps, new_cache, next_token, prefill
+from qkvlab.generate import Sampling, decode_step, left_pad, new_cache, next_token, prefill
 from qkvlab.serve.slots import SlotPool
 
 PREFILL_TOKENS = 4096  # padded prompt tokens prefilled in one step (at least one whole prompt): bounds a step
@@ -47,41 +55,89 @@ class Request:
     max_tokens: int
     sampling: Sampling = Sampling(temperature=0.0)
     seed: int | None = None
+    n: int = 1  # choices, sharing the prompt's prefill
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the top k
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
+    stop_ids: frozenset[int] | None = None  # None: the engine's (end of text / turn); empty: never stop on a token
+
+
+TopK = tuple[tuple[int, float], ...]  # (token id, log-probability), most probable first
 
 
 @dataclass(frozen=True)
 class Event:
     """A new token, or the end of a sequence with its reason: stop (end of text or a stop string),
-    length (max_tokens or the context), cancelled, shutdown (the drain timed out), error."""
+    length (max_tokens or the context), cancelled, shutdown (the drain timed out), error.
+    `index`: which of the request's choices; logprob/top: with Request.logprobs; prompt: with
+    Request.prompt_logprobs, on a choice's first event, one (logprob, top) per prompt token."""
 
     token: int | None = None
     finish: str | None = None
+    index: int = 0
+    logprob: float | None = None
+    top: TopK | None = None
+    prompt: tuple[tuple[float | None, TopK | None], ...] | None = None
+
+
+class Group:
+    """The n sequences of one request: one prompt, prefilled once when they are admitted together."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.prompt_logprobs: tuple | None = None  # computed at the first prefill that asks for them
 
 
 class Sequence:
-    """One request inside the engine: where it is and what it may still produce."""
+    """One choice of a request inside the engine: where it is and what it may still produce."""
 
-    def __init__(self, sid: int, request: Request, emit: Callable[[Event], None], steps: int, generator):
-        self.id, self.request, self.emit = sid, request, emit
+    def __init__(self, sid: int, group: Group, index: int, emit: Callable[[Event], None], steps: int, generator, stops):
+        self.id, self.group, self.index, self.emit = sid, group, index, emit
+        self.request = group.request
         self.steps = steps  # tokens it may produce (max_tokens, fewer where the context ends)
         self.generator = generator
-        self.produced = 0
-        self.position = len(request.prompt)  # of the token fed next; also the columns its row has filled
+        self.stops = stops  # token ids that end it (not emitted)
+        self.produced = 0  # tokens sampled, a stop token included
+        self.emitted = 0
+        self.position = len(self.request.prompt)  # of the token fed next; also the columns its row has filled
         self.pending: int | None = None  # the last sampled token, fed at the next decode step
         self.cancel_reason: str | None = None
         self.done = False
+        self.metrics = None  # metrics.Metrics, set by the engine
+        self.arrived = time.perf_counter()
+        self.first: float | None = None  # when its first token was emitted
+        self.last: float | None = None
 
     def finish(self, reason: str) -> None:
         if not self.done:
             self.done = True
-            self.emit(Event(finish=reason))
+            if self.metrics is not None:
+                self.metrics.finished(self, reason, time.perf_counter())
+            self.emit(Event(finish=reason, index=self.index))
 
 
 class Engine:
-    def __init__(self, model, rows: int, *, eot_id: int | None = None, vocab_limit: int | None = None):
-        self.model, self.eot_id, self.vocab_limit = model, eot_id, vocab_limit
+    def __init__(
+        self,
+        model,
+        rows: int,
+        *,
+        eot_id: int | None = None,
+        stop_ids=(),
+        vocab_limit: int | None = None,
+        context: int | None = None,
+        metrics=None,
+    ):
+        """stop_ids (and eot_id, the same with one id): tokens that end a sequence unless its request
+        says otherwise; context: the longest sequence served (--max-model-len), at most the model's."""
+        self.model, self.vocab_limit, self.metrics = model, vocab_limit, metrics
+        self.stop_ids = frozenset(stop_ids) | ({eot_id} if eot_id is not None else set())
+        self.context = model.cfg.context if context is None else context
+        if not 1 <= self.context <= model.cfg.context:
+            raise UserError(
+                f"max_model_len={self.context} must be from 1 to the model's context of {model.cfg.context}"
+            )
         self.device = next(model.parameters()).device
-        self.pool = SlotPool(model, rows)
+        self.pool = SlotPool(model, rows, self.context)
         self.running: list[Sequence] = []  # running[i] occupies row i
         self.waiting: deque[Sequence] = deque()
         self.cv = threading.Condition()  # guards waiting, draining, counters; wakes the loop
@@ -92,23 +148,49 @@ class Engine:
 
     # ---- called from other threads --------------------------------------------------------------
     def submit(self, request: Request, emit: Callable[[Event], None]) -> Sequence:
-        """Queue a request (UserError for a bad one, Draining while shutting down)."""
+        """Queue a one-choice request (UserError for a bad one, Draining while shutting down)."""
+        if request.n != 1:
+            raise UserError(f"n={request.n}: use submit_all for more than one choice")
+        return self.submit_all(request, emit)[0]
+
+    def submit_all(self, request: Request, emit: Callable[[Event], None]) -> list[Sequence]:
+        """Queue a request's n choices, one sequence each (their events carry their index)."""
         if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
             raise UserError(f"max_tokens={request.max_tokens!r} must be an integer >= 1")
-        check_prompts(self.model, [request.prompt])
+        if isinstance(request.n, bool) or not isinstance(request.n, int) or request.n < 1:
+            raise UserError(f"n={request.n!r} must be an integer >= 1")
+        self.check_prompt(request.prompt)
         request.sampling.validate()
-        generator = None
-        if not request.sampling.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(request.seed) if request.seed is not None else generator.seed()
-        steps = max_steps(self.model, [request.prompt], request.max_tokens)
+        steps = min(request.max_tokens, self.context + 1 - len(request.prompt))  # as generate.max_steps
+        stops = self.stop_ids if request.stop_ids is None else frozenset(request.stop_ids)
+        group = Group(request)
         with self.cv:
             if self.draining:
                 raise Draining("the server is shutting down")
-            seq = Sequence(next(self._ids), request, emit, steps, generator)
-            self.waiting.append(seq)
+            seqs = []
+            for i in range(request.n):
+                seq = Sequence(next(self._ids), group, i, emit, steps, self._generator(request, i), stops)
+                seq.metrics = self.metrics
+                seqs.append(seq)
+            self.waiting.extend(seqs)
             self.cv.notify_all()
-        return seq
+        return seqs
+
+    def check_prompt(self, prompt) -> None:
+        if len(prompt) == 0:
+            raise UserError("empty prompt: give at least one token to start from")
+        if len(prompt) > self.context:
+            raise UserError(f"prompt of {len(prompt):,} tokens is longer than the model's context of {self.context:,}")
+        bad = [t for t in prompt if not 0 <= int(t) < self.model.cfg.vocab_size]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {self.model.cfg.vocab_size})")
+
+    def _generator(self, request: Request, index: int) -> torch.Generator | None:
+        if request.sampling.greedy:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(request.seed + index) if request.seed is not None else generator.seed()
+        return generator
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """Stop a sequence: a queued one leaves now, a running one frees its row at the next step."""
@@ -123,6 +205,7 @@ class Engine:
         with self.cv:
             return {
                 "capacity_sequences": self.pool.rows,
+                "capacity_tokens": self.pool.rows * self.context,
                 "active": self.active,
                 "queued": len(self.waiting),
                 "peak_active": self.peak_active,
@@ -212,30 +295,63 @@ class Engine:
                 self.finished += 1
 
     def _admit(self) -> list[Sequence]:
-        """Waiting sequences for the free rows, up to PREFILL_TOKENS padded prompt tokens."""
+        """Waiting sequences for the free rows, up to PREFILL_TOKENS padded prompt tokens (a group's
+        prompt counted once: its choices share the prefill)."""
         free = self.pool.rows - len(self.running)
         out: list[Sequence] = []
+        groups: dict[Group, int] = {}
         with self.cv:
             while self.waiting and len(out) < free:
-                longest = max(len(s.request.prompt) for s in [*out, self.waiting[0]])
-                if out and longest * (len(out) + 1) > PREFILL_TOKENS:
-                    break
+                nxt = self.waiting[0]
+                if out and nxt.group not in groups:
+                    longest = max(len(nxt.request.prompt), *(len(g.request.prompt) for g in groups))
+                    if longest * (len(groups) + 1) > PREFILL_TOKENS:
+                        break
+                groups.setdefault(nxt.group, len(groups))
                 out.append(self.waiting.popleft())
             self.active = len(self.running) + len(out)  # busy from leaving the queue on
             self.peak_active = max(self.peak_active, self.active)
         return out
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Prompts left padded into a scratch cache, then each row's real tokens into its pool row
-        -> logits (B, V) after each prompt."""
-        prompts = [s.request.prompt for s in seqs]
+        """Each group's prompt once, left padded into a scratch cache, then its real tokens into the
+        row of each of its sequences -> logits (len(seqs), V) after each one's prompt."""
+        groups = list(dict.fromkeys(s.group for s in seqs))
+        prompts = [g.request.prompt for g in groups]
         batch = left_pad(prompts, device=self.device)
         T = batch.idx.shape[1]
         scratch = new_cache(self.model, len(prompts), T)
-        logits = prefill(self.model, scratch, batch)
-        for j, p in enumerate(prompts):
-            self.pool.load(len(self.running) + j, scratch, j, T - len(p), len(p))
-        return logits
+        if any(g.request.prompt_logprobs is not None and g.prompt_logprobs is None for g in groups):
+            every, _ = self.model(batch.idx, cache=scratch, positions=batch.positions, token_mask=batch.token_mask)
+            for j, g in enumerate(groups):  # every (G, T, V): logits after each prompt token
+                if g.request.prompt_logprobs is not None and g.prompt_logprobs is None:
+                    g.prompt_logprobs = self._prompt_logprobs(every[j, T - len(prompts[j]) :], prompts[j], g)
+            logits = every[:, -1]
+        else:
+            logits = prefill(self.model, scratch, batch)
+        row = {g: j for j, g in enumerate(groups)}
+        for k, s in enumerate(seqs):
+            j = row[s.group]
+            self.pool.load(len(self.running) + k, scratch, j, T - len(prompts[j]), len(prompts[j]))
+        return logits[[row[s.group] for s in seqs]]
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt, group: Group) -> tuple:
+        """logits (L, V) after each of the prompt's L tokens -> per token (logprob, top k), the first None."""
+        ids = torch.tensor(prompt[1:], device=logits.device)
+        chosen, top = self._logprobs(logits[:-1], ids, group.request.prompt_logprobs)
+        return ((None, None), *zip(chosen, top))
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[list[float], list[TopK]]:
+        """logits (B, V), tokens (B,) -> each token's log-probability and the k most probable, of the
+        model's distribution over the ids the tokenizer has."""
+        if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
+            logits = logits[..., : self.vocab_limit]
+        lp = logits.float().log_softmax(-1)
+        chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()
+        if k == 0:
+            return chosen, [() for _ in chosen]
+        values, ids = lp.topk(min(k, lp.shape[-1]), -1)
+        return chosen, [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
     def _decode(self) -> None:
         tokens = torch.tensor([s.pending for s in self.running], device=self.device)
@@ -247,7 +363,7 @@ class Engine:
         self._sample(logits, self.running)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """logits (B, V) of seqs -> each one's next token, emitted (end of text is not)."""
+        """logits (B, V) of seqs -> each one's next token, emitted (a stop token is not)."""
         tokens = next_token(logits, Sampling(temperature=0.0), vocab_limit=self.vocab_limit).tolist()
         for j, s in enumerate(seqs):
             if not s.request.sampling.greedy:
@@ -255,16 +371,28 @@ class Engine:
                     tokens[j] = int(next_token(logits[j : j + 1], s.request.sampling, s.generator, self.vocab_limit)[0])
                 except RuntimeError:  # e.g. a temperature so small the probabilities overflow: this one only
                     s.finish("error")
-        emitted = 0
-        for s, t in zip(seqs, tokens):
+        want = [j for j, s in enumerate(seqs) if s.request.logprobs is not None and not s.done]
+        scored: dict[int, tuple[float, TopK]] = {}
+        if want:
+            k = max(seqs[j].request.logprobs for j in want)
+            chosen, top = self._logprobs(logits[want], torch.tensor([tokens[j] for j in want], device=self.device), k)
+            scored = {j: (c, t[: seqs[j].request.logprobs]) for j, c, t in zip(want, chosen, top)}
+        emitted, now = 0, time.perf_counter()
+        for j, (s, t) in enumerate(zip(seqs, tokens)):
             if s.done:
                 continue
             s.produced += 1
-            if self.eot_id is not None and t == self.eot_id:
+            if t in s.stops:
                 s.finish("stop")
                 continue
             s.pending = t
-            s.emit(Event(token=t))
+            lp, top = scored.get(j, (None, None))
+            prompt = s.group.prompt_logprobs if s.produced == 1 and s.request.prompt_logprobs is not None else None
+            if self.metrics is not None:
+                self.metrics.token(s, now)
+            s.first = s.first or now
+            s.last, s.emitted = now, s.emitted + 1
+            s.emit(Event(token=t, index=s.index, logprob=lp, top=top, prompt=prompt))
             emitted += 1
             if s.produced >= s.steps:
                 s.finish("length")

@@ -1,6 +1,10 @@
 """ServeConfig, the capacity it buys, and uvicorn with a drain on SIGTERM.
 
-Capacity: the cache is one pool of rows, each holding a whole context, so
+The model is whatever convert/load.py's one loader reads (a qkvlab folder or run, a Hugging Face
+folder, a .gguf), with its own tokenizer (serve/tokens.py), served as it is.
+
+Capacity: the cache is one pool of rows, each holding a whole context (--max-model-len, default the
+model's), so
     capacity (sequences) = cache memory // (KV-cache bytes per token x context)
 with bytes per token from the projection spec (accounting.kv_cache_bytes_per_token: Q-K=V caches
 one tensor where Q-K-V caches two, MQA one head where MHA caches n_head). --max-batch caps it.
@@ -31,7 +35,9 @@ from qkvlab.units import nbytes
 class ServeConfig:
     """What `qkvlab serve` runs; usable from Python (`build(ServeConfig(model="runs/x"))`)."""
 
-    model: str = setting(help="model folder (what qkvlab generate accepts)", positional=True, metavar="MODEL")
+    model: str = setting(
+        help="a qkvlab model folder (or run), a Hugging Face folder or a .gguf file", positional=True, metavar="MODEL"
+    )
     host: str = setting("127.0.0.1", help="address to listen on (loopback unless you say otherwise)")
     port: int = setting(8000, help="TCP port (0: any free port, printed at start-up)", minimum=0, maximum=65535)
     cache_memory: str = setting(
@@ -46,7 +52,14 @@ class ServeConfig:
         help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
         choices=dtype_choices(INFERENCE_DTYPES),
     )
-    tokenizer: str | None = setting(None, help="tokenizer when the model folder records none", metavar="gpt2|bytes|DIR")
+    tokenizer: str | None = setting(
+        None,
+        help="tokenizer instead of the model's own: gpt2, bytes, or a folder (qkvlab's or transformers' files)",
+        metavar="gpt2|bytes|DIR",
+    )
+    max_model_len: int | None = setting(
+        None, help="longest sequence served, prompt and output (default: the model's context)", minimum=1
+    )
     name: str | None = setting(None, help="model name clients send (default: the folder's name)")
     drain_timeout: float = setting(30.0, help="seconds running requests may take to finish after SIGTERM", minimum=0)
 
@@ -72,7 +85,7 @@ def capacity(cache_bytes: int, bytes_per_token: int, context: int, max_batch: in
     if rows < 1:
         raise UserError(
             f"--cache-memory of {cache_bytes:,} bytes holds no sequence: one needs {per_sequence:,} bytes "
-            f"({bytes_per_token:,} bytes per token x context {context:,}); raise --cache-memory"
+            f"({bytes_per_token:,} bytes per token x context {context:,}); raise --cache-memory or lower --max-model-len"
         )
     return min(rows, max_batch) if max_batch is not None else rows
 
@@ -89,41 +102,66 @@ class Built:
 def build(cfg: ServeConfig) -> Built:
     """Model, tokenizer, engine and app for `cfg` (no thread started, no port bound)."""
     from qkvlab.accounting import kv_cache_bytes_per_token
-    from qkvlab.data.tokenizer import resolve_tokenizer
+    from qkvlab.convert.load import load_any
     from qkvlab.devices import select_device, torch_dtype
-    from qkvlab.io import find_model_dir, load_model, read_config
     from qkvlab.limits import check_fits
     from qkvlab.serve.app import ServedModel, create_app
     from qkvlab.serve.engine import Engine
+    from qkvlab.serve.tokens import serve_tokenizer
 
     cfg.validate()
-    model_dir = find_model_dir(cfg.model)
-    model_cfg, body = read_config(model_dir)  # validates the folder before weights are read
-    tok = resolve_tokenizer(cfg.tokenizer, model_dir, body)
+    device = select_device(cfg.device)  # before the weights are read: a bad --device costs nothing
+    dtype = torch_dtype(cfg.dtype, device.type)
+    loaded = load_any(cfg.model, cfg.tokenizer)
+    model_cfg = loaded.cfg
+    tok = serve_tokenizer(loaded.tokenizer, loaded.tokenizer_dir)
     if tok is not None and tok.vocab_size > model_cfg.vocab_size:
         raise UserError(
             f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's vocabulary is {model_cfg.vocab_size}"
         )
-    device = select_device(cfg.device)
-    dtype = torch_dtype(cfg.dtype, device.type)
-    model, model_cfg, _ = load_model(model_dir, device=device, dtype=dtype)
+    context = model_cfg.context if cfg.max_model_len is None else cfg.max_model_len
+    if context > model_cfg.context:
+        raise UserError(f"--max-model-len {context:,} exceeds the model's context of {model_cfg.context:,}")
+    model = loaded.model.to(device=device, dtype=dtype).eval()
     cache_dtype = dtype_name(str(next(model.parameters()).dtype).removeprefix("torch."))
     per_token = kv_cache_bytes_per_token(model_cfg, cache_dtype)
-    rows = capacity(cfg.cache_bytes, per_token, model_cfg.context, cfg.max_batch)
-    check_fits(rows * per_token * model_cfg.context, "--cache-memory", "lower --cache-memory", device)
-    engine = Engine(model, rows, eot_id=getattr(tok, "eot_id", None), vocab_limit=getattr(tok, "vocab_size", None))
+    rows = capacity(cfg.cache_bytes, per_token, context, cfg.max_batch)
+    check_fits(rows * per_token * context, "--cache-memory", "lower --cache-memory", device)
+    name = cfg.name or Path(cfg.model).resolve().name.removesuffix(".gguf")
+    metrics = _metrics(name)
+    engine = Engine(
+        model,
+        rows,
+        stop_ids=tok.stop_ids if tok is not None else (),
+        vocab_limit=getattr(tok, "vocab_size", None),
+        context=context,
+        metrics=metrics,
+    )
+    if metrics is not None:
+        metrics.watch(engine)
     scheme = model_cfg.spec.name + (
         f", kv heads {model_cfg.n_kv_heads}" if model_cfg.n_kv_heads != model_cfg.n_head else ""
     )
     served = ServedModel(
-        name=cfg.name or Path(cfg.model).resolve().name,
+        name=name,
         scheme=scheme,
-        context=model_cfg.context,
+        context=context,
         cache_bytes_per_token=per_token,
         cache_bytes=engine.pool.bytes_allocated(),
         tokenizer=tok,
     )
-    return Built(create_app(engine, served), engine, served, str(device), cache_dtype)
+    return Built(create_app(engine, served, metrics=metrics), engine, served, str(device), cache_dtype)
+
+
+def _metrics(name: str):
+    """Prometheus metrics (serve/metrics.py), or None without prometheus_client (GET /metrics then says so)."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return None
+    from qkvlab.serve.metrics import Metrics
+
+    return Metrics(name)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -181,10 +219,11 @@ def serve(cfg: ServeConfig) -> int:
     sock = listen(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     served, rows = built.served, built.engine.pool.rows
-    print(
+    print(  # vLLM's terms at the end: the cache in tokens, the concurrency at full-length requests
         f"qkvlab serve: http://{host if ':' not in host else f'[{host}]'}:{port}/v1 serving {served.name} "
         f"({served.scheme}, {built.dtype} on {built.device}): capacity {rows:,} sequences of {served.context:,} tokens "
-        f"({served.cache_bytes_per_token:,} bytes per token, {nbytes(served.cache_bytes)})",
+        f"({served.cache_bytes_per_token:,} bytes per token, {nbytes(served.cache_bytes)}); "
+        f"KV cache size: {rows * served.context:,} tokens, maximum concurrency {rows:,}x",
         flush=True,
     )
     built.engine.start()

@@ -22,9 +22,10 @@ from qkvlab.cache import KVCache
 
 
 class SlotPool:
-    def __init__(self, model, rows: int):
+    def __init__(self, model, rows: int, context: int | None = None):
+        """rows of `context` columns each (default: the model's; --max-model-len makes them shorter)."""
         p = next(model.parameters())
-        self.context = model.cfg.context
+        self.context = model.cfg.context if context is None else context
         self.storage = KVCache(model.cfg, rows, self.context, device=p.device, dtype=p.dtype)
         self.stores = [layer.store for layer in self.storage.layers]  # per layer: source -> (R, kvh, L, hd)
         self.positions, self.valid = self.storage.positions, self.storage.valid  # (R, L)

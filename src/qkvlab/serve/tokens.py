@@ -1,0 +1,104 @@
+"""The served model's tokenizer behind one interface, whichever library owns it.
+
+- a transformers tokenizer (an HF folder, a GGUF's, or one `convert --from-hf` carried into a
+  qkvlab folder's tokenizer/): special tokens in text are tokens (`<|im_start|>` is one id, as
+  transformers and vLLM encode it), the chat template is the tokenizer's own and is rendered by
+  transformers' `apply_chat_template`, and the stop ids are vLLM's: the tokenizer's eos_token_id
+  and the eos_token_id(s) of generation_config.json beside it;
+- a qkvlab tokenizer (bpe, char, gpt2, bytes): no special tokens beyond its end of text, no chat
+  template.
+
+`encode` may take seconds on a megabyte prompt: the app calls it off the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from qkvlab.errors import UserError
+
+
+class ServeTokenizer:
+    def __init__(self, name: str, vocab_size: int, stop_ids: Sequence[int], chat_template: str | None = None):
+        self.name, self.vocab_size = name, vocab_size
+        self.stop_ids = frozenset(stop_ids)
+        self.chat_template = chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def token_text(self, token: int) -> str:
+        """One token as text (logprobs' `tokens`): special tokens spelled out."""
+        return self.decode([token], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        raise UserError("this model has no chat template: use /v1/completions")
+
+
+class QkvlabTokenizer(ServeTokenizer):
+    """A qkvlab tokenizer (data/tokenizer.py): its end of text is the one stop id."""
+
+    def __init__(self, tok):
+        super().__init__(tok.name, tok.vocab_size, [] if tok.eot_id is None else [tok.eot_id])
+        self.tok = tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids))
+
+
+class HFTokenizer(ServeTokenizer):
+    """A transformers tokenizer. `folder`: where it was read from (its generation_config.json)."""
+
+    def __init__(self, tok, folder: Path | None = None):
+        stops = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        stops |= generation_eos(folder)
+        super().__init__(Path(getattr(tok, "name_or_path", "") or "hf").name, len(tok), sorted(stops))
+        self.chat_template = tok.chat_template if isinstance(tok.chat_template, str) else None
+        self.tok = tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # the __call__ path encodes through the Rust batch API, which releases the GIL (encode() does not)
+        return self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if self.chat_template is None:
+            return super().render_chat(messages)
+        try:
+            return self.tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except Exception as e:  # the template's own checks (jinja's raise_exception) and its errors
+            raise UserError(f"the chat template refused these messages: {str(e).splitlines()[0][:200]}") from None
+
+
+def generation_eos(folder: Path | None) -> set[int]:
+    """eos_token_id (an id or a list) of generation_config.json in `folder`: the end-of-turn ids a
+    model's authors set for generation (e.g. Llama 3's <|eot_id|> beside <|end_of_text|>)."""
+    if folder is None or not (folder / "generation_config.json").is_file():
+        return set()
+    try:
+        eos = json.loads((folder / "generation_config.json").read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return set()
+    eos = eos if isinstance(eos, list) else [eos]
+    return {e for e in eos if isinstance(e, int) and not isinstance(e, bool)}
+
+
+def serve_tokenizer(tok, folder: Path | None = None) -> ServeTokenizer | None:
+    """Wrap what convert/load.py's `load_any` returned (None: the model has no tokenizer)."""
+    if tok is None:
+        return None
+    if hasattr(tok, "apply_chat_template"):
+        return HFTokenizer(tok, folder)
+    return QkvlabTokenizer(tok)
