@@ -6,24 +6,30 @@ import csv
 import json
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from qkvlab.accounting import analytic_params
-from qkvlab.analysis.intervals import t_critical
+from qkvlab.analysis.intervals import lack_of_fit, t_critical
+from qkvlab.analysis.rules import VERSIONS
 from qkvlab.analysis.scaling import (
     MAX_EXTRAPOLATION,
+    NO_LINE,
     ScalingRun,
     analyse,
     predict_gap,
     read_runs,
+    read_runs_csv,
 )
 from qkvlab.analysis.scaling_report import write_scaling_results
 from qkvlab.analysis.trends import FLAT, GROWING, SHRINKING
 from qkvlab.config import ModelConfig
 from qkvlab.variants import parse_variant
 
+ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"s1": 10_000, "s2": 40_000, "s3": 160_000, "s4": 640_000}
 
 
@@ -68,8 +74,9 @@ def test_no_prediction_beyond_ten_times_the_largest_size():
 
 
 def test_prediction_interval_matches_matrix_formula_within_range():
+    """Under versions <= 3 the line runs through every per-seed point."""
     runs = synthetic_runs(lambda n: 0.08 - 0.015 * math.log10(n), seeds=3, noise=0.01, rng_seed=4)
-    sc = analyse(runs)
+    sc = analyse(runs, rules=VERSIONS[3])
     (v,) = sc.variants
     xs = np.array([math.log10(SIZES[s]) for s, _ in v.points])
     ys = np.array([d for _, d in v.points])
@@ -219,3 +226,39 @@ def test_rerender_from_results_csv_alone(tmp_path):
             assert (v.gaps[s].lo, v.gaps[s].hi) == pytest.approx((w.gaps[s].lo, w.gaps[s].hi), abs=1e-3)
     md = (only_csv / "results.md").read_text()
     assert "rendered from results.csv: the run folders are not on disk" in md
+
+
+def test_lack_of_fit_by_hand():
+    """Three x with two replicates each: SS pure error and SS lack of fit computed by hand."""
+    xs, ys = [0, 0, 1, 1, 2, 2], [0.0, 0.2, 1.0, 1.2, 0.0, 0.2]
+    # means 0.1, 1.1, 0.1; the line through all points: slope 0, intercept 0.433..; SSE = 1.4133..
+    sse = sum((y - sum(ys) / 6) ** 2 for y in ys)
+    pure = 3 * 2 * 0.1**2
+    f = (sse - pure) / 1 / (pure / 3)
+    lof = lack_of_fit(xs, ys)
+    assert (lof.df_lack, lof.df_pure) == (1, 3)
+    assert lof.f == pytest.approx(f, rel=1e-12) and lof.f == pytest.approx(66.666666, rel=1e-6)
+    assert lof.p == pytest.approx(stats.f.sf(f, 1, 3), rel=1e-12) and lof.rejects
+    assert lack_of_fit([0, 1, 2], [0.0, 1.0, 2.0]) is None  # no replicate: no pure error
+
+
+def test_committed_sweep_rescored_on_size_means():
+    """The sweep of docs/results/scaling, from its per-seed rows: the line through every seed is
+    rejected (F = 25.3 on 2 and 14 df, p = 2.3e-5); on the four size means the slope is
+    +0.058 [-0.25, +0.37] nats per 10x N (scipy's linregress), so no trend word is given."""
+    runs = read_runs_csv(ROOT / "docs" / "results" / "scaling" / "results.csv")
+    (v,) = analyse(runs, source="test split").variants
+    lof = v.lack_of_fit
+    assert (lof.df_lack, lof.df_pure) == (2, 14)
+    assert lof.f == pytest.approx(25.26, abs=0.01) and lof.p == pytest.approx(2.26e-5, rel=0.01)
+    sizes = list(dict.fromkeys(s for s, _ in v.points))
+    x = [math.log10(runs[[r.size for r in runs].index(s)].size_params) for s in sizes]
+    y = [np.mean([d for s2, d in v.points if s2 == s]) for s in sizes]
+    ref = stats.linregress(x, y)
+    assert v.fit_params.slope == pytest.approx(ref.slope, rel=1e-12)
+    iv = v.fit_params.slope_interval()
+    assert iv.hi - iv.estimate == pytest.approx(stats.t.ppf(0.975, 2) * ref.stderr, rel=1e-9)
+    assert (iv.lo, iv.hi) == pytest.approx((-0.2528, 0.3681), abs=1e-4)
+    assert v.slope_word == NO_LINE
+    old = analyse(runs, source="test split", rules=VERSIONS[3]).variants[0]
+    assert old.slope_word == GROWING and old.fit_params.slope_interval().lo > 0  # what was published

@@ -135,7 +135,7 @@ CASES = {
         (HIB, ACC),
     ),
     "worst (solve rate)": (
-        "syn-qkeqv-worst-reverse",
+        "syn-qkeqv-solves-least-reverse",
         {REPRODUCED: _solve(0, 10, 10), CONTRADICTED: _solve(10, 0, 10), INCONCLUSIVE: _solve(1, 2, 3)},
         (HIB, ACC),
     ),
@@ -150,7 +150,7 @@ def test_every_word_is_reachable_for_every_kind(kind, word):
     assert CLAIM[claim_id].kind == kind.split()[0]
     assert v.word == word, [(g.a, g.b, g.interval, g.p_holds, g.p_fails) for g in v.gaps]
     if kind.endswith("(solve rate)"):
-        assert all(g.method == "solve rate" for g in v.gaps)
+        assert all(g.method == "McNemar" for g in v.gaps)
 
 
 def test_one_sided_tests_match_scipy_by_hand():
@@ -160,7 +160,7 @@ def test_one_sided_tests_match_scipy_by_hand():
     m, sd = sum(d) / 3, stats.tstd(d)
     se = sd / math.sqrt(3)
     assert g.p_holds == pytest.approx(stats.t.cdf(m / se, 2), rel=1e-9)  # H1: d < 0 (lower loss)
-    delta = math.log1p(-0.60 / 100)  # the margin -0.6% perplexity, in nats
+    delta = -math.log1p(0.60 / 100)  # the margin: Q-K-V's perplexity 0.6% above Id-K-V/mlp's, in nats
     assert g.p_fails == pytest.approx(stats.t.sf((m - delta) / se, 2), rel=1e-9)  # H1: d > delta
     t90 = stats.t.ppf(0.95, 2)
     assert g.interval.lo == pytest.approx(100 * math.expm1(m - t90 * se), abs=1e-9)
@@ -196,12 +196,38 @@ def test_holm_within_a_claim():
 
 
 def test_a_true_zero_effect_contradicts_an_ordering_claim():
-    # the old rule stayed "inconclusive" forever; now the interval excludes an effect of the margin's size
+    # version 1 stayed "inconclusive" forever; now the interval excludes an effect of the margin's size
     v = check(CLAIM["lm-kv-before-qk"], lm_values({"Q-K=V": 0, "Q=K-V": 0}, seeds=30, noise=0.002), *LM)
     assert v.word == CONTRADICTED and v.gaps[0].interval.contains(0.0)
-    # and a real effect smaller than the margin fails too (the claim is of the paper's effect size)
-    v = check(CLAIM["lm-kv-before-qk"], lm_values({"Q-K=V": 0, "Q=K-V": 0.003}, seeds=30, noise=0.0005), *LM)
-    assert v.gaps[0].p_holds < ALPHA and v.word == CONTRADICTED
+
+
+def test_a_real_effect_smaller_than_the_papers_holds_from_version_4():
+    """The ordering's two outcomes mean what the words say: A shown better than B is reproduced, with
+    the effect reported smaller than the paper's; versions 2-3 called the same data contradicted."""
+    from qkvlab.analysis.rules import VERSIONS
+
+    vals = lm_values({"Q-K=V": 0, "Q=K-V": 0.003}, seeds=30, noise=0.0005)
+    v = check(CLAIM["lm-kv-before-qk"], vals, *LM)
+    assert v.gaps[0].p_holds < ALPHA and v.gaps[0].p_fails < ALPHA
+    assert v.word == REPRODUCED and v.gaps[0].smaller_than_paper
+    assert check(CLAIM["lm-kv-before-qk"], vals, *LM, rules=VERSIONS[3]).word == CONTRADICTED
+
+
+def test_mcnemar_is_the_exact_binomial_test_on_discordant_seeds():
+    """A known table: 7 discordant seeds, 6 where Q-K-V solves and Q=K=V fails, 1 the other way,
+    3 concordant. One-sided exact p = P(X >= 6 | 7, 1/2) = 8/128 (two-sided 0.125, textbook)."""
+    acc = {"Q=K=V": [1.0, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 1.0, 0.3, 1.0]}
+    acc["Q-K-V"] = [0.3, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.3, 1.0]
+    vals = {"reverse": {v: dict(enumerate(a)) for v, a in acc.items()}}
+    vals["reverse"]["Q=K-V"] = dict(enumerate(acc["Q-K-V"]))
+    v = check(CLAIM["syn-qkeqv-solves-least-reverse"], vals, HIB, ACC)
+    g = v.gaps[0]
+    assert (g.est.a_only, g.est.b_only, g.est.n) == (1, 6, 10)
+    assert g.p_holds == pytest.approx(8 / 128, rel=1e-12)
+    assert g.p_holds == pytest.approx(stats.binomtest(6, 7, 0.5, alternative="greater").pvalue, rel=1e-12)
+    assert g.p_fails == pytest.approx(127 / 128, rel=1e-12)
+    assert v.word == INCONCLUSIVE  # 0.0625 > 5%: seven discordant seeds are not enough here
+    assert "McNemar" in verdicts_markdown([v])
 
 
 def test_one_seed_is_never_a_verdict_but_shows_its_evaluation_interval():
@@ -231,9 +257,11 @@ def test_evaluation_noise_widens_the_interval_and_no_zero_width():
     assert est.df == pytest.approx((a + 2 * 0.004**2) ** 2 / (a * a / 2), rel=1e-12)
 
 
-def test_solve_rates_use_newcombe_with_clopper_pearson():
+def test_solve_rates_use_newcombe_with_clopper_pearson_under_version_3():
+    from qkvlab.analysis.rules import VERSIONS
+
     vals = _solve(1, 3, 4)  # Q=K=V solves 1 of 4 seeds, every other scheme 3 of 4
-    v = check(CLAIM["syn-qkeqv-worst-reverse"], vals, HIB, ACC)
+    v = check(CLAIM["syn-qkeqv-worst-reverse"], vals, HIB, ACC, rules=VERSIONS[3])
     g = v.gaps[0]
     cp = lambda k, n: (
         stats.beta.ppf(0.05, k, n - k + 1) if k else 0.0,
@@ -335,7 +363,7 @@ def test_every_claim_holds_on_the_papers_own_figures():
         values[t] = {v: {s: Measured(1.0, 0.0, 10_000) for s in range(seeds)} for v in cells[t]}
     hib = {t: t != "lm" for t in values}
     metric = {t: "val_loss" if t == "lm" else "accuracy" for t in values}
-    solve_claims = [c for c in pf.ALL_CLAIMS if len(c.tasks) == 1 and c.tasks[0] in pf.SOLVE_OR_FAIL_TASKS]
+    solve_claims = [c for c in pf.ALL_CLAIMS if c.solve]
     verdicts = check_claims(values, hib, metric, [c for c in pf.ALL_CLAIMS if c not in solve_claims])
     # solve-or-fail claims: the paper's worst scheme fails, the others solve
     solved = {
@@ -349,6 +377,7 @@ def test_every_claim_holds_on_the_papers_own_figures():
         for g in v.gaps:
             if g.paper is not None and g.b and g.method == "paired t":
                 assert g.paper == pytest.approx(g.interval.estimate, abs=0.02)
+            assert not g.smaller_than_paper  # the paper's own figures show the paper's effect sizes
 
 
 def _paper_gap_pts(claim):
@@ -370,9 +399,31 @@ def _paper_gap_pts(claim):
     return min(abs(paper_gap(claim.tasks, a, b, perplexity)) for a, b in pairs)
 
 
-@pytest.mark.parametrize("claim", [c for c in pf.ALL_CLAIMS if c.kind in ("better", "worst", "best", "order")])
+@pytest.mark.parametrize(
+    "claim", [c for c in pf.ALL_CLAIMS if c.kind in ("better", "worst", "best", "order") and not c.solve]
+)
 def test_ordering_margins_are_half_the_papers_gap(claim):
+    """The per-claim margins versions 2-3 applied (version 4 takes each pair's own, tested above)."""
     assert claim.margin == pytest.approx(pf.SESOI_FRACTION * _paper_gap_pts(claim), abs=0.006)
+
+
+def test_one_margin_per_compared_pair_across_claims():
+    """Version 4: the same pair gets the same smallest effect in every claim (Q=K=V vs Q=K-V had
+    0.87% in the ordering claim and 9.77% in the worst claim), half the paper's gap of that pair;
+    and worst/best rank only over the variants the paper ran."""
+    offsets = {"Q-K-V": 0.0, "Q-K=V": 0.03, "Q=K-V": 0.05, "Q=K=V": 0.2, "Q-K=V/MQA": 0.045, "Id-K=V": 0.3}
+    vals = lm_values(offsets, noise=0.003)
+    margins: dict[frozenset, set] = {}
+    for v in check_claims(vals, *LM):
+        for g in v.gaps:
+            if v.claim.kind in ("better", "worst", "best", "order"):
+                margins.setdefault(frozenset((g.a, g.b)), set()).add(round(abs(g.raw_region.fails[0][1]), 12))
+    assert all(len(m) == 1 for m in margins.values()), margins  # in nats: either orientation, one threshold
+    assert margins[frozenset(("Q=K=V", "Q=K-V"))] == {round(math.log1p(0.0977), 12)}
+    assert margins[frozenset(("Q-K=V", "Q=K-V"))] == {round(math.log1p(0.0087), 12)}  # 1.049/1.031: +1.75% / 2
+    worst = check(CLAIM["lm-qkeqv-worst"], vals, *LM)
+    assert {g.b for g in worst.gaps} == {"Q-K-V", "Q-K=V", "Q=K-V", "Q-K=V/MQA"}  # not Id-K=V: Paper B never ran it
+    assert worst.word == REPRODUCED  # Id-K=V is worse still, and does not enter Paper B's claim
 
 
 def test_docs_margin_table_is_the_codes():

@@ -9,7 +9,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple
 
 from qkvlab.analysis import paper_figures as pf
-from qkvlab.analysis.intervals import MeanEstimate, Rate, RateDifference, mean_estimate
+from qkvlab.analysis.intervals import MeanEstimate, PairedSolves, Rate, RateDifference, mean_estimate
 
 
 class Measured(NamedTuple):
@@ -49,25 +49,28 @@ def _scores(values: Values, tasks: Sequence[str], variant: str) -> dict[Hashable
     return out
 
 
-def paired_estimate(a: Mapping[Hashable, Score], b: Mapping[Hashable, Score]) -> MeanEstimate | None:
+def paired_estimate(
+    a: Mapping[Hashable, Score], b: Mapping[Hashable, Score], eval_variance: str = "paired units"
+) -> MeanEstimate | None:
     """Mean of A - B over common keys. Its variance: the spread of the per-key differences over n
     (it holds the seed noise and the part of the evaluation noise that differs between seeds) plus
     the evaluation variance common to every seed, that of a fixed test set. With every run's
     per-unit scores on the same units, that is the spread over units of the seed-averaged
     difference over the number of units (a crossed seed x unit model; the seed-unit interaction is
     counted in both terms: conservative). Without them, se_A^2 + se_B^2 averaged over keys, added
-    whole (far more conservative: it ignores that A and B are scored on the same units)."""
+    whole (far more conservative: it ignores that A and B are scored on the same units).
+    eval_variance="independent": se_A^2 + se_B^2 even with per-unit scores (analysis versions <= 2)."""
     keys = sorted((k for k in a if k in b), key=repr)
     if not keys:
         return None
     ma, mb = [_m(a[k]) for k in keys], [_m(b[k]) for k in keys]
     diffs = [x.value - y.value for x, y in zip(ma, mb)]
-    return mean_estimate(diffs, _unit_paired_var(ma, mb))
+    return mean_estimate(diffs, _unit_paired_var(ma, mb, eval_variance == "independent"))
 
 
-def _unit_paired_var(ma: Sequence[Measured], mb: Sequence[Measured]) -> float:
+def _unit_paired_var(ma: Sequence[Measured], mb: Sequence[Measured], independent: bool = False) -> float:
     lengths = {len(m.per_unit) if m.per_unit else 0 for m in (*ma, *mb)}
-    if len(lengths) != 1 or 0 in lengths:
+    if independent or len(lengths) != 1 or 0 in lengths:
         return sum(x.se**2 + y.se**2 for x, y in zip(ma, mb)) / len(ma)
     (units,) = lengths
     if units < 2:
@@ -84,6 +87,18 @@ def solve_estimate(a: Mapping[Hashable, Score], b: Mapping[Hashable, Score]) -> 
         return None
     solved = lambda s: sum(_m(s[k]).value >= pf.SOLVED_ACCURACY for k in keys)
     return RateDifference(Rate(solved(a), len(keys)), Rate(solved(b), len(keys)))
+
+
+def paired_solves(a: Mapping[Hashable, Score], b: Mapping[Hashable, Score]) -> PairedSolves | None:
+    """Solve-or-fail outcomes paired by key (solved: score >= SOLVED_ACCURACY), for McNemar's test."""
+    keys = [k for k in a if k in b]
+    if not keys:
+        return None
+    sa = [_m(a[k]).value >= pf.SOLVED_ACCURACY for k in keys]
+    sb = [_m(b[k]).value >= pf.SOLVED_ACCURACY for k in keys]
+    a_only = sum(x and not y for x, y in zip(sa, sb))
+    b_only = sum(y and not x for x, y in zip(sa, sb))
+    return PairedSolves(a_only, b_only, len(keys), sum(sa), sum(sb))
 
 
 def level_estimate(scores: Mapping[Hashable, Score]) -> MeanEstimate | Rate:

@@ -221,6 +221,41 @@ class RateDifference:
         return RateDifference(Rate(round(self.a.estimate * n), n), Rate(round(self.b.estimate * n), n))
 
 
+@dataclass(frozen=True)
+class PairedSolves:
+    """Solve-or-fail outcomes of two variants paired by seed: McNemar's exact test, i.e. a binomial
+    test at 1/2 on the discordant seeds (A solves and B fails: a_only; the reverse: b_only); the
+    concordant seeds say nothing about which variant solves more often."""
+
+    a_only: int
+    b_only: int
+    n: int  # paired seeds
+    a_solved: int = 0
+    b_solved: int = 0
+
+    @property
+    def estimate(self) -> float:
+        """Solve rate of A minus solve rate of B."""
+        return (self.a_only - self.b_only) / self.n
+
+    def p_more(self) -> float:
+        """Exact one-sided p of "A solves no more often than B" (H1: A solves more often)."""
+        m = self.a_only + self.b_only
+        return float(stats.binomtest(self.a_only, m, 0.5, alternative="greater").pvalue) if m else 1.0
+
+    def p_less(self) -> float:
+        m = self.a_only + self.b_only
+        return float(stats.binomtest(self.b_only, m, 0.5, alternative="greater").pvalue) if m else 1.0
+
+    def interval(self, level: float = LEVEL) -> Interval:
+        return Interval(self.estimate, n=self.n)  # the test is exact; no interval is claimed for it
+
+    def with_n(self, n: int) -> PairedSolves:
+        """The same discordance rates at n seeds (counts rounded)."""
+        k = lambda x: round(x * n / self.n)
+        return PairedSolves(k(self.a_only), k(self.b_only), n, k(self.a_solved), k(self.b_solved))
+
+
 def holm(pvalues: Sequence[float], alpha: float = ALPHA) -> list[bool]:
     """Holm's step-down rule: which hypotheses to reject with familywise error <= alpha."""
     order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
@@ -281,3 +316,36 @@ def ols(xs: Sequence[float], ys: Sequence[float], level: float = LEVEL) -> Fit:
     sse = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys))
     resid_sd = math.sqrt(sse / (n - 2)) if n > 2 else math.nan
     return Fit(intercept, slope, n, resid_sd, xm, sxx, level)
+
+
+@dataclass(frozen=True)
+class LackOfFit:
+    """The F test of a straight line against one mean per x (pure error from the replicates at each x):
+    F = (SS lack of fit / (k - 2)) / (SS pure error / (n - k)), k distinct x, n points."""
+
+    f: float
+    df_lack: int
+    df_pure: int
+    p: float
+
+    @property
+    def rejects(self) -> bool:
+        return self.p < ALPHA
+
+
+def lack_of_fit(xs: Sequence[float], ys: Sequence[float]) -> LackOfFit | None:
+    """The line fitted through every (x, y) tested against the group means; None without at least
+    three distinct x and a replicate (no degrees of freedom for one of the two terms)."""
+    groups: dict[float, list[float]] = {}
+    for x, y in zip(xs, ys):
+        groups.setdefault(x, []).append(y)
+    k, n = len(groups), len(xs)
+    if k < 3 or n - k < 1:
+        return None
+    fit = ols(xs, ys)
+    sse = sum((y - fit.intercept - fit.slope * x) ** 2 for x, y in zip(xs, ys))
+    pure = sum(sum((y - sum(g) / len(g)) ** 2 for y in g) for g in groups.values())
+    if pure <= 0:
+        return None
+    f = ((sse - pure) / (k - 2)) / (pure / (n - k))
+    return LackOfFit(f, k - 2, n - k, float(stats.f.sf(f, k - 2, n - k)))

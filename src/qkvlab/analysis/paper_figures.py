@@ -180,6 +180,8 @@ class Claim:
     margin: float = 0.0
     threshold: float = 0.0
     why: str = ""
+    since: int = 1  # the analysis version that introduced the claim (qkvlab.analysis.rules)
+    solve: bool = False  # solve-or-fail reading: paired solve outcomes over seeds, McNemar's exact test
 
 
 _HALF = "half the paper's smallest gap of the claim"
@@ -283,6 +285,28 @@ SYNTHETIC_CLAIMS = (
         ("Q=K=V",),
         margin=6.5,
         why=f"{_HALF} (.446 vs .576), {_SOLVE}",
+    ),
+    Claim(
+        "syn-qkeqv-solves-least-reverse",
+        "B",
+        "Q=K=V solves Reverse in fewer seeds than each other scheme (solve-or-fail reading of .514)",
+        "worst",
+        ("reverse",),
+        ("Q=K=V",),
+        why="no margin: McNemar's exact test over seeds (the paper reports accuracy, not solve rates)",
+        since=4,
+        solve=True,
+    ),
+    Claim(
+        "syn-qkeqv-solves-least-swap",
+        "B",
+        "Q=K=V solves Swap in fewer seeds than each other scheme (solve-or-fail reading of .446)",
+        "worst",
+        ("swap",),
+        ("Q=K=V",),
+        why="no margin: McNemar's exact test over seeds (the paper reports accuracy, not solve rates)",
+        since=4,
+        solve=True,
     ),
     Claim(
         "syn-plus-helps-qkeqv",
@@ -422,8 +446,34 @@ ANOMALY_CLAIMS = (
 ALL_CLAIMS = LM_CLAIMS + SYNTHETIC_CLAIMS + VISION_CLAIMS + ANOMALY_CLAIMS
 
 
+PAPER_A_VARIANTS = ("Q-K-V", *(v for v in PAPER_A_NON_EMBEDDING_M if v != "Q-K-V"))
+PAPER_B_LM_VARIANTS = ("Q-K-V", *PAPER_B_LM_PPL_CHANGE)
+
+
+def paper_variants(claim: Claim) -> tuple[str, ...]:
+    """The variants the claim's paper ran on the claim's tasks (what a worst/best claim ranks over
+    from analysis version 4): Paper B's LM table, Paper A's five models, or Paper B's schemes with
+    a figure on every task of the claim."""
+    if claim.tasks == ("lm",):
+        return PAPER_A_VARIANTS if claim.paper == "A" else PAPER_B_LM_VARIANTS
+    return tuple(v for v in PAPER_B_SCHEMES if all(task_metric(t, v) is not None for t in claim.tasks))
+
+
+def claim_pairs(c: Claim) -> list[tuple[str, str]]:
+    """The compared pairs of an ordering claim as version 4 forms them (worst/best: against every
+    other variant the paper ran)."""
+    if c.kind in ("worst", "best"):
+        return [(c.variants[0], v) for v in paper_variants(c) if v != c.variants[0]]
+    if c.kind == "order":
+        return [(y, x) for x, y in zip(c.variants, c.variants[1:])]
+    return [tuple(c.variants[:2])] if c.kind == "better" else []
+
+
 def margins_markdown() -> str:
-    """docs/analysis.md's margin table, from the claims themselves (a test keeps the two equal)."""
+    """docs/analysis.md's margin table, from the claims themselves (a test keeps the two equal):
+    version 4's margin of every compared pair and the per-claim margin versions 2-3 applied."""
+    from qkvlab.analysis.verdicts import pair_margin
+
     kind_word = {
         "better": "smallest effect",
         "worst": "smallest effect",
@@ -434,9 +484,21 @@ def margins_markdown() -> str:
         "at_most": "non-inferiority margin (+)",
         "at_least": "threshold",
     }
-    lines = ["| claim | kind | margin | reason (from the paper alone) |", "| --- | --- | ---: | --- |"]
+    lines = [
+        "| claim | kind | margin (v4: per compared pair) | v2–v3 | reason (from the paper alone) |",
+        "| --- | --- | --- | ---: | --- |",
+    ]
     for c in ALL_CLAIMS:
-        unit = "%" if c.tasks == ("lm",) else " pts"
-        value = f"{c.threshold:g}" if c.kind == "at_least" else f"{c.margin:g}{unit}"
-        lines.append(f"| `{c.id}` (Paper {c.paper}) | {c.kind}: {kind_word[c.kind]} | {value} | {c.why} |")
+        lm = c.tasks == ("lm",)
+        unit = "%" if lm else " pts"
+        old = f"{c.threshold:g}" if c.kind == "at_least" else f"{c.margin:g}{unit}"
+        if c.solve:
+            value, old, why = "none (exact test)", "–", c.why
+        elif c.kind in ("better", "worst", "best", "order"):
+            cells = [(a, b, pair_margin(c.tasks, a, b, lm)) for a, b in claim_pairs(c)]
+            value = "; ".join(f"{a} vs {b} {m:g}{unit}" for a, b, m in cells if m is not None)
+            why = "half the paper's gap of each pair (the worse over the better)"
+        else:
+            value, why = old, c.why
+        lines.append(f"| `{c.id}` (Paper {c.paper}) | {c.kind}: {kind_word[c.kind]} | {value} | {old} | {why} |")
     return "\n".join(lines) + "\n"

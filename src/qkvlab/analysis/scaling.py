@@ -11,12 +11,14 @@ The gap of a variant at a size is the perplexity change vs Q-K-V, 100 (exp(mean 
 the loss difference to Q-K-V of the same seed, and a paired 95% interval over the size's seeds
 (:func:`qkvlab.analysis.verdicts.paired_estimate`: the spread of the per-seed d plus the
 evaluation's own error when the runs were scored on the test split; one seed: the evaluation's
-error alone, or no interval). The slope is the least-squares line d = a + b log10(N) through every
-per-seed d of every size (d is the log perplexity ratio, so it may be negative or cross zero, which
-a power law on the gap cannot fit; a line is what 4-5 sizes can pin down), with its 95% t-interval
-(df = points - 2), and a word as for the gap over training: ``flat`` when the interval contains 0,
-``shrinking`` when the gap moves toward 0 as N grows, ``growing`` otherwise. The same line is
-fitted against log10(C).
+error alone, or no interval). The slope is the least-squares line d = a + b log10(N) through the
+size means of d (analysis version 4; versions <= 3 fitted every per-seed d, counting seeds as if they
+were sizes), with its 95% t-interval (df = sizes - 2); d is the log perplexity ratio, so it may be
+negative or cross zero, which a power law on the gap cannot fit. A lack-of-fit F test (the line
+through every per-seed point against the size means) says whether a line describes the sizes at
+all; the word, as for the gap over training (``flat`` when the interval contains 0, ``shrinking``
+when the gap moves toward 0 as N grows, ``growing`` otherwise), is given only where it does not
+reject (else ``no line``). The same line is fitted against log10(C).
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkvlab.analysis import paper_figures as pf
-from qkvlab.analysis.intervals import LEVEL, Fit, Interval, ols
+from qkvlab.analysis.intervals import LEVEL, Fit, Interval, LackOfFit, lack_of_fit, ols
+from qkvlab.analysis.rules import CURRENT, Rules
 from qkvlab.analysis.trends import FLAT, GROWING, SHRINKING
 from qkvlab.analysis.verdicts import Measured, paired_estimate
 from qkvlab.variants import BASELINE
+
+NO_LINE = "no line"  # the slope's word when a lack-of-fit test rejects the straight line
 
 MAX_EXTRAPOLATION = 10.0  # no prediction beyond this multiple of the largest N trained
 # The papers' model sizes: (label, qkvlab preset); N is its non-embedding count (accounting).
@@ -73,15 +78,21 @@ class VariantScaling:
     variant: str
     gaps: dict[str, Interval]  # size -> paired gap (% perplexity), 95%
     points: list[tuple[str, float]]  # (size, per-seed loss difference in nats) the fits use
-    fit_params: Fit | None  # loss difference vs log10 N
+    fit_params: Fit | None  # loss difference vs log10 N (version 4: through the size means)
     fit_compute: Fit | None  # loss difference vs log10 C
     paper: pf.PaperValue | None = None
+    lack_of_fit: LackOfFit | None = None  # the line through every per-seed point against the size means
+    rules: Rules = CURRENT
 
     @property
     def slope_word(self) -> str | None:
-        """flat / shrinking / growing of the gap with N (None without a slope interval)."""
+        """flat / shrinking / growing of the gap with N (None without a slope interval). Version 4:
+        "no line" when the lack-of-fit test rejects the straight line (the per-size gaps are then
+        the statement and no trend word is given)."""
         if self.fit_params is None:
             return None
+        if self.rules.sweep_slope == "size means" and self.lack_of_fit is not None and self.lack_of_fit.rejects:
+            return NO_LINE
         iv = self.fit_params.slope_interval()
         if not iv.defined:
             return None
@@ -99,6 +110,11 @@ class Scaling:
     size_tokens: dict[str, int]  # tokens of the size's Q-K-V runs (else any run)
     variants: list[VariantScaling]
     source: str = "validation"  # what was scored: "test split" or "validation"
+    train_tokens: int | None = None  # tokens of the training split (compare.json): what epochs count
+
+    def epochs(self, size: str) -> float | None:
+        """Passes over the training split the size's runs made (None when the split is not recorded)."""
+        return self.size_tokens[size] / self.train_tokens if self.train_tokens else None
 
     def size_compute(self, size: str) -> float:
         return 6.0 * self.size_params[size] * self.size_tokens[size]
@@ -138,8 +154,29 @@ def _size_table(runs: Sequence[ScalingRun]) -> tuple[list[str], dict[str, int], 
     return sizes, size_params, size_tokens
 
 
-def analyse(runs: Sequence[ScalingRun], level=LEVEL, source: str = "validation") -> Scaling:
-    """Per variant: paired gaps per size, line fits vs log10 N and log10 C."""
+def _fits(points, x_of, level, rules: Rules) -> tuple[Fit | None, LackOfFit | None]:
+    """The line in x_of(size): through the size means (version 4; each size one point, so seeds are
+    not counted as sizes) or through every per-seed point (versions <= 3); and the lack-of-fit test
+    of the line through every point against the size means."""
+    if len({s for s, _ in points}) < 2:
+        return None, None
+    xs, ys = [x_of(s) for s, _ in points], [d for _, d in points]
+    lof = lack_of_fit(xs, ys)
+    if rules.sweep_slope == "per seed":
+        return ols(xs, ys, level), lof
+    sizes = list(dict.fromkeys(s for s, _ in points))
+    means = [sum(d for s2, d in points if s2 == s) / sum(1 for s2, _ in points if s2 == s) for s in sizes]
+    return ols([x_of(s) for s in sizes], means, level), lof
+
+
+def analyse(
+    runs: Sequence[ScalingRun],
+    level=LEVEL,
+    source: str = "validation",
+    rules: Rules = CURRENT,
+    train_tokens: int | None = None,
+) -> Scaling:
+    """Per variant: paired gaps per size, line fits vs log10 N and log10 C (under the rules given)."""
     sizes, size_params, size_tokens = _size_table(runs)
     base = {(r.size, r.seed): Measured(r.val_loss, r.se) for r in runs if r.variant == BASELINE}
     log_c = {s: math.log10(6.0 * size_params[s] * size_tokens[s]) for s in sizes}
@@ -149,16 +186,14 @@ def analyse(runs: Sequence[ScalingRun], level=LEVEL, source: str = "validation")
         for s in sizes:
             mine = {r.seed: Measured(r.val_loss, r.se) for r in runs if r.variant == v and r.size == s}
             ref = {seed: m for (size, seed), m in base.items() if size == s}
-            est = paired_estimate(mine, ref)
+            est = paired_estimate(mine, ref, rules.eval_variance)
             if est is not None:
                 gaps[s] = est.interval(level).map(gap_pct)
                 points += [(s, mine[k].value - ref[k].value) for k in sorted(mine) if k in ref]
-        fit_n = fit_c = None
-        if len({s for s, _ in points}) >= 2:
-            fit_n = ols([math.log10(size_params[s]) for s, _ in points], [g for _, g in points], level)
-            fit_c = ols([log_c[s] for s, _ in points], [g for _, g in points], level)
-        out.append(VariantScaling(v, gaps, points, fit_n, fit_c, paper=pf.lm_ppl_change(v)))
-    return Scaling(list(runs), sizes, size_params, size_tokens, out, source)
+        fit_n, lof = _fits(points, lambda s: math.log10(size_params[s]), level, rules)
+        fit_c, _ = _fits(points, log_c.get, level, rules)
+        out.append(VariantScaling(v, gaps, points, fit_n, fit_c, pf.lm_ppl_change(v), lof, rules))
+    return Scaling(list(runs), sizes, size_params, size_tokens, out, source, train_tokens)
 
 
 # ---- reading run folders -----------------------------------------------------------------------

@@ -119,17 +119,28 @@ def _sizes_section(sc: Scaling) -> list[str]:
     out = [
         "## Sizes",
         "",
-        "| size | N (non-emb., Q-K-V) | tokens D | D / N | compute 6ND | seeds |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| size | N (non-emb., Q-K-V) | tokens D | D / N | epochs of the training split | compute 6ND | seeds |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for s in sc.sizes:
-        n, d = sc.size_params[s], sc.size_tokens[s]
-        out.append(f"| {s} | {human(n)} | {human(d)} | {d / n:.2f} | {sc.size_compute(s):.3g} | {len(seeds[s])} |")
+        n, d, ep = sc.size_params[s], sc.size_tokens[s], sc.epochs(s)
+        epochs = f"{ep:.2f}" if ep is not None else "not recorded"
+        out.append(
+            f"| {s} | {human(n)} | {human(d)} | {d / n:.2f} | {epochs} | {sc.size_compute(s):.3g} | {len(seeds[s])} |"
+        )
     span = sc.size_params[sc.sizes[-1]] / sc.size_params[sc.sizes[0]] if sc.sizes else 0
     decades = " and ".join(
         f"{PAPER_SIZES[k][0]} {math.log10(paper_size_params(k) / sc.largest):.1f}" for k in sorted(PAPER_SIZES)
     )
+    split = (
+        f"Epochs: D over the training split's {sc.train_tokens:,} tokens (compare.json); above 1 a size "
+        "trains on repeated text, so its gap mixes model size with repetition."
+        if sc.train_tokens
+        else "Epochs: the training split's size is not recorded in compare.json."
+    )
     return out + [
+        "",
+        split,
         "",
         f"{len(sc.sizes)} size{'' if len(sc.sizes) == 1 else 's'} spanning {span:.1f}x in non-embedding parameters; "
         f"the largest, N {human(sc.largest)}, is where every statement here stops (no prediction beyond "
@@ -138,21 +149,37 @@ def _sizes_section(sc: Scaling) -> list[str]:
     ]
 
 
+def _lof(v) -> str:
+    f = v.lack_of_fit
+    if f is None:
+        return "–"
+    verdict = "rejects the line" if f.rejects else "line not rejected"
+    return f"F({f.df_lack}, {f.df_pure}) = {f.f:.3g}, p = {f.p:.2g}: {verdict}"
+
+
 def _gap_section(sc: Scaling) -> list[str]:
+    means = sc.variants[0].rules.sweep_slope == "size means" if sc.variants else True
+    through = "size means" if means else "every seed"
     header = (
         ["variant"]
         + [f"{s} gap (95% CI)" for s in sc.sizes]
-        + ["slope: Δ loss per 10x N, nats (95% CI)", "gap with N", "paper (its size, for reference)"]
+        + [
+            f"slope: Δ loss per 10x N, nats ({through}, 95% CI)",
+            "lack of fit of the line",
+            "gap with N",
+            "paper (its size, for reference)",
+        ]
     )
     out = [
         f"## Gap to Q-K-V per size (perplexity change, %; {sc.source}) and its slope in log N",
         "",
         "| " + " | ".join(header) + " |",
-        "| --- " + "| ---: " * (len(header) - 3) + "| --- | --- |",
+        "| --- " + "| ---: " * (len(header) - 4) + "| --- | --- | --- |",
     ]
     for v in sc.variants:
         cells = [f"`{v.variant}`"] + [_iv(v.gaps.get(s)) for s in sc.sizes]
         cells.append(_iv(v.fit_params.slope_interval(), 4) if v.fit_params else "–")
+        cells.append(_lof(v))
         cells.append(v.slope_word or "–")
         cells.append(str(v.paper) if v.paper else "–")
         out.append("| " + " | ".join(cells) + " |")
@@ -160,10 +187,13 @@ def _gap_section(sc: Scaling) -> list[str]:
         "",
         "Gap: exp(loss − loss of Q-K-V at the same size and seed) − 1, mean with a paired 95% interval over the "
         "size's seeds (plus the evaluation's own error when scored on the test split; n=1: one seed, no interval). "
-        "Slope: least squares Δ = a + b·log10 N over every per-seed loss difference Δ (the log perplexity ratio; "
-        "0.01 nats ≈ 1% perplexity), 95% t-interval. Gap with N: `flat` when the slope's interval contains 0, "
-        "`shrinking` when the gap moves toward 0 as N grows, `growing` otherwise. The papers' figures come from "
-        "far larger models trained on far more tokens per parameter: they are shown, not tested.",
+        f"Slope: least squares Δ = a + b·log10 N through the {through} of the loss difference Δ (the log "
+        "perplexity ratio; 0.01 nats ≈ 1% perplexity), 95% t-interval. Lack of fit: the line through every "
+        "per-seed Δ against one mean per size (pure error from the seeds), F test at 5%. Gap with N: `no line` "
+        "when that test rejects the line (the per-size gaps are then the statement), else `flat` when the "
+        "slope's interval contains 0, `shrinking` when the gap moves toward 0 as N grows, `growing` otherwise. "
+        "The papers' figures come from far larger models trained on far more tokens per parameter: they are "
+        "shown, not tested.",
         "",
     ]
 
@@ -176,9 +206,14 @@ def to_markdown(
     manifest: dict | None = None,
     note: str = "",
 ) -> str:
+    from qkvlab.analysis.rules import provenance_lines
+
     out = ["# Scaling: gap to Q-K-V against model size", ""]
     if command:
         out += [f"Command: `{command}`", ""]
+    version = sc.variants[0].rules.version if sc.variants else None
+    if version is not None:
+        out += provenance_lines(version, (manifest or {}).get("trained_under_analysis")) + [""]
     out += _sizes_section(sc) + _gap_section(sc)
     if plots:
         out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
@@ -247,11 +282,18 @@ def plot_scaling(sc: Scaling, path: str | Path, *, against: str = "params") -> P
 
 
 def write_scaling_results(
-    runs_dir: str | Path, out_dir: str | Path, *, command: str = "", plots: bool = True
+    runs_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    command: str = "",
+    plots: bool = True,
+    analysis_version: int | None = None,
 ) -> Scaling:
     """Read the sweep's finished runs under runs_dir (or, with no run folders there, its
-    results.csv); write results.md, results.csv, gap_vs_params.png and gap_vs_compute.png into
-    out_dir (created; only these files written)."""
+    results.csv: the per-seed scores); write results.md, results.csv, gap_vs_params.png and
+    gap_vs_compute.png into out_dir (created; only these files written), scored under the analysis
+    rules of analysis_version (default: the current one)."""
+    from qkvlab.analysis.rules import rules as rules_of
     from qkvlab.analysis.runs import MANIFEST, read_manifest
     from qkvlab.errors import UserError
     from qkvlab.io import atomic_write
@@ -266,7 +308,8 @@ def write_scaling_results(
     command = command or (manifest or {}).get("command") or ""
     if not runs:
         raise UserError(f"{runs_dir}: no finished run (expected run folders at <size>/<variant>/seed<k>)")
-    sc = analyse(runs, source=source)
+    lm = ((manifest or {}).get("metrics") or {}).get("lm") or {}
+    sc = analyse(runs, source=source, rules=rules_of(analysis_version), train_tokens=lm.get("train_tokens"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -26,6 +26,12 @@ def format_gap(g: Gap) -> str:
     interval or none."""
     iv, u = g.interval, g.unit
     head = f"{g.a} vs {g.b}: " if g.b else f"{g.a}: "
+    if g.method == "McNemar":
+        e = g.est
+        return (
+            f"{head}solved {e.a_solved}/{e.n} vs {e.b_solved}/{e.n} seeds, discordant {e.a_only}:{e.b_only}, "
+            f"exact McNemar p = {g.p_holds:.3g}"
+        )
     if g.method == "solve rate":
         head += "solve rate "
     ci = f" [{_num(iv.lo, u)}, {_num(iv.hi, u)}]" if iv.defined else " (no interval)"
@@ -39,7 +45,9 @@ def _bound(x: float, unit: str) -> str:
     return f"{x:+g}%" if unit == "%" else f"{x:+g} pts" if unit == "pts" else f"{x:g}"
 
 
-def holds_text(r: Region, unit: str) -> str:
+def holds_text(r: Region, unit: str, method: str = "") -> str:
+    if method == "McNemar":
+        return "solves less often, p < 5%" if r.holds[1] == 0 else "solves more often, p < 5%"
     lo, hi = r.holds
     if lo == -math.inf:
         return f"below {_bound(hi, unit)}"
@@ -48,7 +56,9 @@ def holds_text(r: Region, unit: str) -> str:
     return f"within ±{_bound(hi, unit).lstrip('+')}"
 
 
-def fails_text(r: Region, unit: str) -> str:
+def fails_text(r: Region, unit: str, method: str = "") -> str:
+    if method == "McNemar":
+        return "solves more often, p < 5%" if r.holds[1] == 0 else "solves less often, p < 5%"
     if len(r.fails) == 2:
         return f"beyond ±{_bound(r.fails[1][1], unit).lstrip('+')}"
     side, x = r.fails[0]
@@ -58,7 +68,7 @@ def fails_text(r: Region, unit: str) -> str:
 def _paper(g: Gap) -> str:
     if g.paper is None:
         return "–"
-    return _with_unit(g.paper, g.unit) + (" (accuracy)" if g.method == "solve rate" else "")
+    return _with_unit(g.paper, g.unit) + (" (accuracy)" if g.method in ("solve rate", "McNemar") else "")
 
 
 def _summary(tested: Sequence[ClaimVerdict]) -> str:
@@ -119,9 +129,12 @@ def verdicts_markdown(
         for v in tested:
             g = v.decisive
             extra = f" ({len(v.gaps)} comparisons)" if len(v.gaps) > 1 else ""
+            smaller = [x for x in v.gaps if x.smaller_than_paper]
+            if smaller:  # the ordering holds; its size is excluded from the paper's (half its gap)
+                extra += "; smaller than the paper's effect: " + ", ".join(f"{x.a} vs {x.b}" for x in smaller)
             lines.append(
                 f"| Paper {v.claim.paper}: {v.claim.text} | {v.source or '–'} | {format_gap(g)}{extra} | {_paper(g)} "
-                f"| {holds_text(g.region, g.unit)} | {fails_text(g.region, g.unit)} | **{v.word}** "
+                f"| {holds_text(g.region, g.unit, g.method)} | {fails_text(g.region, g.unit, g.method)} | **{v.word}** "
                 f"| {seeds_cell(v, runs_per_seed, seconds_per_run)} |"
             )
     if untested:

@@ -22,8 +22,11 @@ modelling, metric points otherwise), with the claim's margin fixed in advance
 A claim is ``reproduced`` when every comparison holds at 5% (an intersection-union test needs no
 correction), ``contradicted`` when Holm's rule over the comparisons' failure tests rejects at least
 one at 5%, ``inconclusive`` otherwise, and always with fewer than two seeds. A comparison that both
-holds and fails (a real effect smaller than the margin) counts as failed. Shown intervals are the
-90% ones: each bound is a one-sided 95% bound, the tests' own.
+holds and fails (a real effect smaller than the margin) holds from analysis version 4 (it counted
+as failed before; :mod:`qkvlab.analysis.rules`), and results.md says the effect is smaller than the
+paper's. Shown intervals are the 90% ones: each bound is a one-sided 95% bound, the tests' own.
+Every function takes the analysis rules to apply (default: the current version), so stored scores
+can be scored again under any version.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from qkvlab.analysis.estimates import (  # noqa: F401  (Measured, Score: the ver
     _scores,
     level_estimate,
     paired_estimate,
+    paired_solves,
     solve_estimate,
 )
 from qkvlab.analysis.intervals import (
@@ -48,10 +52,12 @@ from qkvlab.analysis.intervals import (
     LEVEL,
     Interval,
     MeanEstimate,
+    PairedSolves,
     Rate,
     RateDifference,
     holm,
 )
+from qkvlab.analysis.rules import CURRENT, Rules
 
 REPRODUCED, CONTRADICTED, INCONCLUSIVE = "reproduced", "contradicted", "inconclusive"
 WORDS = (REPRODUCED, CONTRADICTED, INCONCLUSIVE)
@@ -124,11 +130,12 @@ class Gap:
     region: Region  # in unit
     word: str
     paper: float | None  # the paper's figure for the same gap, in unit
-    est: MeanEstimate | RateDifference | Rate | None = None  # raw units (nats, metric fractions)
+    est: MeanEstimate | RateDifference | Rate | PairedSolves | None = None  # raw units (nats, metric fractions)
     raw_region: Region | None = None
     p_holds: float = 1.0
     p_fails: float = 1.0
-    method: str = "paired t"  # or "solve rate" (Newcombe/Clopper-Pearson) or "exact" (Clopper-Pearson)
+    method: str = "paired t"  # or "solve rate" (Newcombe), "McNemar" (paired exact), "exact" (Clopper-Pearson)
+    smaller_than_paper: bool = False  # an ordering that holds with the effect excluded from the margin's size
 
     def _distance(self) -> float:
         """How far inside the holding region the interval is (negative: sticks out)."""
@@ -199,6 +206,14 @@ def paper_gap(tasks: Sequence[str], a: str, b: str, perplexity: bool) -> float |
     return 100.0 * (pa[0] - pb[0])
 
 
+def pair_margin(tasks: Sequence[str], a: str, b: str, perplexity: bool) -> float | None:
+    """The smallest effect of interest of one compared pair, the same in every claim that compares it
+    (analysis version 4): half the paper's own gap of the pair's worse over its better variant, in
+    display units (2 decimals, as docs/analysis.md prints it); None when the paper reports none."""
+    gaps = [g for g in (paper_gap(tasks, a, b, perplexity), paper_gap(tasks, b, a, perplexity)) if g is not None]
+    return round(pf.SESOI_FRACTION * max(gaps), 2) if gaps else None  # the worse over the better: symmetric
+
+
 def decide(est, raw_region: Region, seeds: int) -> tuple[float, float]:
     """(p_holds, p_fails) of a comparison; both 1 with fewer than two seeds (one seed's interval
     holds evaluation noise only: the seed-to-seed spread is unknown)."""
@@ -207,14 +222,21 @@ def decide(est, raw_region: Region, seeds: int) -> tuple[float, float]:
     return p_holds(est, raw_region), p_fails(est, raw_region)
 
 
-def _words(gaps: list[Gap]) -> tuple[str, list[Gap]]:
-    """The claim's word and its gaps with their own words (Holm over the failure tests)."""
+def _words(gaps: list[Gap], rules: Rules = CURRENT) -> tuple[str, list[Gap]]:
+    """The claim's word and its gaps with their own words (Holm over the failure tests). A
+    comparison that both holds and fails (an ordering whose effect is real but excluded from the
+    margin's size) is failed under versions <= 3 and holds from version 4 (the ordering is what the
+    claim's words say; the size is reported as smaller than the paper's)."""
     fails = holm([g.p_fails for g in gaps])
     out = []
     for g, f in zip(gaps, fails):
-        w = CONTRADICTED if f else REPRODUCED if g.p_holds < ALPHA else INCONCLUSIVE
-        out.append(replace(g, word=w))
-    if any(fails):
+        holds = g.p_holds < ALPHA
+        if rules.overlap == "holds" and holds:
+            w = REPRODUCED
+        else:
+            w = CONTRADICTED if f else REPRODUCED if holds else INCONCLUSIVE
+        out.append(replace(g, word=w, smaller_than_paper=bool(holds and f)))
+    if any(g.word == CONTRADICTED for g in out):
         return CONTRADICTED, out
     return (REPRODUCED if out and all(g.word == REPRODUCED for g in out) else INCONCLUSIVE), out
 
@@ -225,6 +247,7 @@ class _Setup:
     hib: bool
     perplexity: bool
     solve: bool  # single solve-or-fail task: compare solve rates
+    rules: Rules = CURRENT
 
     @property
     def unit(self) -> str:
@@ -232,14 +255,27 @@ class _Setup:
 
 
 def _comparison(s: _Setup, scores, a: str, b: str, region: Region) -> Gap | None:
-    est = solve_estimate(scores[a], scores[b]) if s.solve else paired_estimate(scores[a], scores[b])
+    paper = paper_gap(s.tasks, a, b, s.perplexity)
+    raw = region.raw(to_raw(s.unit, s.perplexity))
+    if s.solve and s.rules.solve == "mcnemar":
+        est = paired_solves(scores[a], scores[b])
+        if est is None:
+            return None
+        less = region.holds[1] == 0.0  # the claim: A solves less often than B
+        ph, pfail = (est.p_less(), est.p_more()) if less else (est.p_more(), est.p_less())
+        if est.n < 2:
+            ph, pfail = 1.0, 1.0
+        iv = est.interval().map(to_display(s.unit, s.perplexity))
+        return Gap(a, b, iv, s.unit, region, INCONCLUSIVE, paper, est, raw, ph, pfail, "McNemar")
+    if s.solve:
+        est = solve_estimate(scores[a], scores[b])
+    else:
+        est = paired_estimate(scores[a], scores[b], s.rules.eval_variance)
     if est is None:
         return None
-    raw = region.raw(to_raw(s.unit, s.perplexity))
     ph, pfail = decide(est, raw, est.n)
     iv = est.interval(TEST_LEVEL).map(to_display(s.unit, s.perplexity))
     method = "solve rate" if s.solve else "paired t"
-    paper = paper_gap(s.tasks, a, b, s.perplexity)
     return Gap(a, b, iv, s.unit, region, INCONCLUSIVE, paper, est, raw, ph, pfail, method)
 
 
@@ -259,24 +295,38 @@ def _threshold_gaps(claim: pf.Claim, s: _Setup, scores) -> list[Gap]:
 
 
 def _pairs(claim: pf.Claim, s: _Setup, scores) -> list[tuple[str, str, Region]] | str:
-    """The claim's comparisons (A, B, region), or why it cannot be tested."""
+    """The claim's comparisons (A, B, region), or why it cannot be tested. Version 4: worst/best
+    rank over the variants the paper ran, and every ordering comparison takes its pair's margin."""
     kind, names, m = claim.kind, claim.variants, claim.margin
+    per_pair = s.rules.margins == "per pair" and not claim.solve
+
+    def region(up: bool, a: str, b: str) -> Region:
+        pm = pair_margin(s.tasks, a, b, s.perplexity) if per_pair else None
+        if pm is None:
+            return ordering_region(up, m)
+        if s.perplexity and not up:  # A better: B's perplexity over A's by pm%, i.e. A's over B's by 1/(1+pm)
+            pm = 100.0 * (1.0 - 1.0 / (1.0 + pm / 100.0))
+        return ordering_region(up, pm)
+
     if kind in ("better", "close", "at_most", "order") and any(v not in scores for v in names):
         return f"variant {next(v for v in names if v not in scores)} not run"
     if kind == "better":
-        return [(names[0], names[1], ordering_region(s.hib, m))]
+        return [(names[0], names[1], region(s.hib, names[0], names[1]))]
     if kind == "close":
         return [(names[0], names[1], band_region(m))]
     if kind == "at_most":
         return [(names[0], names[1], cost_region(not s.hib, m))]
     if kind in ("worst", "best"):
         target = names[0]
-        if target not in scores or len(scores) < 3:
-            return f"needs {target} and at least two other variants"
-        region = ordering_region(s.hib if kind == "best" else not s.hib, m)
-        return [(target, v, region) for v in scores if v != target]
+        pool = [v for v in scores if s.rules.among == "run" or v in pf.paper_variants(claim)]
+        if target not in scores or len(pool) < 3:
+            return f"needs {target} and at least two other variants" + (
+                " the paper ran" if s.rules.among == "paper" else ""
+            )
+        up = s.hib if kind == "best" else not s.hib
+        return [(target, v, region(up, target, v)) for v in pool if v != target]
     if kind == "order":
-        return [(y, x, ordering_region(not s.hib, m)) for x, y in zip(names, names[1:])]
+        return [(y, x, region(not s.hib, y, x)) for x, y in zip(names, names[1:])]
     if kind == "spread":
         if len(scores) < 2:
             return "needs at least two variants"
@@ -285,21 +335,31 @@ def _pairs(claim: pf.Claim, s: _Setup, scores) -> list[tuple[str, str, Region]] 
     raise ValueError(f"unknown claim kind {kind!r}")
 
 
-def check(claim: pf.Claim, values: Values, higher_is_better: Mapping[str, bool], metric: Mapping[str, str], source=""):
-    """One claim's verdict on a results table (see the module doc for the rules)."""
+def check(
+    claim: pf.Claim,
+    values: Values,
+    higher_is_better: Mapping[str, bool],
+    metric: Mapping[str, str],
+    source="",
+    rules: Rules = CURRENT,
+):
+    """One claim's verdict on a results table (see the module doc for the rules) under the
+    analysis rules given (default: the current version)."""
     tasks = claim.tasks
     missing_tasks = [t for t in tasks if t not in values]
     if missing_tasks:
         return ClaimVerdict(claim, None, note=f"task {missing_tasks[0]} not run")
     perplexity = metric.get(tasks[0]) == PERPLEXITY_METRIC
-    solve = len(tasks) == 1 and tasks[0] in pf.SOLVE_OR_FAIL_TASKS and claim.kind != "at_least"
-    s = _Setup(tuple(tasks), higher_is_better.get(tasks[0], True), perplexity, solve)
+    single_solve_task = len(tasks) == 1 and tasks[0] in pf.SOLVE_OR_FAIL_TASKS and claim.kind != "at_least"
+    # versions <= 3 read every reverse/swap claim as solve rates; from 4 only the solve-or-fail claims
+    solve = claim.solve or (single_solve_task and rules.solve == "newcombe")
+    s = _Setup(tuple(tasks), higher_is_better.get(tasks[0], True), perplexity, solve, rules)
     present = sorted(set.intersection(*(set(values[t]) for t in tasks)))
     scores = {v: sc for v in present if (sc := _scores(values, tasks, v))}
     if claim.kind == "at_least":
         if len(scores) < 2:
             return ClaimVerdict(claim, None, note="needs at least two variants")
-        word, gaps = _words(_threshold_gaps(claim, s, scores))
+        word, gaps = _words(_threshold_gaps(claim, s, scores), rules)
         return ClaimVerdict(claim, word, tuple(gaps), source=source)
     pairs = _pairs(claim, s, scores)
     if isinstance(pairs, str):
@@ -308,7 +368,7 @@ def check(claim: pf.Claim, values: Values, higher_is_better: Mapping[str, bool],
     if any(g is None for g in gaps):
         a, b, _ = pairs[[g is None for g in gaps].index(True)]
         return ClaimVerdict(claim, None, note=f"{a} and {b} share no seed")
-    word, gaps = _words(gaps)
+    word, gaps = _words(gaps, rules)
     return ClaimVerdict(claim, word, tuple(gaps), source=source)
 
 
@@ -318,14 +378,15 @@ def check_claims(
     metric: Mapping[str, str],
     claims: Sequence[pf.Claim] = pf.ALL_CLAIMS,
     sources: Mapping[str, str] | None = None,
+    rules: Rules = CURRENT,
 ) -> list[ClaimVerdict]:
-    """Verdicts for the claims that touch a task of values (tested or not); sources: per task,
-    what was scored (shown beside each verdict)."""
+    """Verdicts for the claims that touch a task of values (tested or not) and that the rules'
+    version has (a claim introduced later is left out); sources: per task, what was scored."""
     out = []
     for c in claims:
-        if any(t in values for t in c.tasks):
+        if c.since <= rules.version and any(t in values for t in c.tasks):
             src = "; ".join(dict.fromkeys((sources or {}).get(t, "") for t in c.tasks if t in values)).strip("; ")
-            out.append(check(c, values, higher_is_better, metric, src))
+            out.append(check(c, values, higher_is_better, metric, src, rules))
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from qkvlab.compare.pace import choose_layout
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
-from qkvlab.devices import torchrun_env
+from qkvlab.devices import cpu_name, torchrun_env
 from qkvlab.errors import UserError
 from qkvlab.folders import check_folder, claim_folder, inspect
 from qkvlab.units import fmt_duration
@@ -100,16 +100,8 @@ def machine_info(jobs: int, threads: int, device: str, world: int, train_dtype: 
     here (`_train_dtype`), so a result says whether it was trained in fp32 or under bf16."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     info = {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "load_avg_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(terse=True),
@@ -150,6 +142,9 @@ def _check_tasks(plan: list[PlannedRun], family_request: bool, say) -> tuple[lis
             continue
         checked[key] = True
         metrics[run.task] = {"metric": t.metric, "higher_is_better": bool(t.higher_is_better)}
+        prepared = getattr(t, "prepared", None)
+        if prepared is not None and getattr(prepared, "train", None) is not None:
+            metrics[run.task]["train_tokens"] = len(prepared.train)  # what epochs are counted in (the sweep)
         del t
     keep = [r for r in plan if checked[(r.task, json.dumps(r.cfg.task_options, sort_keys=True, default=str))]]
     return keep, metrics
@@ -223,14 +218,28 @@ def _training_record(out: Path) -> dict[str, Any] | None:
     return {k: old[k] for k in ("machine", "timing", "estimate_s") if k in old}
 
 
-def _train_dtype(plan: Plan, device: str) -> str:
-    """What the runs' dtype setting resolves to on `device` (auto depends on the model's width on
-    the CPU, so a sweep may train its narrow sizes in fp32 and its wide ones under bf16)."""
-    return ", ".join(sorted({r.cfg.train_dtype(device.split(":")[0]) for r in plan.runs})) or "fp32"
-
-
 def _quiet(*args, **kwargs) -> None:
     pass
+
+
+def _train_dtype(plan: Plan, device: str, threads: int | None = None, say: Callable[..., None] = _quiet) -> str:
+    """What the runs' dtype setting resolves to on `device` (auto is timed on the CPU per model
+    shape, so a sweep may train its narrow sizes in fp32 and its wide ones under bf16). Decided here,
+    at the workers' thread count, before any worker starts: the workers find it cached instead of
+    timing while the others train. Each CPU decision is said once, with its figures."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        decided = [r.cfg.autocast(device.split(":")[0]) for r in plan.runs]
+    finally:
+        torch.set_num_threads(before)
+    notes = {p.shape: p.describe() for _, p in reversed(decided) if p is not None}  # each shape's first word
+    for note in notes.values():
+        say(f"compare: {note}")
+    return ", ".join(sorted({dtype for dtype, _ in decided})) or "fp32"
 
 
 def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outcome:
@@ -249,7 +258,11 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
     jobs, threads = (layout.jobs, layout.threads) if layout is not None else (1, None)
     work = (layout.run_estimates(todo) if layout is not None else None) or {}  # seconds per run, once
     manifest = _manifest(
-        plan, runs, metrics, command, machine_info(jobs, threads or 0, device, world, _train_dtype(plan, device))
+        plan,
+        runs,
+        metrics,
+        command,
+        machine_info(jobs, threads or 0, device, world, _train_dtype(plan, device, threads, say if main else _quiet)),
     )
     trained_before = _training_record(out) if not todo else None
     if trained_before:  # only re-rendering: the folder keeps the record of the invocation that trained
