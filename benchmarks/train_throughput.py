@@ -120,7 +120,7 @@ def race(args, cfg: ModelConfig, device, run: ScriptRun) -> dict:
     default_dtype = "bf16" if device.type == "cuda" else "fp32"
     contestants = parse_contestants(args.contestants, args.dtype or default_dtype)
     if device.type == "cpu" and cpu_has_bf16() and args.contestants == DEFAULT_CONTESTANTS and not args.dtype:
-        contestants.append(Contestant("qkvlab@bf16", "qkvlab", False, "bf16"))  # where auto picks it
+        contestants.append(Contestant("qkvlab@bf16", "qkvlab", False, "bf16"))  # where bf16 could pay
     x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.context + 1), device=device)
     x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
     steps = {c.name: make_step(c, cfg, x, y, device) for c in contestants}

@@ -46,6 +46,20 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def dtype_probe_fixed(monkeypatch):
+    """`--dtype auto` on the CPU times a training step (qkvlab.train.dtype_probe); in-process tests
+    get a fixed answer instead (fp32), so what a test trains in does not depend on this machine's
+    speed or load, and no probe figures land in a cache. tests/test_dtype_probe.py overrides this."""
+    from qkvlab.train import dtype_probe
+
+    def fixed(model_cfg, rows, **_):
+        shape = dtype_probe.ShapeClass.of(model_cfg, rows).key
+        return dtype_probe.Decision("fp32", 1.0, 1.0, dtype_probe.MIN_NOISE, shape, "tests", "fixed by the tests")
+
+    monkeypatch.setattr(dtype_probe, "cpu_autocast", fixed)
+
+
 @pytest.fixture()
 def isolated_cache(tmp_path, monkeypatch):
     """This test's own qkvlab cache (QKVLAB_CACHE): nothing leaks into ~/.cache or between tests."""

@@ -567,19 +567,4 @@ def test_gpu_check_sh_continues_past_failures_and_keeps_work_files_out(tmp_path)
     assert list(tmp_path.iterdir()) == [out]
 
 
-def test_auto_autocast_is_bf16_only_where_the_cpu_has_bf16_instructions_and_the_model_is_wide():
-    from qkvlab.devices import CPU_BF16_MIN_WIDTH, autocast_dtype_name, cpu_has_bf16, dtype_name
-
-    sapphire = "processor : 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
-    epyc = "processor : 0\nflags\t\t: fpu sse avx avx2 fma\n"
-    assert cpu_has_bf16(sapphire) and not cpu_has_bf16(epyc)
-    assert autocast_dtype_name("auto", "cpu", has_bf16=True) == "bf16"
-    assert autocast_dtype_name("auto", "cpu", has_bf16=False) == "fp32"
-    assert autocast_dtype_name("auto", "cuda", has_bf16=False) == "bf16"
-    assert autocast_dtype_name("fp32", "cpu", has_bf16=True) == "fp32"  # an explicit choice stands
-    # on the CPU auto takes bf16 only from CPU_BF16_MIN_WIDTH on, where it trains faster than fp32
-    assert autocast_dtype_name("auto", "cpu", d_model=CPU_BF16_MIN_WIDTH, has_bf16=True) == "bf16"
-    assert autocast_dtype_name("auto", "cpu", d_model=CPU_BF16_MIN_WIDTH - 1, has_bf16=True) == "fp32"
-    assert autocast_dtype_name("bf16", "cpu", d_model=64, has_bf16=True) == "bf16"  # asked for: taken
-    assert autocast_dtype_name("auto", "cuda", d_model=64, has_bf16=False) == "bf16"
-    assert dtype_name("auto", device_type="cpu") == "fp32"  # weights and caches: unchanged
+# `--dtype auto` (bf16 on CUDA, timed on the CPU): tests/test_dtype_probe.py

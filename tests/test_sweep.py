@@ -12,6 +12,7 @@ from qkvlab.compare import CompareConfig, plan
 from qkvlab.compare.sweep import SweepSize, parse_sizes
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
+from qkvlab.train.dtype_probe import cpu_autocast as real_cpu_autocast  # before conftest fixes its answer
 
 
 def test_parse_sizes():
@@ -90,9 +91,9 @@ def test_tiny_sweep_end_to_end_then_render_only(tmp_path, corpus, capsys, monkey
     assert (out / "results.md").is_file()
 
 
-def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(monkeypatch):
+def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(monkeypatch, tmp_path):
     """--dtype is one setting for the whole comparison (grid and sweep); machine_info records the
-    dtype it resolved to on this machine (auto: bf16 only where the CPU multiplies bf16 natively)."""
+    dtype it resolved to on this machine (auto: bf16 only where timing the model's shapes says so)."""
     from qkvlab.compare import execute
     from qkvlab.compare.sweep import SWEEP_RECIPE, SWEEP_SIZES
     from qkvlab.settings import check
@@ -106,8 +107,14 @@ def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(mo
         check(CompareConfig(dtype="fp16"))
     wide = plan(CompareConfig(out="/nowhere", seeds=1, model={"d_model": 256, "n_head": 4}))
     sweep = plan(CompareConfig(sweep=True, out="/nowhere", sizes="d64-L1-h2,d256-L1-h4"))
+    from qkvlab.train import dtype_probe
+
     for has_bf16, grid_dtype, sweep_dtype in ((False, "fp32", "fp32"), (True, "bf16", "bf16, fp32")):
-        monkeypatch.setattr("qkvlab.devices.cpu_has_bf16", lambda cpuinfo=None, v=has_bf16: v)
+        # a fake timer: where bf16 pays, it pays from d_model 192 on
+        fast = lambda s, v=has_bf16: ([1.0] * 5, [0.5 if v and s.d_model >= 192 else 1.5] * 5)  # noqa: E731
+        cache = tmp_path / f"{has_bf16}.json"
+        timed = lambda m, rows, f=fast, c=cache: real_cpu_autocast(m, rows, measure=f, cache=c)  # noqa: E731
+        monkeypatch.setattr(dtype_probe, "cpu_autocast", timed)
         assert execute._train_dtype(wide, "cpu") == grid_dtype
         assert execute._train_dtype(sweep, "cpu") == sweep_dtype
         assert execute._train_dtype(grid, "cpu") == "bf16"  # the last grid above: --dtype bf16

@@ -457,18 +457,33 @@ def test_direct_full_state_matches_torch_distributed_checkpoint_layout():
 
 
 def test_a_run_records_the_dtype_it_trained_in(plays_file, tmp_path, monkeypatch, capsys):
-    """The dtype setting resolved (auto depends on the device, the CPU and the width) is what the
-    checkpoint, the result and test.json record, and what `qkvlab train` prints."""
-    monkeypatch.setattr("qkvlab.devices.cpu_has_bf16", lambda cpuinfo=None: True)  # auto: bf16 only if wide
-    for dtype, short, long in (("bf16", "bf16", "bfloat16"), ("auto", "fp32", "float32")):
+    """The dtype setting resolved (auto: timed on the CPU, train.dtype_probe) is what the checkpoint,
+    the result and test.json record, with the timing that decided auto; a resumed run keeps the
+    dtype it started in whatever a new timing would say."""
+    from qkvlab.train import dtype_probe
+
+    def probe(dtype):
+        def decided(model_cfg, rows, **_):
+            shape = dtype_probe.ShapeClass.of(model_cfg, rows).key
+            return dtype_probe.Decision(dtype, 2.0, 1.0 if dtype == "bf16" else 3.0, 0.03, shape, "fake")
+
+        monkeypatch.setattr(dtype_probe, "cpu_autocast", decided)
+
+    for dtype, timed, short, long in (("bf16", "fp32", "bf16", "bfloat16"), ("auto", "fp32", "fp32", "float32"),
+                                      ("auto", "bf16", "bf16", "bfloat16")):  # fmt: skip
+        probe(timed)
         cfg = tiny(plays_file, max_steps=2, eval_every=2, dtype=dtype)
-        assert cfg.model.d_model < 192  # narrower than CPU_BF16_MIN_WIDTH: auto stays fp32
-        out = tmp_path / f"{dtype}"
+        out = tmp_path / f"{dtype}-{timed}"
         result = train(cfg, out, progress=False)
         assert result.train_dtype == short
-        assert json.loads((out / "checkpoint" / "state.json").read_text())["train_dtype"] == short
+        state = json.loads((out / "checkpoint" / "state.json").read_text())
+        assert state["train_dtype"] == short
+        assert (state["dtype_probe"] or {}).get("dtype") == (timed if dtype == "auto" else None)
         test = out / "test.json"
         assert json.loads(test.read_text())["dtype"] == long  # the test split was scored in it
+    probe("fp32")  # the machine now says fp32: the bf16 run resumed under auto stays bf16
+    resumed = train(tiny(plays_file, max_steps=4, eval_every=2, dtype="auto"), out, resume=True)
+    assert resumed.train_dtype == "bf16" and "kept from the checkpoint" in capsys.readouterr().out
     assert cli.main(["train", *CLI_BASE[:-3], "--dtype", "bf16", "--max-steps", "2", "--data", str(plays_file),
                      "--out", str(tmp_path / "cli")]) == 0  # fmt: skip
     assert "tokens/s (bf16) ->" in capsys.readouterr().out

@@ -33,7 +33,6 @@ from qkvlab.devices import (
     DEVICE_HELP,
     DTYPE_BYTES,
     INFERENCE_DTYPES,
-    autocast_dtype_name,
     check_device,
     dtype_choices,
     dtype_name,
@@ -48,6 +47,7 @@ from qkvlab.model import GPT
 from qkvlab.settings import byte_size, check, seed_setting, setting
 from qkvlab.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
 from qkvlab.speed import copy_rate as measured_copy_rate
+from qkvlab.train.dtype_probe import autocast_dtype
 from qkvlab.variants import parse_variants
 
 DEFAULT_VARIANTS = "Q-K-V,Id-K-V,Q-K=V,Q=K=V,Id-K=V,Q-K=V/MQA"
@@ -226,7 +226,10 @@ def bench_variant(
     dname = dtype_name(opts.dtype, device_type=device.type)
     out = cache_figures(cfg, opts, device, dname)
     if opts.train:
-        out["train_dtype"] = tname = autocast_dtype_name(opts.dtype, device.type, d_model=cfg.d_model)
+        tname, probe = autocast_dtype(opts.dtype, device.type, cfg, opts.train_batch * cfg.context)
+        out["train_dtype"] = tname
+        if probe is not None:  # what decided "auto" here, with its figures
+            out["dtype_probe"] = probe.record()
         tps = train_tokens_per_s(
             cfg, batch=opts.train_batch, steps=opts.train_steps, device=device, dtype=torch_dtype(tname), seed=opts.seed
         )
@@ -372,7 +375,10 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
         torch.set_num_threads(cfg.threads)
     if cfg.train and device.type == "cpu":  # as training runs; from the start, so every figure sees one heap
         hold_freed_memory()
-    tname = autocast_dtype_name(cfg.dtype, device.type, d_model=cfg.model_config.d_model)
+    mcfg = cfg.model_config
+    tname, probe = autocast_dtype(cfg.dtype, device.type, mcfg, cfg.train_batch * mcfg.context)
+    if probe is not None:
+        log(probe.describe())
     peak = matmul_flops_per_s(device, torch_dtype(tname))
     rate = measured_copy_rate(device)
     log(f"matmul rate on {device} ({tname}): {peak / 1e9:.1f} GFLOP/s; copy rate {rate / 1e9:.1f} GB/s")

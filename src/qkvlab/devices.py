@@ -1,9 +1,8 @@
 """One dtype vocabulary, one device resolver and the sharding names, for every command.
 
 dtype names: fp32, bf16, fp16, fp64 (also spelled float32, bfloat16, float16, float64), and "auto"
-(bf16 on CUDA, fp32 elsewhere; for training's autocast also bf16 on CPUs with native bf16
-instructions, `cpu_has_bf16`, for models at least CPU_BF16_MIN_WIDTH wide: fp32 master weights and
-loss either way). An option's choices are
+(bf16 on CUDA, fp32 elsewhere; training's autocast decides the CPU's by timing the model's shapes,
+`qkvlab.train.dtype_probe`, never from a CPU flag). An option's choices are
 `dtype_choices(ALLOWED)`: every spelling of the dtypes it allows. Devices: auto, cpu, cuda, cuda:N,
 mps; `select_device` is the one resolver (a bare "cuda" is always this process's cuda:LOCAL_RANK,
 cuda:0 outside torchrun; an explicit cuda:N is refused with more than one rank).
@@ -47,16 +46,20 @@ def dtype_name(name: str, *, device_type: str = "cpu", allowed: tuple[str, ...] 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 dot products
 
 
+def _cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 autocast pays
-    (measured 2.6x fp32 training on such a CPU); without them bf16 is emulated and slower than fp32.
-    Reads /proc/cpuinfo's flags (or `cpuinfo`), else torch's capability string (AMX only)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
+    """Whether this CPU has native bf16 dot products (AVX512-BF16 or AMX): a description of the
+    machine, not a speed policy (with AVX512-BF16 alone bf16 autocast trained at 0.58x fp32; `auto`
+    is decided by qkvlab.train.dtype_probe's timing). Reads /proc/cpuinfo's flags (or `cpuinfo`),
+    else torch's capability string (AMX only)."""
+    cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
     flags = {w for line in cpuinfo.splitlines() if line.startswith("flags") for w in line.split(":", 1)[1].split()}
     if flags:
         return any(f in flags for f in BF16_CPU_FLAGS)
@@ -68,21 +71,14 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
         return False
 
 
-# Narrowest model that trains faster under CPU bf16 autocast than in fp32: below it the casts around
-# every small matmul cost more than AMX saves (docs/inference.md, "bf16 autocast on the CPU").
-CPU_BF16_MIN_WIDTH = 192
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    import platform
 
-
-def autocast_dtype_name(
-    name: str, device_type: str = "cpu", *, d_model: int | None = None, has_bf16: bool | None = None
-) -> str:
-    """Training's autocast dtype: "auto" -> bf16 on CUDA; on the CPU bf16 where it pays, i.e. the CPU
-    multiplies bf16 natively (`cpu_has_bf16`) and the model is at least CPU_BF16_MIN_WIDTH wide
-    (d_model; None: unknown, taken as wide enough); fp32 elsewhere. Anything else as `dtype_name`."""
-    if name == "auto" and device_type == "cpu":
-        wide = d_model is None or d_model >= CPU_BF16_MIN_WIDTH
-        return "bf16" if wide and (cpu_has_bf16() if has_bf16 is None else has_bf16) else "fp32"
-    return dtype_name(name, device_type=device_type)
+    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES) -> str:
@@ -93,7 +89,7 @@ def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES) -> str:
 
 
 def torch_dtype(name: str, device_type: str = "cpu"):
-    """The torch dtype of a name ("auto" as `dtype_name`; training's auto: `autocast_dtype_name`)."""
+    """The torch dtype of a name ("auto" as `dtype_name`; training's auto: qkvlab.train.dtype_probe)."""
     import torch
 
     short = dtype_name(name, device_type=device_type)

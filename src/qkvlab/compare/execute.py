@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qkvlab.analysis.rules import ANALYSIS_VERSION
 from qkvlab.compare.pace import choose_layout
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
@@ -215,7 +216,7 @@ def _training_record(out: Path) -> dict[str, Any] | None:
         return None
     if not (old.get("timing") or {}).get("trained"):
         return None
-    return {k: old[k] for k in ("machine", "timing", "estimate_s") if k in old}
+    return {k: old[k] for k in ("machine", "timing", "estimate_s", "trained_under_analysis") if k in old}
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -335,6 +336,7 @@ def _manifest(plan: Plan, runs: list[PlannedRun], metrics, command: str | None, 
             {"task": r.task, "variant": r.variant.name, "seed": r.seed, "point": r.point, "dir": r.rel} for r in runs
         ],
         "machine": machine,
+        "trained_under_analysis": ANALYSIS_VERSION,  # a re-render keeps the training invocation's (below)
     }
 
 

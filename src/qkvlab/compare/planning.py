@@ -24,7 +24,7 @@ from qkvlab.compare.recipes import (
 )
 from qkvlab.config import PRESETS, ModelConfig
 from qkvlab.config import preset as model_preset
-from qkvlab.devices import CPU_BF16_MIN_WIDTH, TRAIN_DTYPES, check_device, dtype_choices
+from qkvlab.devices import TRAIN_DTYPES, check_device, dtype_choices
 from qkvlab.errors import UserError
 from qkvlab.io import read_config
 from qkvlab.settings import check, setting
@@ -94,9 +94,8 @@ class CompareConfig:
     device: str = setting("auto", help="auto, cpu, cuda, cuda:N or mps", metavar="DEVICE")
     dtype: str = setting(
         "auto",
-        help=f"training autocast dtype of every run (auto: bf16 on CUDA and, for d_model >= {CPU_BF16_MIN_WIDTH}, on CPUs "
-        "with native bf16; fp32 "
-        "elsewhere; compare.json and results.md record what it resolved to)",
+        help="training autocast dtype of every run (auto: bf16 on CUDA; on the CPU bf16 only where timing the "
+        "model's shapes here shows it faster than fp32; compare.json and results.md record what it resolved to)",
         choices=dtype_choices(TRAIN_DTYPES),
     )
     plots: bool = setting(True, help="write the plots")

@@ -16,17 +16,10 @@ from typing import Any
 
 from qkvlab.config import ModelConfig, model_from_mapping, preset
 from qkvlab.config_file import read_config_file
-from qkvlab.devices import (
-    CPU_BF16_MIN_WIDTH,
-    SHARDINGS,
-    TRAIN_DTYPES,
-    autocast_dtype_name,
-    check_device,
-    check_dtype,
-    dtype_choices,
-)
+from qkvlab.devices import SHARDINGS, TRAIN_DTYPES, check_device, check_dtype, dtype_choices
 from qkvlab.errors import UserError
 from qkvlab.settings import check, resumable_fields, seed_setting, setting
+from qkvlab.train.dtype_probe import autocast_dtype
 
 WEIGHT_DECAY = 0.1  # nanoGPT's, on weights with dim >= 2
 IDENTITY_WEIGHT_DECAY = 2**-5  # Paper A's identity models (an identity Q, K or V role)
@@ -81,8 +74,8 @@ class TrainConfig:
     compile: bool = setting(False, help="torch.compile the model", resumable=True)
     dtype: str = setting(
         "auto",
-        help=f"autocast dtype (auto: bf16 on CUDA and, for d_model >= {CPU_BF16_MIN_WIDTH}, on CPUs with native bf16; "
-        "fp32 elsewhere)",
+        help="autocast dtype (auto: bf16 on CUDA; on the CPU bf16 only where timing this model's shapes here "
+        "shows it faster than fp32; fp32 elsewhere)",
         choices=dtype_choices(TRAIN_DTYPES),
     )
     device: str = setting(
@@ -119,9 +112,14 @@ class TrainConfig:
         return self.checkpoint_every or self.eval_every
 
     def train_dtype(self, device_type: str) -> str:
-        """The dtype this run trains in on `device_type`: its dtype setting resolved (auto depends on
-        the device, on the CPU's bf16 instructions and on the model's width: devices.autocast_dtype_name)."""
-        return autocast_dtype_name(self.dtype, device_type, d_model=self.model.d_model)
+        """The dtype this run trains in on `device_type`: its dtype setting resolved (`autocast`)."""
+        return self.autocast(device_type)[0]
+
+    def autocast(self, device_type: str):
+        """(dtype, Decision or None): the dtype setting resolved on `device_type`, with the CPU timing
+        that decided "auto" there (qkvlab.train.dtype_probe, the one place of the rule)."""
+        rows = (self.micro_batch_size or max(1, self.batch_size // self.grad_accum)) * self.model.context
+        return autocast_dtype(self.dtype, device_type, self.model, rows)
 
     def accum_steps(self, world: int) -> int:
         """Micro-batches per rank per step at this world size (checks divisibility)."""

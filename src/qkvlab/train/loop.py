@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from qkvlab.config import ModelConfig
-from qkvlab.devices import torch_dtype
+from qkvlab.devices import TRAIN_DTYPES, torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.folders import Claim
 from qkvlab.heap import hold_freed_memory
@@ -47,6 +47,7 @@ from qkvlab.tasks import Task, get_task
 from qkvlab.train import checkpoint as ck
 from qkvlab.train import distributed as D
 from qkvlab.train.config import TrainConfig
+from qkvlab.train.dtype_probe import Decision
 from qkvlab.train.optim import lr_at, make_optimizer
 from qkvlab.train.progress import Log
 from qkvlab.train.run_folder import TRAIN_CONFIG, Saved, claim_run_folder, read_checkpoint, write_train_config
@@ -89,6 +90,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     autocast: Any  # a context manager
     train_dtype: str  # what cfg.dtype resolved to here: "fp32" (no autocast) or the autocast dtype
+    dtype_probe: dict[str, Any] | None  # the CPU timing that decided "auto" (None: not auto, or not a CPU)
+    dtype_note: str | None  # that decision in one line, printed at the start
     sharded: bool
     aliases: dict[str, str]  # tied parameter names (qkvlab.io.tied_aliases)
     params: int
@@ -143,7 +146,9 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
         write_train_config(out, cfg)
     if saved is not None and saved.state["step"] == cfg.max_steps:
         return _republish(cfg, out, env, saved.state)
-    run = _setup(cfg, out, env)
+    run = _setup(cfg, out, env, saved.state if saved is not None else None)
+    if run.dtype_note and env.main and progress:
+        print(run.dtype_note, flush=True)
     state = _restore(run, saved) if saved is not None else _start(run)
     del saved
     if env.main:
@@ -187,7 +192,22 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
 
 
 # ---- set-up ---------------------------------------------------------------------------------------
-def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
+def _resolve_dtype(cfg: TrainConfig, env: D.Env, saved_state: dict[str, Any] | None) -> tuple[str, Decision | None]:
+    """The run's autocast dtype. A run resumed where "auto" was timed keeps the dtype it started in
+    (a resume continues the same computation); otherwise rank 0 decides (on the CPU by timing,
+    train.dtype_probe: ranks timing at once would disturb each other) and every rank takes its word."""
+    st = saved_state or {}
+    if cfg.dtype == "auto" and env.device.type == "cpu" and st.get("train_dtype") in TRAIN_DTYPES:
+        try:
+            kept = Decision(**{**(st.get("dtype_probe") or {}), "source": "kept from the checkpoint"})
+        except TypeError:  # no record (checkpoints before the probe) or another layout
+            kept = None
+        return st["train_dtype"], kept
+    decided = cfg.autocast(env.device.type) if env.main else None
+    return D.all_gather_object(env, decided)[0] if env.distributed else decided
+
+
+def _setup(cfg: TrainConfig, out: Path, env: D.Env, saved_state: dict[str, Any] | None = None) -> Run:
     """Task (ranks never tokenize: `qkvlab prepare` did), model, optimizer, wrappers."""
     task = get_task(cfg.task, **cfg.task_options)
     model_cfg = task.adapt_config(cfg.model)
@@ -199,7 +219,7 @@ def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
     aliases = tied_aliases(raw)
     params = sum(p.numel() for p in raw.parameters())
     sharded = env.distributed and cfg.sharding == "fsdp"
-    train_dtype = cfg.train_dtype(env.device.type)  # auto: bf16 on CUDA, and on bf16-native CPUs for wide models
+    train_dtype, probe = _resolve_dtype(cfg, env, saved_state)
     dtype = torch_dtype(train_dtype)
     if sharded:  # blocks compiled one by one before sharding; bf16 all-gathers, fp32 reduction
         D.shard(raw, env, param_dtype=dtype if dtype != torch.float32 else None, compile=cfg.compile)
@@ -219,6 +239,8 @@ def _setup(cfg: TrainConfig, out: Path, env: D.Env) -> Run:
         optimizer=optimizer,
         autocast=autocast,
         train_dtype=train_dtype,
+        dtype_probe=probe.record() if probe is not None else None,
+        dtype_note=probe.describe() if probe is not None else None,
         sharded=sharded,
         aliases=aliases,
         params=params,
@@ -401,6 +423,7 @@ def save_checkpoint(run: Run, state: State) -> dict[str, Any]:
         "task": run.task.describe(),
         "train_config": run.cfg.to_dict(),
         "train_dtype": run.train_dtype,
+        "dtype_probe": run.dtype_probe,
     }
     if env.main:
         ck.save_checkpoint(

@@ -1,0 +1,193 @@
+"""Training's `auto` dtype, decided by measurement: the one place the rule lives.
+
+CUDA trains under bf16 autocast. On the CPU whether bf16 autocast pays depends on the chip (AMX
+multiplies bf16 ~4x fp32; AVX512-BF16 without AMX trained the anchor model at 0.58x fp32) and on the
+width (autocast casts every Linear's input and weight at every step), so no CPU flag can decide it.
+`cpu_autocast` times a training step (forward and backward) of one block and the head at the
+model's width, heads, vocabulary and batch x length, in fp32 and under bf16 autocast, alternating
+rounds, best of each, and takes bf16 only if it is faster by more than the rounds' own spread
+(matmuls alone are not enough: the casts, norms and softmax around them decide it at small widths). The figures are cached per
+machine (CPU, torch, threads) and shape class in `cache_dir()/dtype_probe.json`, so a machine
+measures a shape once; the decision and its figures go into the run's record.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkvlab.config import ModelConfig
+from qkvlab.data.text import cache_dir
+from qkvlab.devices import cpu_name, dtype_name
+from qkvlab.errors import UserError
+from qkvlab.files import atomic_write, json_text
+from qkvlab.model import GPT
+
+PROBE_FILE = "dtype_probe.json"
+ROUNDS = 5
+MIN_NOISE = 0.03  # the least margin bf16 must win by: below it two fp32 timings differ as much
+ROUND_S = 0.02  # each round repeats the step for about this long, so a round is not one clock tick
+# The timed step is capped (sequence length, rows = batch x length): past the caps the ratio no
+# longer moves much with size, and the probe stays near a second for any model a CPU trains.
+MAX_T = 256
+MAX_ROWS = 512
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    """What is timed: one standard block (Q-K-V, a 4d GELU MLP, layer norms) and the head of a
+    model of this width, heads and vocabulary, forward and backward on `batch` sequences of `T`.
+    Scheme, depth and MLP width are left out, so every variant of one size shares a decision and
+    a comparison of schemes never trains one variant in bf16 and another in fp32."""
+
+    d_model: int
+    n_head: int
+    vocab: int
+    T: int
+    batch: int
+
+    @classmethod
+    def of(cls, model_cfg, rows: int) -> ShapeClass:
+        T = max(1, min(model_cfg.context, MAX_T, rows))
+        batch = max(1, min(rows, MAX_ROWS) // T)
+        return cls(model_cfg.d_model, model_cfg.n_head, model_cfg.vocab_size or 1, T, batch)
+
+    @property
+    def key(self) -> str:
+        return f"d{self.d_model}-h{self.n_head}-v{self.vocab}-T{self.T}-b{self.batch}"
+
+    def model(self):
+        """The block and head that are timed (a GPT of one layer)."""
+        base = {"n_layer": 1, "d_model": self.d_model, "vocab_size": self.vocab, "context": self.T}
+        try:
+            cfg = ModelConfig(n_head=self.n_head, **base).validate()
+        except UserError:  # a width the standard block cannot split into these heads: one head
+            cfg = ModelConfig(n_head=1, **base).validate()
+        return GPT(cfg)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What `auto` resolved to on the CPU and the figures it was decided from (ms per pass)."""
+
+    dtype: str
+    fp32_ms: float
+    bf16_ms: float
+    noise: float  # the relative margin bf16 had to beat
+    shape: str
+    machine: str
+    source: str = "measured now"  # or "cached", or "kept from the checkpoint" (a resumed run)
+
+    @property
+    def speedup(self) -> float:
+        """bf16 autocast's speed as a multiple of fp32's (above 1: bf16 is faster)."""
+        return self.fp32_ms / self.bf16_ms if self.bf16_ms > 0 else 0.0
+
+    def describe(self) -> str:
+        return (
+            f"dtype auto -> {self.dtype}: bf16 autocast {self.speedup:.2f}x fp32 on a training step of {self.shape} "
+            f"({self.bf16_ms:.2f} vs {self.fp32_ms:.2f} ms, noise {self.noise:.0%}; {self.source})"
+        )
+
+    def record(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "source"}
+
+
+def decide(fp32_s: list[float], bf16_s: list[float], min_noise: float = MIN_NOISE) -> tuple[str, float]:
+    """(dtype, noise) from the rounds' times: bf16 only if its best round beats fp32's best by more
+    than the noise, the larger of min_noise and each dtype's spread (median over best, minus 1)."""
+    if not fp32_s or not bf16_s or min(fp32_s) <= 0 or min(bf16_s) <= 0:
+        return "fp32", min_noise
+    noise = max(min_noise, *(statistics.median(t) / min(t) - 1 for t in (fp32_s, bf16_s)))
+    return ("bf16" if min(fp32_s) > min(bf16_s) * (1 + noise) else "fp32"), noise
+
+
+def time_rounds(
+    shape: ShapeClass, rounds: int = ROUNDS, clock: Callable[[], float] = time.perf_counter
+) -> tuple[list[float], list[float]]:
+    """Seconds per forward + backward step, fp32 and under bf16 autocast (fp32 weights, as training
+    runs), `rounds` each in alternating order (a drift in the machine's speed hits both), after a
+    warm-up step each."""
+    torch.manual_seed(0)
+    model = shape.model()
+    idx = torch.randint(0, shape.vocab, (shape.batch, shape.T))
+
+    def timed(bf16: bool, reps: int) -> float:
+        t0 = clock()
+        for _ in range(reps):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                _, loss = model(idx, idx)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        return (clock() - t0) / reps
+
+    one = timed(False, 1)
+    timed(True, 1)
+    reps = max(1, min(50, round(ROUND_S / max(one, 1e-9))))
+    fp32, bf16 = [], []
+    for r in range(rounds):
+        for use_bf16 in (r % 2 == 1, r % 2 == 0):
+            (bf16 if use_bf16 else fp32).append(timed(use_bf16, reps))
+    return fp32, bf16
+
+
+def machine_key() -> str:
+    """What the figures depend on besides the shapes: the CPU, torch and its thread count."""
+    return f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # a missing or damaged cache is measured again, never an error
+    return data if isinstance(data, dict) else {}
+
+
+def cpu_autocast(
+    model_cfg,
+    rows: int,
+    *,
+    measure: Callable[[ShapeClass], tuple[list[float], list[float]]] | None = None,
+    cache: Path | None = None,
+) -> Decision:
+    """The CPU's autocast dtype for a model of `model_cfg` at `rows` rows a micro-batch: cached, or
+    measured now by `measure` (default `time_rounds`) and cached (an unwritable cache only costs a
+    measurement next time)."""
+    shape = ShapeClass.of(model_cfg, rows)
+    machine = machine_key()
+    path = cache if cache is not None else cache_dir() / PROBE_FILE
+    data = _read(path)
+    hit = data.get(machine, {}).get(shape.key)
+    if isinstance(hit, dict) and hit.get("dtype") in ("fp32", "bf16"):
+        try:
+            return Decision(**{**hit, "shape": shape.key, "machine": machine, "source": "cached"})
+        except TypeError:
+            pass  # an entry of another layout: measured again
+    fp32_s, bf16_s = (measure or time_rounds)(shape)
+    dtype, noise = decide(fp32_s, bf16_s)
+    best = {"fp32_ms": round(min(fp32_s) * 1e3, 4), "bf16_ms": round(min(bf16_s) * 1e3, 4)}
+    decision = Decision(dtype=dtype, noise=round(noise, 4), shape=shape.key, machine=machine, **best)
+    data.setdefault(machine, {})[shape.key] = {"dtype": dtype, "noise": decision.noise, **best}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json_text(data, indent=1))
+    except (OSError, UserError):
+        pass
+    return decision
+
+
+def autocast_dtype(name: str, device_type: str, model_cfg, rows: int) -> tuple[str, Decision | None]:
+    """Training's autocast dtype for a dtype setting: "auto" is bf16 on CUDA, measured on the CPU
+    (`cpu_autocast`), fp32 elsewhere; anything else as `devices.dtype_name`. The Decision when measured."""
+    if name == "auto" and device_type == "cpu":
+        decision = cpu_autocast(model_cfg, rows)
+        return decision.dtype, decision
+    return dtype_name(name, device_type=device_type), None

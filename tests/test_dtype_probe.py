@@ -1,0 +1,121 @@
+"""Training's `auto` dtype on the CPU is decided by timing (qkvlab.train.dtype_probe): the decision
+rule with fake timings, the cache per machine and shape class, the record a run keeps. Nothing here
+asserts a speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qkvlab.config import ModelConfig
+from qkvlab.devices import cpu_has_bf16, cpu_name, dtype_name
+from qkvlab.train import dtype_probe
+from qkvlab.train.dtype_probe import ShapeClass, autocast_dtype, cpu_autocast, decide
+
+
+@pytest.fixture(autouse=True)
+def dtype_probe_fixed():
+    """This file tests the real probe: conftest's fixed answer is switched off."""
+
+
+def fake(fp32: float, bf16: float, spread: float = 0.0, calls: list | None = None):
+    """A timer: five rounds each, the best `fp32`/`bf16` seconds, the others `spread` above."""
+
+    def measure(shape):
+        if calls is not None:
+            calls.append(shape)
+        return [fp32 * (1 + spread * (i > 0)) for i in range(5)], [bf16 * (1 + spread * (i > 0)) for i in range(5)]
+
+    return measure
+
+
+def test_bf16_only_when_faster_than_fp32_by_more_than_the_noise():
+    assert decide([1.0] * 5, [0.5] * 5) == ("bf16", dtype_probe.MIN_NOISE)
+    assert decide([1.0] * 5, [1.0] * 5)[0] == "fp32"  # a tie is fp32
+    assert decide([1.0] * 5, [1.6] * 5)[0] == "fp32"  # slower: fp32
+    assert decide([1.0] * 5, [0.99] * 5)[0] == "fp32"  # faster, but within the least noise
+    # rounds that spread by 30% raise the bar: 1.25x is not enough, 1.4x is
+    noisy = [1.0, 1.3, 1.3, 1.3, 1.0]
+    dtype, noise = decide(noisy, [0.8] * 5)
+    assert (dtype, noise) == ("fp32", pytest.approx(0.3))
+    assert decide(noisy, [1 / 1.4] * 5)[0] == "bf16"
+    assert decide([], [0.1])[0] == "fp32" and decide([0.0] * 5, [0.0] * 5)[0] == "fp32"  # nothing to go by
+
+
+def test_a_decision_is_measured_once_per_machine_and_shape_class_and_says_its_figures(tmp_path):
+    cache, calls = tmp_path / "probe.json", []
+    cfg = ModelConfig(d_model=256, n_head=4, vocab_size=1024, context=128)
+    first = cpu_autocast(cfg, 16 * 128, measure=fake(0.2, 0.1, calls=calls), cache=cache)
+    assert (first.dtype, first.source, first.fp32_ms, first.bf16_ms) == ("bf16", "measured now", 200.0, 100.0)
+    assert first.speedup == pytest.approx(2.0) and first.machine.startswith(cpu_name())
+    line = first.describe()
+    assert "bf16" in line and "2.00x" in line and first.shape in line and "\n" not in line
+    again = cpu_autocast(cfg, 16 * 128, measure=fake(0.1, 0.2, calls=calls), cache=cache)
+    assert (again.dtype, again.source, len(calls)) == ("bf16", "cached", 1)  # not measured again
+    assert again.record() == first.record() and "source" not in first.record()
+    # every variant of one size shares the decision: scheme, kv heads, MLP width, depth are not timed
+    for other in (
+        cfg.replace(attn="Q-K=V", kv_heads=1),
+        cfg.replace(mlp_hidden=1500, n_layer=6),
+    ):
+        assert cpu_autocast(other, 16 * 128, measure=fake(1, 1, calls=calls), cache=cache).dtype == "bf16"
+    assert len(calls) == 1
+    # another width, or this machine at another thread count: measured anew
+    assert cpu_autocast(cfg.replace(d_model=64), 2048, measure=fake(0.1, 0.2, calls=calls), cache=cache).dtype == "fp32"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if before != 1 else 2)
+        cpu_autocast(cfg, 16 * 128, measure=fake(0.1, 0.2, calls=calls), cache=cache)
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 3
+    saved = json.loads(cache.read_text())
+    assert len(saved) == 2 and all(len(shapes) >= 1 for shapes in saved.values())
+
+
+def test_a_damaged_or_unwritable_cache_only_costs_a_measurement(tmp_path):
+    cfg, calls = ModelConfig(d_model=64, n_head=4, vocab_size=256, context=64), []
+    damaged = tmp_path / "probe.json"
+    damaged.write_text("{not json")
+    assert cpu_autocast(cfg, 512, measure=fake(0.1, 0.2, calls=calls), cache=damaged).dtype == "fp32"
+    assert json.loads(damaged.read_text())  # replaced by a good one
+    (tmp_path / "file").write_text("x")
+    unwritable = tmp_path / "file" / "probe.json"  # its folder is a file
+    for _ in range(2):
+        assert cpu_autocast(cfg, 512, measure=fake(0.2, 0.1, calls=calls), cache=unwritable).dtype == "bf16"
+    assert len(calls) == 3 and (tmp_path / "file").read_text() == "x"
+
+
+def test_shape_classes_are_capped_so_the_probe_stays_short():
+    big = ModelConfig(d_model=2048, n_head=16, vocab_size=50304, context=2048)
+    shape = ShapeClass.of(big, 32 * 2048)
+    assert shape.T == dtype_probe.MAX_T and shape.T * shape.batch <= dtype_probe.MAX_ROWS
+    assert ShapeClass.of(big.replace(context=16), 4 * 16).batch == 4
+    assert ShapeClass.of(ModelConfig(d_model=30, n_head=4), 8).model() is not None  # 30 / 4 heads: one head
+
+
+def test_only_auto_on_the_cpu_is_timed(monkeypatch, tmp_path):
+    monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(dtype_probe, "time_rounds", fake(0.2, 0.1))
+    cfg = ModelConfig(d_model=64, n_head=4)
+    assert autocast_dtype("auto", "cuda", cfg, 64) == ("bf16", None)
+    assert autocast_dtype("fp32", "cpu", cfg, 64) == ("fp32", None)  # an explicit choice stands
+    assert autocast_dtype("bfloat16", "cpu", cfg, 64) == ("bf16", None)
+    assert autocast_dtype("auto", "mps", cfg, 64) == ("fp32", None)
+    dtype, decision = autocast_dtype("auto", "cpu", cfg, 64)
+    assert dtype == decision.dtype == "bf16" and (tmp_path / dtype_probe.PROBE_FILE).is_file()
+    assert dtype_name("auto", device_type="cpu") == "fp32"  # weights and caches (generate, serve): unchanged
+
+
+def test_the_timer_times_both_dtypes_in_rounds(one_thread):
+    fp32, bf16 = dtype_probe.time_rounds(ShapeClass(d_model=32, n_head=2, vocab=64, T=8, batch=2), rounds=3)
+    assert len(fp32) == len(bf16) == 3 and min(fp32) > 0 and min(bf16) > 0
+
+
+def test_the_cpu_flags_describe_the_machine_and_decide_nothing():
+    sapphire = "processor : 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    epyc = "processor : 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma\n"
+    assert cpu_has_bf16(sapphire) and not cpu_has_bf16(epyc)
+    assert cpu_name(epyc) == "AMD EPYC"
