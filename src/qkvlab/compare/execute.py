@@ -4,9 +4,13 @@ results.csv and the plots are written at the end."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,9 +37,37 @@ class Outcome:
     wall_s: float = 0.0
 
 
-def _worker_init(threads: int) -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker trains only for its compare: when that process dies (SIGKILL included) the worker is
+    killed too, so it neither trains on nor holds a run's lock against the re-run. On Linux the
+    kernel sends the signal (PR_SET_PDEATHSIG); elsewhere a thread polls the parent id. SIGKILL is
+    safe: checkpoints are written atomically and an interrupted run resumes bit for bit."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent:  # it died before the signal was armed
+        os._exit(1)
+    if not armed:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True, name="qkvlab-parent-watch").start()
+
+
+def _worker_init(threads: int, parent: int | None = None) -> None:
     import torch
 
+    if parent is not None:
+        _die_with_parent(parent)
     torch.set_num_threads(threads)
 
 
@@ -268,6 +300,8 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
     trained_before = _training_record(out) if not todo else None
     if trained_before:  # only re-rendering: the folder keeps the record of the invocation that trained
         manifest.update(trained_before)
+        if "trained_under_analysis" not in trained_before:
+            manifest.pop("trained_under_analysis")  # trained before the version was recorded: unknown
     if main:
         write_manifest(out, manifest)
         how = (
@@ -358,7 +392,7 @@ def _train_all(todo, progress: Progress, outcome: Outcome, parallel: bool, jobs:
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     with ProcessPoolExecutor(
-        jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(threads,)
+        jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(threads, os.getpid())
     ) as pool:
         pending = {pool.submit(_train_one, r.cfg, str(r.dir), False): r for r in todo}
         try:
@@ -400,3 +434,33 @@ def _write(
     say(
         f"compare: wrote {out / 'results.md'}, {out / 'results.csv'}{plots}; wall time {fmt_duration(wall)} ({wall:.0f} s)"
     )
+
+
+def render(out: str | Path, analysis_version: int | None = None, *, plots: bool = True, say=print):
+    """`qkvlab compare --render`: no planning, no training. Re-derive OUT's results.md, results.csv
+    and plots from what OUT stores (its run folders, else scores.json; a sweep: its run folders, else
+    its per-seed results.csv) under the analysis rules of analysis_version (default: the current)."""
+    from qkvlab.analysis.runs import MANIFEST, SCORES
+
+    out = Path(out)
+    if not out.is_dir():
+        raise UserError(f"{out}: no such folder (--render re-derives the results of a compare folder)")
+    sweep = (out / "results.csv").is_file() and not (out / SCORES).is_file() and _is_sweep(out)
+    if sweep:
+        from qkvlab.analysis.scaling_report import write_scaling_results
+
+        result = write_scaling_results(out, out, plots=plots, analysis_version=analysis_version)
+    elif (out / MANIFEST).is_file():
+        from qkvlab.analysis.report import write_results
+
+        result = write_results(out, plots=plots, analysis_version=analysis_version)
+    else:
+        raise UserError(f"{out}: neither a compare folder ({MANIFEST}) nor a sweep's results.csv")
+    say(f"compare: re-derived {out / 'results.md'} and {out / 'results.csv'} from the stored scores")
+    return result
+
+
+def _is_sweep(out: Path) -> bool:
+    """A sweep's results.csv has one row per run with a size column."""
+    with (out / "results.csv").open() as f:
+        return "size" in f.readline().split(",")
