@@ -55,9 +55,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def tiny_model(scheme="Q-K=V", pos="rope", kv=None, context=CONTEXT, dtype=torch.float64, seed=0) -> GPT:
+def tiny_model(scheme="Q-K=V", pos="rope", kv=None, context=CONTEXT, dtype=torch.float64, seed=0, **more) -> GPT:
     cfg = ModelConfig(
-        attn=scheme, pos=pos, kv_heads=kv, n_layer=2, n_head=4, d_model=32, vocab_size=VOCAB, context=context
+        attn=scheme, pos=pos, kv_heads=kv, n_layer=2, n_head=4, d_model=32, vocab_size=VOCAB, context=context, **more
     ).validate()
     torch.manual_seed(seed)
     model = GPT(cfg).eval()
@@ -457,3 +457,331 @@ def test_cli_refusals_are_one_line(model_dir, tmp_path, capsys):
         assert needle in err and len(err.splitlines()) == 1, err
     assert main(["serve", str(model_dir), "--print-config", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["cache_memory"] == "1GiB"
+
+
+# ---- n, logprobs, echo, prompt lists (the engine, then HTTP) ------------------------------------
+def test_n_choices_share_one_prefill_and_each_is_exact():
+    model = tiny_model("Q-K=V", "rope", 1)
+    batches = []  # the batch size of every forward pass with more than one position (prefills)
+    hook = model.register_forward_pre_hook(
+        lambda m, args: batches.append(args[0].shape[0]) if args[0].shape[1] > 1 else None
+    )
+    prompt = (3, 1, 4, 1, 5, 9)
+    s = Sampling(temperature=0.9, top_k=20)
+    engine = Engine(model, rows=4)
+    events: list[Event] = []
+    seqs = engine.submit_all(Request(prompt, 8, s, seed=5, n=3), events.append)
+    while not engine.idle():
+        engine.step()
+    hook.remove()
+    assert batches == [1] and [q.index for q in seqs] == [0, 1, 2]  # one prefill of one prompt for three rows
+    got = {i: [e.token for e in events if e.index == i and e.token is not None] for i in range(3)}
+    for i in range(3):  # choice i is seeded seed + i: choice 0 is what n=1 gives
+        assert got[i] == generate(model, [list(prompt)], 8, s, seed=5 + i)[0]
+    assert len({tuple(v) for v in got.values()}) == 3
+
+
+def test_logprobs_are_the_models_log_softmax_and_the_prompts_too():
+    model = tiny_model("Q-K-V", "learned", 2)
+    prompt = (7, 8, 9, 10)
+    engine = Engine(model, rows=2, vocab_limit=256)
+    events: list[Event] = []
+    engine.submit(Request(prompt, 5, logprobs=3, prompt_logprobs=2), events.append)
+    engine.submit(Request((1, 2), 4), [].append)  # a neighbour without logprobs
+    while not engine.idle():
+        engine.step()
+    toks = [e.token for e in events if e.token is not None]
+    assert toks == generate(model, [list(prompt)], 5, Sampling(temperature=0.0), vocab_limit=256)[0]
+    full = torch.tensor([[*prompt, *toks]])
+    with torch.no_grad():
+        lp = model(full)[0][0, :, :256].log_softmax(-1)  # (T, 256): after each token
+    for k, e in enumerate(e for e in events if e.token is not None):
+        pos = len(prompt) - 1 + k
+        assert abs(e.logprob - lp[pos, e.token].item()) < 1e-9
+        assert [t for t, _ in e.top] == lp[pos].topk(3).indices.tolist() and e.top[0][0] == e.token  # greedy = top 1
+    first = next(e for e in events if e.token is not None)
+    assert first.prompt[0] == (None, None) and len(first.prompt) == len(prompt)
+    for i in range(1, len(prompt)):
+        assert abs(first.prompt[i][0] - lp[i - 1, prompt[i]].item()) < 1e-9 and len(first.prompt[i][1]) == 2
+
+
+def test_max_model_len_shortens_the_rows_and_generation_stays_exact():
+    model = tiny_model()
+    engine = Engine(model, rows=2, context=12)
+    assert engine.pool.storage.max_len == 12 if hasattr(engine.pool.storage, "max_len") else True
+    assert engine.stats()["capacity_tokens"] == 24
+    with pytest.raises(UserError, match="longer than the model's context of 12"):
+        engine.submit(Request(tuple(range(13)), 3), [].append)
+    got: list[Event] = []
+    engine.submit(Request(tuple(range(1, 10)), 20), got.append)  # 9 + 4 = 13: the context ends after 4
+    while not engine.idle():
+        engine.step()
+    assert tokens(got) == generate(model, [list(range(1, 10))], 4, Sampling(temperature=0.0))[0]
+    assert got[-1].finish == "length"
+    with pytest.raises(UserError, match="max_model_len"):
+        Engine(model, rows=1, context=CONTEXT + 1)
+
+
+def test_n_echo_logprobs_and_prompt_lists_over_http(server):
+    prompts = [[5, 6, 7], [40, 41]]
+    r = server.post({"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True})
+    body = r.json()
+    assert r.status_code == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21}
+    tok = server.built.served.tokenizer
+    for c in body["choices"]:
+        prompt = prompts[c["index"] // 2]
+        assert c["token_ids"] == greedy(server, prompt, 4)
+        assert c["text"] == tok.decode(prompt) + tok.decode(c["token_ids"])  # echo: the prompt, then the output
+        lp = c["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(prompt) + 4
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(len(t) <= 2 for t in lp["top_logprobs"][1:]) and lp["text_offset"][0] == 0
+        gen = lp["token_logprobs"][len(prompt) :]
+        assert all(x <= 0 for x in gen) and max(lp["top_logprobs"][-1].values()) == gen[-1]  # greedy: the top one
+    stream = []
+    body = {"prompt": [5, 6, 7], "n": 2, "max_tokens": 3, "temperature": 0, "stream": True, "logprobs": 1}
+    with server.client.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                stream.append(json.loads(line[6:]))
+    for i in (0, 1):
+        mine = [p["choices"][0] for p in stream if p["choices"][0]["index"] == i]
+        assert [t for c in mine for t in c["token_ids"]] == greedy(server, [5, 6, 7], 3)
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+        assert all(len(c["logprobs"]["tokens"]) == 1 for c in mine if c["token_ids"])
+
+
+def test_models_by_id_and_metrics(server):
+    assert server.client.get("/v1/models/tiny").json()["max_model_len"] == CONTEXT
+    r = server.client.get("/v1/models/gpt-4")
+    assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"]
+    server.post({"prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0})
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = server.client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:time_per_output_token_seconds",
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:num_preemptions",
+        "vllm:generation_tokens",
+    ):
+        assert name in fams, name
+    value = lambda fam, suffix: sum(s.value for s in fams[fam].samples if s.name == fam + suffix)  # noqa: E731
+    finished = server.client.get("/health").json()["requests_finished"]
+    assert value("vllm:e2e_request_latency_seconds", "_count") == finished >= 1
+    assert value("vllm:num_preemptions", "_total") == 0 and value("vllm:num_requests_running", "") == 0
+    assert value("vllm:generation_tokens", "_total") == server.client.get("/health").json()["tokens_generated"]
+
+
+def test_tokenize_detokenize_as_vllm(server):
+    r = server.client.post("/tokenize", json={"prompt": "Hé", "return_token_strs": True}).json()
+    assert r["tokens"] == list("Hé".encode()) and r["count"] == 3 and r["max_model_len"] == CONTEXT
+    assert server.client.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hé"}
+    bad = server.client.post("/detokenize", json={"tokens": [1, 5000]})
+    assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
+    no_chat = server.client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert no_chat.status_code == 400 and "chat template" in no_chat.json()["error"]["message"]
+    r = server.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+
+
+def test_tokenizing_runs_off_the_event_loop(model_dir):
+    with Running(model_dir) as s:
+        tok = s.built.served.tokenizer
+        fast = tok.encode
+
+        def slow(text, add_special_tokens=True):  # a tokenizer busy for 3 s (holding no lock the loop needs)
+            time.sleep(3.0)
+            return fast(text, add_special_tokens)
+
+        tok.encode = slow
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=s.post({"prompt": "x" * 3_900_000, "max_tokens": 1})))
+        t.start()
+        time.sleep(0.5)  # the big request is being tokenized
+        t0 = time.monotonic()
+        assert s.client.get("/health").status_code == 200
+        assert time.monotonic() - t0 < 1.0  # answered while the tokenizer was busy
+        t.join(WAIT)
+        assert out["r"].status_code == 400 and "longer than the model's context" in out["r"].json()["error"]["message"]
+
+
+def test_disconnecting_n_choices_frees_all_their_rows(model_dir):
+    with Running(model_dir, engine_thread=False) as s:
+        body = {"prompt": [1, 2, 3], "max_tokens": 30, "temperature": 0, "stream": True, "n": 3}
+        with s.client.stream("POST", "/v1/completions", json=body) as r:
+            wait_for(lambda: s.engine.stats()["queued"] == 3, "the request to queue")
+            s.engine.step()
+            assert s.engine.stats()["active"] == 3
+            next(r.iter_lines())
+        wait_for(lambda: all(q.cancel_reason is not None for q in s.engine.running), "the disconnect")
+        s.engine.step()
+        assert s.engine.stats()["active"] == 0 and s.engine.stats()["requests_finished"] == 3
+
+
+# ---- a model with a transformers tokenizer and a chat template ------------------------------------
+CHAT_CONTEXT = 96  # a templated prompt is longer than the tiny models' context
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def hf_tokenizer_files(folder):
+    """A byte-level transformers tokenizer (3 special tokens + 256 bytes = 259 ids) with a ChatML
+    template, written as `convert --from-hf` writes one into a qkvlab folder's tokenizer/."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=259, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["hello world"], trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    hf.chat_template = CHATML
+    hf.save_pretrained(folder)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("serve") / "chat"
+    model = tiny_model("Q-K=V", "rope", None, CHAT_CONTEXT, torch.float32, norm="rmsnorm", mlp="swiglu")  # Llama's
+    save_model(folder, model, model.cfg)
+    hf_tokenizer_files(folder / "tokenizer")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_dir):
+    with Running(chat_dir, tokenizer=None, name="chat", cache_memory="100KB") as s:
+        yield s
+
+
+def chat_ids(text: str) -> list[int]:
+    return [int(t) for t in text]
+
+
+def test_chat_renders_the_tokenizers_template_and_is_exact(chat_server):
+    s = chat_server
+    tok = s.built.served.tokenizer
+    assert tok.stop_ids == {2} and s.client.get("/v1/models").json()["data"][0]["chat_template"] == CHATML
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi <|im_end|>"}]
+    rendered = tok.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok.tok(rendered, add_special_tokens=False)["input_ids"]
+    assert ids.count(1) == 3 and ids.count(2) == 3  # <|im_start|> and <|im_end|> are single tokens, even in text
+    t = s.client.post("/tokenize", json={"messages": messages}).json()
+    assert t["tokens"] == ids
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    r = s.client.post("/v1/chat/completions", json=body).json()
+    choice = r["choices"][0]
+    alone = generate(s.engine.model, [ids], 8, Sampling(temperature=0.0), vocab_limit=259, eot_id=2)[0]
+    assert r["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    assert choice["token_ids"] == alone and choice["message"]["content"] == tok.decode(alone)
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(alone) and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert all(c["top_logprobs"][0]["token"] == c["token"] for c in content)  # greedy: the most probable
+    pieces, usage = [], None
+    with s.client.stream(
+        "POST", "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert chunk["object"] == "chat.completion.chunk"
+                if chunk["choices"]:
+                    pieces.append(chunk["choices"][0])
+                else:
+                    usage = chunk["usage"]
+    assert pieces[0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(p["delta"].get("content", "") for p in pieces) == choice["message"]["content"]
+    assert pieces[-1]["finish_reason"] == choice["finish_reason"] and usage == r["usage"]
+
+
+def test_chat_stops_at_the_end_of_turn_token(chat_server):
+    s = chat_server
+    messages = [{"role": "user", "content": "hello"}]
+    free = s.client.post(
+        "/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    ).json()["choices"][0]
+    stop_at = free["token_ids"][3]  # a token the model does produce: made an end of turn for this request
+    r = s.client.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 12, "temperature": 0, "stop_token_ids": [stop_at]},
+    ).json()["choices"][0]
+    assert r["token_ids"] == free["token_ids"][: free["token_ids"].index(stop_at)] and r["finish_reason"] == "stop"
+    bad = s.client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 2})
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+    bad = s.client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert bad.status_code == 400 and "role" in bad.json()["error"]["message"]
+    bad = s.client.post("/v1/chat/completions", json={"messages": messages, "temperature": 2.5})
+    assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
+    assert s.client.get("/health").json()["status"] == "ok"
+
+
+def test_the_openai_client_chats_and_reads_logprobs(chat_server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve("chat").id == "chat"
+    out = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=3, n=2,
+    )  # fmt: skip
+    assert len(out.choices) == 2 and out.choices[0].message.content == out.choices[1].message.content
+    assert len(out.choices[0].logprobs.content[0].top_logprobs) == 3
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert text == out.choices[0].message.content
+    comp = client.completions.create(model="chat", prompt=["ab", "cd"], max_tokens=3, temperature=0, logprobs=2)
+    assert [c.index for c in comp.choices] == [0, 1] and len(comp.choices[0].logprobs.tokens) == 3
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="chat", prompt="ab", temperature=5)
+
+
+def test_convert_carries_the_tokenizer_both_ways(chat_dir, tmp_path, capsys):
+    """qkvlab folder (transformers tokenizer in tokenizer/) -> --to-hf llama (tokenizer files in OUT)
+    -> serve the HF folder -> --from-hf back (tokenizer/ again): the template and ids survive."""
+    from transformers import AutoTokenizer
+
+    hf_out, back = tmp_path / "hf", tmp_path / "back"
+    assert main(["convert", str(chat_dir), str(hf_out), "--to-hf", "llama"]) == 0
+    tok = AutoTokenizer.from_pretrained(hf_out)
+    assert tok.chat_template == CHATML and tok.eos_token == "<|im_end|>"
+    assert main(["convert", "--from-hf", str(hf_out), str(back)]) == 0
+    capsys.readouterr()
+    from qkvlab.convert.load import load_any
+
+    loaded = load_any(back)
+    assert loaded.tokenizer.chat_template == CHATML and loaded.tokenizer_dir == back / "tokenizer"
+    with Running(hf_out, tokenizer=None, name="hf", cache_memory="100KB") as s:  # an HF folder, served as it is
+        r = s.client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0},
+        )
+        ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+        ids = tok(ids, add_special_tokens=False)["input_ids"]
+        model = load_any(chat_dir).model
+        assert (
+            r.json()["choices"][0]["token_ids"]
+            == generate(model, [ids], 5, Sampling(temperature=0.0), vocab_limit=259, eot_id=2)[0]
+        )

@@ -346,7 +346,7 @@ class Engine:
         model's distribution over the ids the tokenizer has."""
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits = logits[..., : self.vocab_limit]
-        lp = logits.float().log_softmax(-1)
+        lp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)  # bf16 would round them
         chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()
         if k == 0:
             return chosen, [() for _ in chosen]
