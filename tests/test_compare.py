@@ -162,7 +162,7 @@ def test_results_family_table(tmp_path):
     # swap is solve-or-fail: compared as solve rates; at the paper's accuracies no scheme solves (< .95),
     # and 0 of 2 against 0 of 2 decides nothing
     assert got["syn-qkeqv-worst-swap"] == "inconclusive" and got["syn-plus-helps-qkeqv"] is None  # not tested
-    assert "solve rate" in md and "| validation |" in md and "seeds to decide" in md
+    assert "McNemar" in md and "| validation |" in md and "seeds to decide" in md
     assert "## Gap to Q-K-V over training" in md and "(Q=K=V)+" in md
     assert (tmp_path / "metric_by_task.png").read_bytes()[:4] == b"\x89PNG"
     # scored on the test split once every run of a task has test.json: its values, its se
@@ -175,6 +175,51 @@ def test_results_family_table(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "accuracy per task (test split, n=10000 (lists))" in md and "| test split, n=10000 (lists) |" in md
     assert not (tmp_path / "ppl_vs_cache.png").exists()
+
+
+def test_render_from_stored_scores_reproduces_results(tmp_path):
+    """scores.json holds what results.md reads: with the run folders gone, `compare --render`
+    re-derives the same tables and verdicts; under analysis version 2 (se_A^2 + se_B^2) the same
+    scores give wider intervals; compare.json and results.md name the version scored with."""
+    import shutil
+
+    from qkvlab.compare.execute import render
+
+    rng = random.Random(2)
+    base = preset("tiny")
+    units = [rng.gauss(4.0, 0.5) for _ in range(40)]
+    runs = []
+    for v, off in (("Q-K-V", 0.0), ("Q-K=V", 0.02), ("Q=K-V", 0.05), ("Q=K=V", 0.2)):
+        for s in range(4):
+            rel = f"lm/{parse_variant(v).slug}/seed{s}"
+            shift = off + rng.gauss(0, 0.005)
+            fake_run(tmp_path / rel, parse_variant(v).apply(base), [6.0, 4.0, 3.0 + shift])
+            per_unit = [u + shift + rng.gauss(0, 0.01) for u in units]
+            mean = sum(per_unit) / 40
+            sd = math.sqrt(sum((x - mean) ** 2 for x in per_unit) / 39)
+            test = {"split": "test", "metric": "loss", "loss": mean, "n": 40, "se": sd / math.sqrt(40)}
+            (tmp_path / rel / "test.json").write_text(json.dumps({**test, "units": "windows", "per_unit": per_unit}))
+            runs.append({"task": "lm", "variant": v, "seed": s, "dir": rel})
+    manifest = {"task_label": "lm", "runs": runs, "seeds": [0, 1, 2, 3], "trained_under_analysis": 2}
+    write_manifest(tmp_path, {**manifest, "metrics": {"lm": {"metric": "val_loss", "higher_is_better": False}}})
+    first = write_results(tmp_path, plots=False)
+    md = (tmp_path / "results.md").read_text()
+    assert "analysis rules: version 4" in md and "trained and first scored under version 2" in md
+    assert json.loads((tmp_path / "compare.json").read_text())["analysis_version"] == 4
+    shutil.rmtree(tmp_path / "lm")
+    again = render(tmp_path, plots=False, say=lambda *a: None)
+    assert again.from_scores and {v.claim.id: v.word for v in again.verdicts()} == {
+        v.claim.id: v.word for v in first.verdicts()
+    }
+    rendered = (tmp_path / "results.md").read_text()
+    note = "- re-derived from scores.json (every run's stored scores); the run folders are not on disk\n"
+    assert rendered.replace(note, "") == md  # per-unit scores rounded to 1e-6 change no printed figure
+    old = render(tmp_path, 2, plots=False, say=lambda *a: None)
+    assert "analysis rules: version 2" in (tmp_path / "results.md").read_text()
+    g4, g2 = first.gaps()["lm", "Q-K=V"], old.gaps()["lm", "Q-K=V"]
+    assert g4.estimate == pytest.approx(g2.estimate) and g2.hi - g2.lo > g4.hi - g4.lo
+    with pytest.raises(UserError, match="analysis version 1"):
+        render(tmp_path, 1, plots=False)
 
 
 # ---- the command, end to end ---------------------------------------------------------------------

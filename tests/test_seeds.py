@@ -72,13 +72,26 @@ def test_cost_and_command():
 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_solve_rate_claims_get_a_seed_count(k):
+    """Version 3's unpaired solve rates, and version 4's McNemar test: the discordance seen in the
+    pilot, kept at more seeds (none seen: nothing to project)."""
+    from qkvlab.analysis.rules import VERSIONS
+
     acc = lambda solved, s: 1.0 if s < solved else 0.3
     six = ("Q-K-V", "Q=K-V", "(Q=K-V)+", "Q-K=V", "(Q=K=V)+", "Q=K=V")
     vals = {"reverse": {v: {s: acc(k if v == "Q=K=V" else 2, s) for s in range(3)} for v in six}}
-    v = check(CLAIM["syn-qkeqv-worst-reverse"], vals, {"reverse": True}, {"reverse": "accuracy"})
+    tables = {"reverse": True}, {"reverse": "accuracy"}
+    v = check(CLAIM["syn-qkeqv-worst-reverse"], vals, *tables, rules=VERSIONS[3])
     assert v.word == INCONCLUSIVE
     n = seeds_to_decide(v)
     assert n is not None and n > 3
+    v = check(CLAIM["syn-qkeqv-solves-least-reverse"], vals, *tables)
+    assert v.word == INCONCLUSIVE
+    n = seeds_to_decide(v)
+    if k == 2:
+        assert n is None  # every pair concordant: McNemar has nothing to count
+    else:
+        assert n is not None and n > 3
+        assert all(g.est.with_n(n).p_less() < 0.05 for g in v.gaps)
 
 
 def test_seeds_for_claims_lists_the_projectable_inconclusive_claims():

@@ -13,7 +13,7 @@ from scipy import stats
 
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import ALPHA
-from qkvlab.analysis.verdict_table import verdicts_markdown
+from qkvlab.analysis.verdict_table import margins_markdown, verdicts_markdown
 from qkvlab.analysis.verdicts import (
     CONTRADICTED,
     INCONCLUSIVE,
@@ -428,7 +428,7 @@ def test_one_margin_per_compared_pair_across_claims():
 
 def test_docs_margin_table_is_the_codes():
     doc = (ROOT / "docs" / "analysis.md").read_text()
-    assert pf.margins_markdown() in doc
+    assert margins_markdown() in doc
     assert all(c.why for c in pf.ALL_CLAIMS)
     assert re.search(r"SOLVED_ACCURACY|solved.*0\.95", doc)
 

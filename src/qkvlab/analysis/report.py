@@ -274,6 +274,11 @@ def _run_section(res: Results) -> str:
     mach = m.get("machine", {})
     if mach:
         lines.append("- machine: " + ", ".join(f"{k} {v}" for k, v in mach.items()))
+    from qkvlab.analysis.rules import provenance_lines
+
+    lines += provenance_lines(res.rules.version, m.get("trained_under_analysis"))
+    if res.from_scores:
+        lines.append("- re-derived from scores.json (every run's stored scores); the run folders are not on disk")
     return "\n".join(lines) + "\n"
 
 
@@ -364,15 +369,28 @@ def to_markdown(res: Results, plots: Sequence[str] = (), seconds: float | None =
 
 
 def write_results(
-    out_dir: str | Path, res: Results | None = None, *, plots: bool = True, seconds_per_run: float | None = None
+    out_dir: str | Path,
+    res: Results | None = None,
+    *,
+    plots: bool = True,
+    seconds_per_run: float | None = None,
+    analysis_version: int | None = None,
 ) -> Results:
-    """Collect (unless given) and write results.md, results.csv and the plots into out_dir.
+    """Collect (unless given) and write results.md, results.csv, the plots and, from run folders,
+    scores.json (what a later --render re-derives all of it from) into out_dir, scored under the
+    analysis rules of analysis_version (default: the current one); compare.json records the version.
     seconds_per_run: wall seconds per run here (parallel jobs included) for the 'seeds to decide'
     cost; default: the folder's own timing."""
+    from qkvlab.analysis.rules import rules
+    from qkvlab.analysis.runs import write_manifest, write_scores
     from qkvlab.io import atomic_write
 
     out_dir = Path(out_dir)
-    res = res or collect(out_dir)
+    res = res or collect(out_dir, rules(analysis_version))
+    res.manifest["analysis_version"] = res.rules.version
+    write_manifest(out_dir, res.manifest)
+    if res.runs and not res.from_scores:
+        write_scores(out_dir, res.runs, res.manifest)
     written: list[Path] = []
     if plots and res.rows:
         from qkvlab.analysis.plots import write_plots

@@ -12,7 +12,8 @@ from typing import Any
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import Interval
-from qkvlab.analysis.runs import Run, load_run, read_manifest, run_finished, test_value
+from qkvlab.analysis.rules import CURRENT, Rules
+from qkvlab.analysis.runs import Run, load_run, read_manifest, read_scores, run_finished, test_value
 from qkvlab.analysis.trends import Trajectory, Trend, trajectories_from_runs
 from qkvlab.analysis.verdicts import (
     PERPLEXITY_METRIC,
@@ -111,6 +112,8 @@ class Results:
     runs: list[Run]
     manifest: dict[str, Any]
     missing: list[tuple[str, str, int]]  # planned runs that have not finished
+    rules: Rules = CURRENT  # the analysis rules the verdicts and intervals apply
+    from_scores: bool = False  # read from scores.json (the run folders are not on disk)
 
     @property
     def tasks(self) -> list[str]:
@@ -142,7 +145,7 @@ class Results:
 
     def verdicts(self) -> list[ClaimVerdict]:
         """One word per claim of the papers the tasks touch (None: not tested)."""
-        return check_claims(self.values(), self.higher_is_better, self.metric, sources=self.sources())
+        return check_claims(self.values(), self.higher_is_better, self.metric, sources=self.sources(), rules=self.rules)
 
     def gaps(self) -> dict[tuple[str, str], Interval]:
         """(task, variant) -> its gap to Q-K-V with a paired 95% interval (perplexity change in %
@@ -152,7 +155,7 @@ class Results:
             base = by_variant.get(BASELINE)
             for variant, v in by_variant.items():
                 if base is not None and variant != BASELINE:
-                    iv = gap_interval(v, base, self.metric[task] == PERPLEXITY_METRIC)
+                    iv = gap_interval(v, base, self.metric[task] == PERPLEXITY_METRIC, self.rules.eval_variance)
                     if iv is not None:
                         out[task, variant] = iv
         return out
@@ -169,8 +172,10 @@ def _metric_of(run: Run) -> str:
     return extra[0] if extra else "val_loss"
 
 
-def _read_runs(out_dir: Path, manifest: dict) -> tuple[list[Run], list[tuple[str, str, int]], dict]:
-    """The manifest's finished runs, the planned ones not finished, and runs planned per cell."""
+def _read_runs(out_dir: Path, manifest: dict) -> tuple[list[Run], list[tuple[str, str, int]], dict, bool]:
+    """The manifest's finished runs, the planned ones not finished, runs planned per cell, and
+    whether the runs came from scores.json (no run folder of the manifest on disk: a committed
+    results folder)."""
     runs: list[Run] = []
     missing: list[tuple[str, str, int]] = []
     planned: dict[tuple[str, str], int] = {}
@@ -182,7 +187,12 @@ def _read_runs(out_dir: Path, manifest: dict) -> tuple[list[Run], list[tuple[str
             runs.append(load_run(entry["task"], entry["variant"], int(entry["seed"]), run_dir, entry.get("point", "")))
         else:
             missing.append((entry["task"], entry["variant"], int(entry["seed"])))
-    return runs, missing, planned
+    stored = read_scores(out_dir) if not runs else None
+    if stored:
+        have = {(r.task, r.variant, r.seed, r.point) for r in stored}
+        missing = [m for m in missing if not any(h[:3] == m for h in have)]
+        return stored, missing, planned, True
+    return runs, missing, planned, False
 
 
 def _task_metrics(runs: list[Run], manifest: dict) -> dict[str, tuple[str, bool]]:
@@ -202,12 +212,13 @@ def _score(run: Run, key: str, on_test: bool) -> float:
     return tv[0] if tv else float(run.final[key])
 
 
-def collect(out_dir: str | Path) -> Results:
-    """Read a compare folder: every finished run of the manifest, aggregated per (task, variant).
-    A task whose every run has test.json is scored on the test split, else on validation."""
+def collect(out_dir: str | Path, rules: Rules = CURRENT) -> Results:
+    """Read a compare folder: every finished run of the manifest (or, with none on disk, the runs
+    stored in its scores.json), aggregated per (task, variant), to be scored under `rules`. A task
+    whose every run has test.json is scored on the test split, else on validation."""
     out_dir = Path(out_dir)
     manifest = read_manifest(out_dir)
-    runs, missing, planned = _read_runs(out_dir, manifest)
+    runs, missing, planned, from_scores = _read_runs(out_dir, manifest)
     metrics = _task_metrics(runs, manifest)
     on_test = {t for t, (m, _) in metrics.items() if all(test_value(r.test, m) for r in runs if r.task == t)}
     rows: list[Row] = []
@@ -234,7 +245,7 @@ def collect(out_dir: str | Path) -> Results:
             )
         )
     _pair_perplexities(rows)
-    return Results(rows, runs, manifest, missing)
+    return Results(rows, runs, manifest, missing, rules, from_scores)
 
 
 def _pair_perplexities(rows: list[Row]) -> None:

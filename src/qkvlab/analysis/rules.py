@@ -97,7 +97,7 @@ CHANGELOG = (
         "where the line fits",
         "every documented result (lm, synthetic, the sweep of 2026-12-02); re-scored from their stored "
         "scores, never retrained",
-        "5b2d8c4ec3c66b38",
+        "6f54bc90e0fea176",
     ),
 )
 

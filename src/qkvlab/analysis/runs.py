@@ -9,6 +9,7 @@ sqrt(n)), "units": what a unit is (windows, lists, images, sets)}.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from qkvlab.errors import UserError
 from qkvlab.io import atomic_write, json_text, read_config, read_metrics
 
 MANIFEST = "compare.json"
+SCORES = "scores.json"  # every run's scores, curves and model config: what --render re-derives results from
+UNIT_DIGITS = 6  # per-unit scores are kept to 1e-6 (a loss of ~4 nats: 7 significant digits)
 
 # ---- runs -------------------------------------------------------------------------------------
 METRICS, CONFIG, WEIGHTS, TEST = "metrics.jsonl", "config.json", "model.safetensors", "test.json"
@@ -112,3 +115,69 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
 def write_manifest(out_dir: str | Path, manifest: dict[str, Any]) -> None:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     atomic_write(Path(out_dir) / MANIFEST, json_text(manifest, indent=2))
+
+
+# ---- stored scores ----------------------------------------------------------------------------
+def _compact_test(test: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not test:
+        return test
+    out = dict(test)
+    if out.get("per_unit"):
+        out["per_unit"] = [round(float(x), UNIT_DIGITS) for x in out["per_unit"]]
+    return out
+
+
+def scores_body(runs: list[Run], manifest: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
+    """scores.json: per run its evaluation history (metrics.jsonl), its test split's scores with
+    every unit's score (test.json, per-unit values rounded to 1e-6) and its model config: all
+    results.md reads, so the folder's verdicts can be re-derived without the run folders."""
+    return {
+        "format": "qkvlab scores 1",
+        "analysis_version": manifest.get("analysis_version"),
+        "runs": [
+            {
+                "task": r.task,
+                "variant": r.variant,
+                "seed": r.seed,
+                "point": r.point,
+                "dir": os.path.relpath(r.dir, out_dir),
+                "model": r.cfg.to_dict(),
+                "history": r.history,
+                "test": _compact_test(r.test),
+            }
+            for r in runs
+        ],
+    }
+
+
+def write_scores(out_dir: str | Path, runs: list[Run], manifest: dict[str, Any]) -> None:
+    """One run per line, so a diff of two scorings reads run by run."""
+    body = scores_body(runs, manifest, out_dir)
+    lines = [json.dumps(r, sort_keys=True) for r in body["runs"]]
+    head = json.dumps({k: v for k, v in body.items() if k != "runs"}, sort_keys=True)[:-1]
+    atomic_write(Path(out_dir) / SCORES, head + ', "runs": [\n' + ",\n".join(lines) + "\n]}\n")
+
+
+def read_scores(out_dir: str | Path) -> list[Run] | None:
+    """The runs stored in OUT/scores.json (None when there is none); a malformed file is an error."""
+    path = Path(out_dir) / SCORES
+    if not path.is_file():
+        return None
+    try:
+        body = json.loads(path.read_text())
+        runs = [
+            Run(
+                r["task"],
+                r["variant"],
+                int(r["seed"]),
+                Path(out_dir) / r["dir"],
+                ModelConfig.from_dict(r["model"]),
+                r["history"],
+                r.get("point", ""),
+                r.get("test"),
+            )
+            for r in body["runs"]
+        ]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: not a scores file written by qkvlab compare ({type(e).__name__}: {e})") from None
+    return runs

@@ -159,7 +159,7 @@ def _lof(v) -> str:
 
 def _gap_section(sc: Scaling) -> list[str]:
     means = sc.variants[0].rules.sweep_slope == "size means" if sc.variants else True
-    through = "size means" if means else "every seed"
+    through = "the size means" if means else "every per-seed point"
     header = (
         ["variant"]
         + [f"{s} gap (95% CI)" for s in sc.sizes]
@@ -187,7 +187,7 @@ def _gap_section(sc: Scaling) -> list[str]:
         "",
         "Gap: exp(loss − loss of Q-K-V at the same size and seed) − 1, mean with a paired 95% interval over the "
         "size's seeds (plus the evaluation's own error when scored on the test split; n=1: one seed, no interval). "
-        f"Slope: least squares Δ = a + b·log10 N through the {through} of the loss difference Δ (the log "
+        f"Slope: least squares Δ = a + b·log10 N through {through} of the loss difference Δ (the log "
         "perplexity ratio; 0.01 nats ≈ 1% perplexity), 95% t-interval. Lack of fit: the line through every "
         "per-seed Δ against one mean per size (pure error from the seeds), F test at 5%. Gap with N: `no line` "
         "when that test rejects the line (the per-size gaps are then the statement), else `flat` when the "

@@ -7,6 +7,8 @@ Per comparison, the pilot's estimate keeps its seed-to-seed variance and its eva
 - ordering claims (better, worst, best, order): the 90% interval is narrower than the margin. Such
   an interval always decides (it either excludes 0 or excludes an effect of the margin's size),
   whatever the estimate: this n decides for sure (Holm aside);
+- McNemar's test (solve-or-fail, version 4): the pilot's discordance rates kept, until the exact
+  one-sided p of either direction is below 5%;
 - every other kind: the estimate, as observed, lies a distance of (t(95%) + t(80%)) standard errors
   inside a region that decides (80% power if the observed gap is the true one).
 
@@ -23,7 +25,7 @@ import re
 
 from scipy import stats
 
-from qkvlab.analysis.intervals import ALPHA, MeanEstimate, RateDifference, t_critical
+from qkvlab.analysis.intervals import ALPHA, MeanEstimate, PairedSolves, RateDifference, t_critical
 from qkvlab.analysis.verdicts import INCONCLUSIVE, TEST_LEVEL, ClaimVerdict, Gap
 
 N_MAX = 1000  # beyond this the answer is "more than N_MAX"
@@ -43,6 +45,8 @@ def decides(est, g: Gap) -> bool:
     """Would this (projected) estimate decide comparison g by the rule in the module doc?"""
     if isinstance(est, MeanEstimate) and not est.usable:
         return False
+    if isinstance(est, PairedSolves):  # McNemar: exact, either direction decides
+        return min(est.p_less(), est.p_more()) < ALPHA
     region = g.raw_region
     if region.overlap > 0:
         iv = est.interval(TEST_LEVEL)
@@ -58,8 +62,10 @@ def seeds_for_gap(g: Gap, n_max: int = N_MAX) -> int | None:
     """The smallest n (> the pilot's) at which g decides; math.inf past n_max; None when the pilot
     cannot say (one seed: no spread; no spread at all; a threshold on pooled units)."""
     est = g.est
-    if not isinstance(est, (MeanEstimate, RateDifference)) or g.raw_region is None:
+    if not isinstance(est, (MeanEstimate, RateDifference, PairedSolves)) or g.raw_region is None:
         return None
+    if isinstance(est, PairedSolves) and est.a_only + est.b_only == 0:
+        return None  # no discordant seed in the pilot: no rate to project
     if isinstance(est, MeanEstimate) and (math.isnan(est.seed_var) or not est.usable):
         return None
     ok = lambda n: decides(est.with_n(n), g)

@@ -7,8 +7,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.seeds import decide_command, decide_seconds, seeds_cell, seeds_to_decide
-from qkvlab.analysis.verdicts import CONTRADICTED, INCONCLUSIVE, REPRODUCED, WORDS, ClaimVerdict, Gap, Region
+from qkvlab.analysis.verdicts import (
+    CONTRADICTED,
+    INCONCLUSIVE,
+    REPRODUCED,
+    WORDS,
+    ClaimVerdict,
+    Gap,
+    Region,
+    pair_margin,
+)
 
 
 def _num(x: float, unit: str) -> str:
@@ -143,4 +153,47 @@ def verdicts_markdown(
             f"Not tested ({len(untested)}): " + "; ".join(f"{v.claim.text} ({v.note})" for v in untested) + ".",
         ]
     lines += _commands(tested, runs_per_seed, seconds_per_run, command)
+    return "\n".join(lines) + "\n"
+
+
+def claim_pairs(c: pf.Claim) -> list[tuple[str, str]]:
+    """The compared pairs of an ordering claim as version 4 forms them (worst/best: against every
+    other variant the paper ran)."""
+    if c.kind in ("worst", "best"):
+        return [(c.variants[0], v) for v in pf.paper_variants(c) if v != c.variants[0]]
+    if c.kind == "order":
+        return [(y, x) for x, y in zip(c.variants, c.variants[1:])]
+    return [tuple(c.variants[:2])] if c.kind == "better" else []
+
+
+def margins_markdown() -> str:
+    """docs/analysis.md's margin table, from the claims themselves (a test keeps the two equal):
+    version 4's margin of every compared pair and the per-claim margin versions 2-3 applied."""
+    kind_word = {
+        "better": "smallest effect",
+        "worst": "smallest effect",
+        "best": "smallest effect",
+        "order": "smallest effect",
+        "close": "equivalence margin (±)",
+        "spread": "equivalence margin (±), every pair",
+        "at_most": "non-inferiority margin (+)",
+        "at_least": "threshold",
+    }
+    lines = [
+        "| claim | kind | margin (v4: per compared pair) | v2–v3 | reason (from the paper alone) |",
+        "| --- | --- | --- | ---: | --- |",
+    ]
+    for c in pf.ALL_CLAIMS:
+        lm = c.tasks == ("lm",)
+        unit = "%" if lm else " pts"
+        old = f"{c.threshold:g}" if c.kind == "at_least" else f"{c.margin:g}{unit}"
+        if c.solve:
+            value, old, why = "none (exact test)", "–", c.why
+        elif c.kind in ("better", "worst", "best", "order"):
+            cells = [(a, b, pair_margin(c.tasks, a, b, lm)) for a, b in claim_pairs(c)]
+            value = "; ".join(f"{a} vs {b} {m:g}{unit}" for a, b, m in cells if m is not None)
+            why = "half the paper's gap of each pair (the worse over the better)"
+        else:
+            value, why = old, c.why
+        lines.append(f"| `{c.id}` (Paper {c.paper}) | {c.kind}: {kind_word[c.kind]} | {value} | {old} | {why} |")
     return "\n".join(lines) + "\n"

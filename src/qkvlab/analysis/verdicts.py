@@ -179,9 +179,9 @@ def to_raw(unit: str, perplexity: bool):
     return (lambda x: math.log1p(x / 100.0)) if perplexity else (lambda x: x / 100.0)
 
 
-def gap_interval(a, b, perplexity: bool, level: float = LEVEL) -> Interval | None:
+def gap_interval(a, b, perplexity: bool, eval_variance: str = "paired units", level: float = LEVEL) -> Interval | None:
     """Paired interval of A - B over common keys, in display units (None without a common key)."""
-    est = paired_estimate(a, b)
+    est = paired_estimate(a, b, eval_variance)
     return None if est is None else est.interval(level).map(to_display("%" if perplexity else "pts", perplexity))
 
 

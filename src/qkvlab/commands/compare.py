@@ -10,6 +10,9 @@ Variants: SCHEME[/MQA|/GQA-g][/mlp[=SCHEME]|/width=SCHEME], comma-separated, e.g
 `--variants Q-K-V,Q-K=V/MQA,Id-K-V/mlp,Q-K-V/width=Id-K-V` (`/mlp`: MLP widened to Q-K-V's
 parameter count; `/width=S`: d_model shrunk to S's; '+' stays the 2D score term, as in `(Q=K-V)+`).
 
+`--render --out DIR` trains nothing: it re-derives DIR's results from its stored scores under the
+analysis rules (`--analysis-version N` for an older version's, docs/analysis.md).
+
 `--sweep` trains the LM variants at several model sizes (`--sizes`, tokens proportional to
 parameters, `--tokens-per-param`) into OUT/<size>/<variant>/seed<k> and writes each variant's gap
 to Q-K-V per size with intervals and its slope in log N (nothing predicted beyond 10x the largest size).
@@ -39,6 +42,18 @@ def run(args) -> int:
     cfg = load(CompareConfig, args.config, args)
     if print_config(args, cfg.to_dict()):
         return 0
+    if cfg.render:  # stored scores only: no plan, nothing trained
+        from qkvlab.compare.execute import render
+        from qkvlab.errors import UserError
+
+        if not cfg.out:
+            raise UserError("--render needs --out FOLDER (the compare folder to re-derive)")
+        render(cfg.out, cfg.analysis_version, plots=cfg.plots)
+        return 0
+    if cfg.analysis_version is not None:
+        from qkvlab.errors import UserError
+
+        raise UserError("--analysis-version goes with --render (a run is scored under the current rules)")
     p = plan(cfg)
     if cfg.dry_run:
         preflight(p)

@@ -99,6 +99,18 @@ class CompareConfig:
         choices=dtype_choices(TRAIN_DTYPES),
     )
     plots: bool = setting(True, help="write the plots")
+    render: bool = setting(
+        False,
+        help="no training: re-derive --out's results.md, results.csv and plots from its stored scores (run "
+        "folders, else scores.json; a sweep: its per-seed results.csv) under the analysis rules",
+    )
+    analysis_version: int | None = setting(
+        None,
+        help="with --render: the analysis rules to score under (default: the current version; 2-4 apply; "
+        "docs/analysis.md tells their history)",
+        metavar="N",
+        minimum=2,
+    )
     sweep: bool = setting(
         False,
         help="the scaling sweep: the LM variants at several sizes, tokens proportional to parameters; "

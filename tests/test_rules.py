@@ -1,0 +1,36 @@
+"""The analysis rules' version (analysis/rules.py): a changed rule or margin needs a new version and a
+changelog entry; the changelog is dated and ordered; unknown versions are one-line errors."""
+
+import pytest
+
+from qkvlab.analysis import rules
+from qkvlab.errors import UserError
+
+
+def test_current_rules_match_their_pinned_fingerprint():
+    """Change a margin, a claim, a constant or a switch, and this fails until ANALYSIS_VERSION is
+    bumped with a CHANGELOG entry (and its new fingerprint) saying what changed after which runs."""
+    last = rules.CHANGELOG[-1]
+    assert last.version == rules.ANALYSIS_VERSION == rules.CURRENT.version
+    assert rules.fingerprint() == last.fingerprint
+
+
+def test_changelog_is_ordered_and_says_what_came_before():
+    versions = [c.version for c in rules.CHANGELOG]
+    assert versions == sorted(versions) == list(range(1, rules.ANALYSIS_VERSION + 1))
+    assert all(c.date and c.commit and c.what and c.data_before for c in rules.CHANGELOG)
+    assert set(rules.VERSIONS) <= set(versions)
+
+
+def test_provenance_says_which_rules_came_after_the_data():
+    lines = rules.provenance_lines(4, 2)
+    assert "version 4" in lines[0] and "under version 2" in lines[1]
+    assert "v3 (2026-12-01 11:15)" in lines[1] and "v4" in lines[1]
+    assert len(rules.provenance_lines(4, 4)) == 1
+    assert "not recorded" in rules.provenance_lines(4, None)[1]
+
+
+def test_unknown_version_is_a_one_line_error():
+    with pytest.raises(UserError, match="analysis version 9"):
+        rules.rules(9)
+    assert rules.rules() is rules.CURRENT
