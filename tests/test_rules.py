@@ -34,3 +34,11 @@ def test_unknown_version_is_a_one_line_error():
     with pytest.raises(UserError, match="analysis version 9"):
         rules.rules(9)
     assert rules.rules() is rules.CURRENT
+
+
+def test_docs_tell_the_changelog():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "analysis.md").read_text()
+    assert rules.changelog_markdown() in doc
+    assert "fixed before any run" not in doc and "fixed here before any run" not in doc

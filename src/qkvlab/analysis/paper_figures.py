@@ -5,8 +5,9 @@ Paper B: Kayyam, Madan Gopal & Lewis, arXiv 2606.04032). Variant names use qkvla
 notation (``SCHEME[/OPTION...]``, see :mod:`qkvlab.variants`): the paper's
 "Q-K=V+MQA" is ``Q-K=V/MQA`` here, because ``+`` already names the 2D positional score term.
 
-A claim is data here, with its margin (the smallest effect of interest, fixed from the papers'
-own figures before any run, docs/analysis.md); :mod:`qkvlab.analysis.verdicts` checks it with
+A claim is data here, with its margin (the smallest effect of interest, from the papers' own
+figures by one rule per kind; versioned in :mod:`qkvlab.analysis.rules`, docs/analysis.md tells when
+each rule was written relative to the runs); :mod:`qkvlab.analysis.verdicts` checks it with
 one-sided tests at 5% over seeds and answers ``reproduced``, ``contradicted`` or ``inconclusive``
 (or "not tested" when a variant or task it needs was not run).
 

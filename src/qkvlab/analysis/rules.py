@@ -144,3 +144,13 @@ def provenance_lines(scored_with: int, trained_under: int | None) -> list[str]:
     elif trained_under > scored_with:
         lines.append(f"- re-scored under the older version {scored_with}; the runs were trained under {trained_under}")
     return lines
+
+
+def changelog_markdown() -> str:
+    """docs/analysis.md's table of versions, from CHANGELOG (a test keeps the two equal)."""
+    lines = [
+        "| version | date (UTC) | commit | what changed | documented data that already existed |",
+        "| ---: | --- | --- | --- | --- |",
+    ]
+    lines += [f"| {c.version} | {c.date} | {c.commit} | {c.what} | {c.data_before} |" for c in CHANGELOG]
+    return "\n".join(lines) + "\n"
