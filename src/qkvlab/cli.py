@@ -13,7 +13,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from qkvlab.errors import UserError
+from qkvlab.errors import UserError, as_user_error
 from qkvlab.io import find_model_dir  # noqa: F401  (the commands' import; it lives with the model folders)
 
 COMMANDS = {
@@ -88,6 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"qkvlab {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a full disk or an unwritable folder is the machine's, not a bug: one line
+        err = as_user_error(e)
+        if err is None:
+            raise
+        print(f"qkvlab {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from qkvlab.errors import UserError
+from qkvlab.errors import UserError, as_user_error
 
 
 def file_sha256(path: str | Path) -> str:
@@ -49,7 +49,31 @@ def _mkstemp_beside(path: Path, suffix: str = ".tmp") -> tuple[int, str]:
     try:
         return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
     except OSError as e:
-        raise UserError(f"{path}: cannot write there ({e.strerror})") from None
+        raise as_user_error(e, path) or UserError(f"{path}: cannot write there ({e.strerror})") from None
+
+
+def _bytes_in(path: str | Path) -> int:
+    """Bytes of a file, or of every file under a folder (0 if it is gone)."""
+    p = Path(path)
+    try:
+        return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    except OSError:
+        return 0
+
+
+def _cleaned_up(e: BaseException, path: Path, tmp: str | Path, needed: int | None) -> None:
+    """Remove the temp file or folder `tmp`; then raise a full disk or an unwritable folder met while
+    writing `path` as one line (how much room the write needs, or how far it got, and what is free
+    once the temp is gone); anything else is left to the caller to re-raise."""
+    written = _bytes_in(tmp)
+    if Path(tmp).is_dir():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    err = as_user_error(e, path, needed=needed, written=written)
+    if err is not None and err is not e:
+        raise err from None
 
 
 def _publish(tmp: str, path: Path) -> None:
@@ -74,17 +98,17 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO]:
             f.flush()
             os.fsync(f.fileno())
         _publish(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    except BaseException as e:
+        _cleaned_up(e, path, tmp, None)
         raise
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, *, needed: int | None = None) -> Iterator[Path]:
     """`atomic_file` for libraries that write to a file name (safetensors' save_file, matplotlib's
     savefig): yield a temp path beside `path` with the same suffix (so a format is still inferred
-    from it); on success it is fsynced and renamed over `path`."""
+    from it); on success it is fsynced and renamed over `path`. `needed`: the bytes it will take,
+    for the message when the disk is full."""
     path = Path(path)
     fd, tmp = _mkstemp_beside(path, suffix=f".tmp{path.suffix}")
     os.close(fd)
@@ -93,9 +117,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         _publish(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    except BaseException as e:
+        _cleaned_up(e, path, tmp, needed)
         raise
 
 
@@ -113,20 +136,21 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
+def atomic_dir(path: str | Path, *, replace: bool = True, needed: int | None = None) -> Iterator[Path]:
     """Yield a fresh temp folder beside `path`; on success it replaces `path` whole. With
     replace=False it is only renamed into a missing or empty `path`: a folder that appeared
     meanwhile (another process) is never replaced, the write is refused instead.
 
     Every file in it is fsynced before the rename, and the parent folder after it. If the process
     dies, `path` is either the old complete folder or the new one (at worst the old one survives
-    as `.NAME.old-*`, which `load_model` never reads)."""
+    as `.NAME.old-*`, which `load_model` never reads). `needed`: the bytes it will take, for the
+    message when the disk is full (the old folder stays then)."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     except OSError as e:
-        raise UserError(f"{path}: cannot write there ({e.strerror})") from None
+        raise as_user_error(e, path) or UserError(f"{path}: cannot write there ({e.strerror})") from None
     try:
         yield tmp
         mask = _umask()
@@ -154,8 +178,8 @@ def atomic_dir(path: str | Path, *, replace: bool = True) -> Iterator[Path]:
         else:
             os.replace(tmp, path)
             _fsync_dir(path.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        _cleaned_up(e, path, tmp, needed)
         raise
 
 

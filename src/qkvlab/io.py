@@ -108,8 +108,9 @@ def write_model_files(
     folder: Path, model: torch.nn.Module, cfg: ModelConfig, meta: dict[str, Any] | None = None
 ) -> None:
     """The model's two files in `folder`, each written atomically (a reader never sees half of one)."""
-    with atomic_path(folder / WEIGHTS) as tmp:
-        save_file(state_dict_for_save(model), str(tmp), metadata={"format": "pt"})
+    weights = state_dict_for_save(model)
+    with atomic_path(folder / WEIGHTS, needed=sum(t.numel() * t.element_size() for t in weights.values())) as tmp:
+        save_file(weights, str(tmp), metadata={"format": "pt"})
     atomic_write(folder / CONFIG, json_text(config_body(cfg, "gpt", meta), indent=2))
 
 

@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -229,12 +230,18 @@ def prepare(
             + "` once before launching"
         )
     _check_target(d)
+    created = not d.exists()
     d.mkdir(parents=True, exist_ok=True)
-    with _exclusive(d):  # two processes preparing the same corpus: the second waits, then reuses
-        if not force and (found := _cached(d, key)) is not None:
-            return found
-        job = _Job(source, spec, d, key, val_fraction, split, encoding_errors)
-        return _prepare(job, force=force, progress=progress, threads=threads)
+    try:
+        with _exclusive(d):  # two processes preparing the same corpus: the second waits, then reuses
+            if not force and (found := _cached(d, key)) is not None:
+                return found
+            job = _Job(source, spec, d, key, val_fraction, split, encoding_errors)
+            return _prepare(job, force=force, progress=progress, threads=threads)
+    except UserError:
+        if created:  # a refused corpus leaves no half-prepared folder (an interruption keeps it: it resumes)
+            shutil.rmtree(d, ignore_errors=True)
+        raise
 
 
 def _cached(d: Path, key: str) -> PreparedData | None:

@@ -163,7 +163,12 @@ def _jsonl_pieces(unit: Unit, start: int) -> Iterator[Piece]:
                 raise UserError(
                     f"{unit.path}: line at byte {pos - len(line)} is not a JSON object with a 'text' field"
                 ) from None
-            yield Piece("" if text is None else str(text), True, pos, len(line), replaced)
+            if text is not None and not isinstance(text, str):  # 12345 is not text: refused, not stringified
+                raise UserError(
+                    f"{unit.path}: line at byte {pos - len(line)} has a 'text' that is a JSON "
+                    f"{type(text).__name__} ({json.dumps(text)[:40]}), not a string"
+                )
+            yield Piece(text or "", True, pos, len(line), replaced)
 
 
 def _parquet_pieces(unit: Unit, start: int) -> Iterator[Piece]:
@@ -171,15 +176,24 @@ def _parquet_pieces(unit: Unit, start: int) -> Iterator[Piece]:
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError(f"{unit.path}: reading .parquet needs pyarrow: pip install 'qkvlab[parquet]'") from None
-    pf = pq.ParquetFile(unit.path)
-    if "text" not in pf.schema_arrow.names:
-        raise UserError(f"{unit.path} has no 'text' column; columns: {', '.join(pf.schema_arrow.names)}")
-    row = 0
-    for batch in pf.iter_batches(columns=["text"], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if row > start:
-                yield Piece(str(text or ""), True, row, len(text or ""))
+    import pyarrow as pa
+
+    try:
+        pf = pq.ParquetFile(unit.path)
+        schema = pf.schema_arrow
+        if "text" not in schema.names:
+            raise UserError(f"{unit.path} has no 'text' column; columns: {', '.join(schema.names)}")
+        kind = schema.field("text").type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise UserError(f"{unit.path}: its 'text' column holds {kind}, not strings")
+        row = 0
+        for batch in pf.iter_batches(columns=["text"], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                if row > start:
+                    yield Piece(text or "", True, row, len(text or ""))
+    except pa.ArrowException as e:  # not parquet, or damaged (ArrowInvalid, ArrowIOError, ...)
+        raise UserError(f"{unit.path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
 
 
 def _hf_pieces(unit: Unit, start: int) -> Iterator[Piece]:

@@ -112,6 +112,10 @@ def list_text_files(
         if root.is_file():
             files.append((str(given), root))
             continue
+        if not root.is_dir():  # a FIFO, a device (/dev/zero never ends), a socket: no text to read to its end
+            raise UserError(
+                f"text source {str(given)!r} is not a regular file or a folder; give a text file or a folder"
+            )
         found = sorted(
             p
             for p in root.rglob("*")

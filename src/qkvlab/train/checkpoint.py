@@ -80,10 +80,11 @@ def save_checkpoint(
     folder is verified (headers readable, checksums recorded in state.json) before it replaces the
     previous checkpoint, which stays until then."""
     path = Path(out_dir) / CHECKPOINT
-    with atomic_dir(path) as tmp:
+    tensors, groups = flatten_optimizer(optimizer)
+    needed = sum(t.numel() * t.element_size() for t in [*weights.values(), *tensors.values()])  # + a few kB of JSON
+    with atomic_dir(path, needed=needed) as tmp:
         save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json_text(config_body(model_cfg, kind, {"step": state["step"]}), indent=2))
-        tensors, groups = flatten_optimizer(optimizer)
         save_file(tensors, str(tmp / OPTIMIZER))
         if os.environ.get(SLOW_HOOK):
             time.sleep(float(os.environ[SLOW_HOOK]))

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from qkvlab.config import ModelConfig
 from qkvlab.devices import TRAIN_DTYPES, torch_dtype
-from qkvlab.errors import UserError
+from qkvlab.errors import UserError, as_user_error
 from qkvlab.folders import Claim
 from qkvlab.heap import hold_freed_memory
 from qkvlab.io import (
@@ -130,10 +130,17 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progre
         _check_memory(cfg, cfg.model, env, with_vocab=False)  # before anything is written or built
         claim = claim_run_folder(out, env, resume)
         return _train(cfg, out, env, resume, progress, claim)
-    except UserError:
+    except Exception as e:
+        err = as_user_error(e)  # a full disk or an unwritable folder (the cache, OUT) is refused like bad input
+        if err is None:
+            raise
         if claim is not None:
-            claim.undo()  # a refused run leaves OUT as it found it
-        raise
+            claim.undo()  # a refused run leaves OUT as it found it (its last checkpoint, if it has one)
+            if claim.keep and not resume:  # it wrote a checkpoint before the fault
+                err = UserError(f"{err}; `qkvlab train --out {out} --resume` continues from its last checkpoint")
+        if err is e:
+            raise
+        raise err from None
     finally:
         if claim is not None:
             claim.release()
@@ -164,20 +171,24 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
 
     run.raw.train()
     run.tokens_per_step = _tokens(run.task.batch(state.step, cfg.batch_size, cfg.seed)[0])
-    if state.step == 0 and not state.rows:
-        log_evaluation(run, state, log, evaluate(run), lr_for(cfg, 0))
-    while state.step < cfg.max_steps:
-        lr = lr_for(cfg, state.step)
-        loss = train_step(run, state, lr)
-        if not math.isfinite(loss):
-            raise _diverged(run, state, f"loss is {loss} at step {state.step + 1} (lr {lr:.3g})")
-        log.step(state.step, loss, state.seg_tokens / max(state.seg_time, 1e-9))
-        if state.step % cfg.eval_every == 0 or state.step == cfg.max_steps:
-            log_evaluation(run, state, log, evaluate(run), lr)
-        if state.step % cfg.ckpt_every == 0 or state.step == cfg.max_steps:
-            state.last_checkpoint = save_checkpoint(run, state)
-            if claim is not None:
-                claim.keep = True  # from here on OUT holds work worth keeping, whatever happens
+    try:
+        if state.step == 0 and not state.rows:
+            log_evaluation(run, state, log, evaluate(run), lr_for(cfg, 0))
+        while state.step < cfg.max_steps:
+            lr = lr_for(cfg, state.step)
+            loss = train_step(run, state, lr)
+            if not math.isfinite(loss):
+                raise _diverged(run, state, f"loss is {loss} at step {state.step + 1} (lr {lr:.3g})")
+            log.step(state.step, loss, state.seg_tokens / max(state.seg_time, 1e-9))
+            if state.step % cfg.eval_every == 0 or state.step == cfg.max_steps:
+                log_evaluation(run, state, log, evaluate(run), lr)
+            if state.step % cfg.ckpt_every == 0 or state.step == cfg.max_steps:
+                state.last_checkpoint = save_checkpoint(run, state)
+                if claim is not None:
+                    claim.keep = True  # from here on OUT holds work worth keeping, whatever happens
+    except BaseException:
+        log.close()  # the bar ends its line, so a one-line error starts on its own
+        raise
     log.close()
 
     scored = score_test(run)
