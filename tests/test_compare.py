@@ -205,6 +205,8 @@ def test_render_from_stored_scores_reproduces_results(tmp_path):
     first = write_results(tmp_path, plots=False)
     md = (tmp_path / "results.md").read_text()
     assert "analysis rules: version 4" in md and "trained and first scored under version 2" in md
+    assert "## qkvlab ranking (every variant run; not a claim of either paper)" in md
+    assert "`Q=K=V` worse than each of the 3 others: **yes**" in md
     assert json.loads((tmp_path / "compare.json").read_text())["analysis_version"] == 4
     shutil.rmtree(tmp_path / "lm")
     again = render(tmp_path, plots=False, say=lambda *a: None)
@@ -301,6 +303,9 @@ def test_compare_end_to_end_and_skip(tmp_path, corpus, capsys, monkeypatch):
         (["--attn", "Q-K=V"], "--variants"),
         (["--task", "lm", "--full-grid"], "--full-grid"),
         (["--task-option", "length"], "KEY=VALUE"),
+        (["--render"], "no such folder"),
+        (["--analysis-version", "3"], "goes with --render"),
+        (["--render", "--analysis-version", "1"], "analysis-version"),
     ],
 )
 def test_compare_bad_input_one_line(tmp_path, capsys, argv, needle):

@@ -307,6 +307,70 @@ def claims_section(res: Results, seconds: float | None = None) -> str:
     )
 
 
+def claims_note(res: Results) -> str:
+    """What the verdict words mean under the rules the table was scored with."""
+    r = res.rules
+    ordering = (
+        "an ordering that holds is reproduced even when its effect is excluded from the paper's size (marked "
+        "'smaller than the paper's effect')"
+        if r.overlap == "holds"
+        else "an ordering claim also when the effect is smaller than its margin"
+    )
+    solve = (
+        "Solve-or-fail tasks (reverse, swap): the paper's accuracy claim by paired t, and a solve-or-fail claim "
+        "by McNemar's exact test over seeds."
+        if r.solve == "mcnemar"
+        else "Solve-or-fail tasks (reverse, swap) compare solve rates with exact intervals."
+    )
+    among = "the variants the paper ran" if r.among == "paper" else "every variant run"
+    return (
+        "Each gap is paired by seed (and grid point); its standard error holds the spread of the per-seed "
+        "differences and the evaluation's own error (test split). `reproduced`: every comparison of the claim "
+        "passes its one-sided test(s) at 5%; `contradicted`: Holm's rule over the comparisons rejects the claim "
+        f"at 5% ({ordering}); `inconclusive` otherwise and always with one seed. Worst/best rank among {among}. "
+        f"{solve} Margins come from the papers by one rule per kind (analysis version {r.version}; their history "
+        "and the seeds-to-decide rule: docs/analysis.md)."
+    )
+
+
+def ranking_section(res: Results) -> list[str]:
+    """qkvlab's own ranking over every variant run (no paper made it): per task with three or more
+    variants, the one with the worst mean and whether it is worse than each of the others (paired
+    one-sided tests at 5%, no margin; Holm over them)."""
+    from dataclasses import replace
+
+    from qkvlab.analysis.verdict_table import format_gap
+    from qkvlab.analysis.verdicts import check
+
+    vals, hib, metric = res.values(), res.higher_is_better, res.metric
+    rules = replace(res.rules, among="run", margins="per claim")
+    lines = []
+    for task, by_variant in vals.items():
+        if len(by_variant) < 3 or task in pf.SOLVE_OR_FAIL_TASKS and res.rules.solve == "newcombe":
+            continue
+        mean = lambda v: sum(getattr(x, "value", x) for x in by_variant[v].values()) / len(by_variant[v])
+        order = sorted(by_variant, key=mean, reverse=hib.get(task, True))  # best first
+        claim = pf.Claim(f"qkvlab-worst-{task}", "qkvlab", f"{order[-1]} is the worst", "worst", (task,), (order[-1],))
+        v = check(claim, vals, hib, metric, rules=rules)
+        if v.word is None:
+            continue
+        closest = v.decisive
+        lines.append(
+            f"| {task} | {' < '.join(f'`{x}`' for x in order)} | `{order[-1]}` worse than each of the "
+            f"{len(v.gaps)} others: **{'yes' if v.word == 'reproduced' else 'not shown'}** | {format_gap(closest)} |"
+        )
+    if not lines:
+        return []
+    head = [
+        "## qkvlab ranking (every variant run; not a claim of either paper)",
+        "",
+        "| task | best → worst by mean | worst of all, paired one-sided tests at 5%, Holm, no margin | "
+        "closest comparison (90% CI) |",
+        "| --- | --- | --- | --- |",
+    ]
+    return head + lines + [""]
+
+
 def to_markdown(res: Results, plots: Sequence[str] = (), seconds: float | None = None) -> str:
     m = res.manifest
     title = m.get("task_label") or ", ".join(res.tasks)
@@ -346,13 +410,9 @@ def to_markdown(res: Results, plots: Sequence[str] = (), seconds: float | None =
         "## The papers' claims",
         "",
         claims_section(res, seconds),
-        "Each gap is paired by seed (and grid point); its standard error holds the spread of the per-seed "
-        "differences and the evaluation's own error (test split). `reproduced`: every comparison of the claim "
-        "passes its one-sided test(s) at 5%; `contradicted`: Holm's rule over the comparisons rejects the claim "
-        "at 5% (an ordering claim also when the effect is smaller than its margin); `inconclusive` otherwise and "
-        "always with one seed. Solve-or-fail tasks (reverse, swap) compare solve rates with exact intervals. "
-        "Margins, fixed from the papers alone, and the seeds-to-decide rule: docs/analysis.md.",
+        claims_note(res),
         "",
+        *ranking_section(res),
         "## Gap to Q-K-V over training",
         "",
         trends_section(res),
