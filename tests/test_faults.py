@@ -152,3 +152,13 @@ def test_prepare_refuses_bad_sources_in_one_line_and_leaves_no_folder(tmp_path, 
         assert cli.main(["prepare", "--data", str(source), "--tokenizer", "bpe:300", "--out", str(out)]) == 2, source
         one_line_error(capsys, words)
         assert not out.exists(), source  # refused before anything is kept: no bpe.json, no train.bin
+
+
+def test_a_resume_mismatch_names_the_differing_key_not_the_whole_config(plays_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = [*TRAIN, "--data", str(plays_file), "--out", str(out), "--max-steps", "2"]
+    assert cli.main(args) == 0
+    capsys.readouterr()
+    assert cli.main([*args, "--resume", "--max-steps", "4", "--d-model", "48"]) == 2
+    err = one_line_error(capsys, "was trained with model.d_model=64, not 48; resume with the same model.d_model")
+    assert len(err) < 300
