@@ -162,3 +162,12 @@ def test_a_resume_mismatch_names_the_differing_key_not_the_whole_config(plays_fi
     assert cli.main([*args, "--resume", "--max-steps", "4", "--d-model", "48"]) == 2
     err = one_line_error(capsys, "was trained with model.d_model=64, not 48; resume with the same model.d_model")
     assert len(err) < 300
+    from qkvlab.train.run_folder import first_difference  # compare's refusal of a changed recipe uses it too
+
+    assert first_difference("model", {"d_model": 64, "n_head": 4}, {"d_model": 48, "n_head": 4}) == (
+        "model.d_model",
+        64,
+        48,
+    )
+    assert first_difference("task_options", {"a": 1}, {}) == ("task_options.a", 1, None)
+    assert first_difference("lr", 0.1, 0.2) == ("lr", 0.1, 0.2)

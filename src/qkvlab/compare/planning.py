@@ -30,6 +30,7 @@ from qkvlab.io import read_config
 from qkvlab.settings import check, setting
 from qkvlab.tasks import FAMILIES, TASK_MODULES
 from qkvlab.train.config import TRAIN_PRESETS, TrainConfig, changed_fields, default_weight_decay
+from qkvlab.train.run_folder import first_difference
 from qkvlab.variants import Variant, parse_variants
 
 MAX_SEEDS = 10_000  # per variant (or sweep size): a plan of that many runs still prints in seconds
@@ -375,8 +376,9 @@ def run_state(run: PlannedRun) -> str:
         if saved is not None:
             diff = changed_fields(saved, run.cfg)
             if diff:
+                name, old, _ = first_difference(diff[0], saved.get(diff[0]), run.cfg.to_dict().get(diff[0]))
                 raise UserError(
-                    f"{run.dir} was trained with another {diff[0]} ({json.dumps(saved.get(diff[0]))}); "
+                    f"{run.dir} was trained with another {name} ({json.dumps(old)}); "
                     "use another --out or the same settings"
                 )
             if saved.get("max_steps") != run.cfg.max_steps:

@@ -84,12 +84,12 @@ def verdict_on_rank0(env: D.Env, check) -> None:
         raise UserError(verdict)
 
 
-def _difference(key: str, old: Any, new: Any) -> tuple[str, Any, Any]:
+def first_difference(key: str, old: Any, new: Any) -> tuple[str, Any, Any]:
     """The first differing leaf under `key` (model.d_model, not the whole model): (dotted key, old, new)."""
     if isinstance(old, dict) and isinstance(new, dict):
         for k in sorted(set(old) | set(new), key=str):
             if old.get(k) != new.get(k):
-                return _difference(f"{key}.{k}", old.get(k), new.get(k))
+                return first_difference(f"{key}.{k}", old.get(k), new.get(k))
     return key, old, new
 
 
@@ -100,7 +100,7 @@ def check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> Non
     except (UserError, TypeError):
         pass
     for key in changed_fields(saved, cfg):  # RESUMABLE_FIELDS (train/config.py) may change
-        name, old, new = _difference(key, saved.get(key), now.get(key))
+        name, old, new = first_difference(key, saved.get(key), now.get(key))
         raise UserError(
             f"{where} was trained with {name}={json.dumps(old)}, not {json.dumps(new)}; "
             f"resume with the same {name} or use another --out"
