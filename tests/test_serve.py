@@ -28,7 +28,7 @@ from qkvlab.generate import Sampling, generate  # noqa: E402
 from qkvlab.io import save_model  # noqa: E402
 from qkvlab.model import GPT  # noqa: E402
 from qkvlab.serve.engine import Engine, Event, Request  # noqa: E402
-from qkvlab.serve.server import ServeConfig, build, capacity, listen, make_server  # noqa: E402
+from qkvlab.serve.server import ServeConfig, build, listen, make_server, pool_blocks  # noqa: E402
 from qkvlab.settings import byte_size  # noqa: E402
 
 VOCAB, CONTEXT = 300, 40
@@ -109,7 +109,7 @@ def test_full_mixed_batch_gives_each_request_its_tokens_alone(scheme, pos, kv):
     assert len({len(r.prompt) for r in requests}) > 5  # neighbours of many lengths
 
 
-def test_cancel_frees_the_row_at_the_next_step_and_neighbours_are_unchanged():
+def test_cancel_frees_the_blocks_at_the_next_step_and_neighbours_are_unchanged():
     model = tiny_model("Q-K=V", "rope", 1)
     prompts = [(1, 2, 3), tuple(range(5, 25)), (9,) * 7]
     engine = Engine(model, rows=3)
@@ -118,12 +118,14 @@ def test_cancel_frees_the_row_at_the_next_step_and_neighbours_are_unchanged():
     engine.step()
     engine.step()
     assert engine.stats()["active"] == 3
-    engine.cancel(seqs[0])  # row 0 is freed: the last row moves into it
+    held = engine.pool.used
+    engine.cancel(seqs[0])
     engine.step()
     assert engine.stats()["active"] == 2 and events[0][-1].finish == "cancelled"
-    assert seqs[0] not in engine.running and engine.running[0] is seqs[2]  # the last row moved into row 0
+    assert seqs[0] not in engine.running and not seqs[0].table and engine.pool.used < held
     while not engine.idle():
         engine.step()
+    assert engine.pool.used == 0  # every block came back
     for i in (1, 2):
         assert tokens(events[i]) == generate(model, [list(prompts[i])], 20, Sampling(temperature=0.0))[0]
 
@@ -155,19 +157,53 @@ def test_seeded_sampling_matches_generate():
     assert tokens(got) == generate(model, [[3, 1, 4, 1, 5]], 9, s, seed=11)[0]
 
 
-def test_capacity_follows_cache_bytes_per_token():
-    rows = {}
+def test_capacity_in_tokens_follows_cache_bytes_per_token():
+    tokens_held = {}
     for name, scheme, kv in [("Q-K-V", "Q-K-V", None), ("Q-K=V", "Q-K=V", None), ("MQA", "Id-K=V", 1)]:
         model = tiny_model(scheme, "rope", kv, dtype=torch.float32)
         per_token = kv_cache_bytes_per_token(model.cfg, "fp32")
-        rows[name] = capacity(byte_size("204800"), per_token, CONTEXT)  # 10 sequences of Q-K-V
-        engine = Engine(model, rows[name])
-        assert engine.pool.bytes_allocated() == rows[name] * per_token * CONTEXT  # allocated = analytic
-    # per token: layers x (K and V, or one shared tensor) x kv heads x head dim x 4 bytes
-    assert rows == {"Q-K-V": 204800 // (2 * 2 * 32 * 4 * CONTEXT), "Q-K=V": 20, "MQA": 80}
-    assert capacity(10**6, 100, 10, max_batch=7) == 7
+        blocks = pool_blocks(byte_size("204800"), per_token, CONTEXT, 16)
+        engine = Engine(model, blocks=blocks, block_size=16)
+        assert engine.pool.bytes_allocated() == blocks * 16 * per_token  # allocated = analytic
+        tokens_held[name] = engine.stats()["capacity_tokens"]
+    # per token: layers x (K and V, or one shared tensor) x kv heads x head dim x 4 bytes; whole blocks of 16
+    assert tokens_held == {"Q-K-V": 204800 // (2 * 2 * 32 * 4), "Q-K=V": 800, "MQA": 3200}
+    assert tokens_held["Q-K=V"] == 2 * tokens_held["Q-K-V"]  # one tensor per block instead of two
     with pytest.raises(UserError, match="holds no sequence"):
-        capacity(999, 100, 10)
+        pool_blocks(999, 100, 10)
+    with pytest.raises(UserError, match="no sequence of"):
+        Engine(tiny_model(), blocks=2, block_size=16)  # 32 tokens < the context of 40
+
+
+@pytest.mark.parametrize("scheme,pos,kv", FAMILIES)
+def test_preemption_by_recompute_loses_nothing_and_stays_exact(scheme, pos, kv):
+    """A pool of exactly one context (3 blocks of 16 for 40 tokens) and eight requests that each
+    grow past their first block: sequences are preempted and recomputed, every one still gets
+    the tokens it gets alone, and seeded sampling too."""
+    model = tiny_model(scheme, pos, kv)
+    rng = random.Random(11)
+    s = Sampling(temperature=0.8, top_k=30)
+    requests = [
+        Request(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 14))), rng.randint(10, 24)) for _ in range(6)
+    ] + [Request((5, 4, 3), 20, s, seed=3), Request((8,), 25, s, seed=4)]
+    engine = Engine(model, blocks=3, block_size=16)
+    events, _ = run_mixed(engine, requests, join_every=1)
+    assert engine.stats()["preemptions"] > 0 and engine.pool.used == 0
+    for req, ev in zip(requests, events.values()):
+        alone = generate(model, [list(req.prompt)], req.max_tokens, req.sampling, seed=req.seed)[0]
+        assert tokens(ev) == alone and ev[-1].finish == "length"
+
+
+def test_a_short_request_holds_only_its_blocks():
+    """The issue's example at toy scale: a pool of 4 whole contexts (40 tokens each, 12 blocks of
+    16 = 3 per context... 4 x 3 = 12 blocks) runs 12 one-block requests at once, not 4."""
+    model = tiny_model()
+    engine = Engine(model, blocks=12, block_size=16)
+    assert engine.stats()["capacity_sequences"] == 4 and engine.stats()["max_concurrency"] == 4.8
+    for i in range(12):
+        engine.submit(Request((i + 1, 2, 3), 5), [].append)  # 3 + 5 tokens: one block each
+    engine.step()
+    assert engine.stats()["active"] == 12 and engine.pool.used == 12
 
 
 @pytest.mark.parametrize(
@@ -250,7 +286,8 @@ def test_health_models_and_a_greedy_completion(server):
     h = server.client.get("/health").json()
     per_token = 2 * 32 * 4  # Q-K=V caches one tensor: 2 layers x d_model x fp32
     assert h["status"] == "ok" and h["scheme"] == "Q-K=V" and h["cache_bytes_per_token"] == per_token
-    assert h["capacity_sequences"] == 40_000 // (per_token * CONTEXT) == 3
+    assert h["capacity_tokens"] == 40_000 // (per_token * 16) * 16 == 144 and h["block_size"] == 16
+    assert h["capacity_sequences"] == 144 // 48 == 3  # whole contexts: 3 blocks of 16 hold 40 tokens
     assert {"active", "queued"} <= set(h)
     assert server.client.get("/v1/models").json()["data"][0]["id"] == "tiny"
     r = server.post({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 9, "temperature": 0})
@@ -306,7 +343,8 @@ def test_more_requests_than_rows_queue_and_all_are_exact(server):
         t.join(WAIT)
     for p, r in zip(prompts, results):
         assert r["choices"][0]["token_ids"] == greedy(server, p, 10)
-    assert server.client.get("/health").json()["peak_active"] <= 3
+    h = server.client.get("/health").json()
+    assert h["peak_blocks_used"] <= h["blocks"] == 9 and h["blocks_used"] == 0
 
 
 BAD = [
@@ -505,11 +543,10 @@ def test_logprobs_are_the_models_log_softmax_and_the_prompts_too():
         assert abs(first.prompt[i][0] - lp[i - 1, prompt[i]].item()) < 1e-9 and len(first.prompt[i][1]) == 2
 
 
-def test_max_model_len_shortens_the_rows_and_generation_stays_exact():
+def test_max_model_len_bounds_sequences_and_generation_stays_exact():
     model = tiny_model()
-    engine = Engine(model, rows=2, context=12)
-    assert engine.pool.storage.max_len == 12 if hasattr(engine.pool.storage, "max_len") else True
-    assert engine.stats()["capacity_tokens"] == 24
+    engine = Engine(model, rows=2, context=12)  # two whole 12-token sequences: one block of 16 each
+    assert engine.pool.blocks == 2 and engine.stats()["capacity_tokens"] == 32
     with pytest.raises(UserError, match="longer than the model's context of 12"):
         engine.submit(Request(tuple(range(13)), 3), [].append)
     got: list[Event] = []
@@ -576,10 +613,11 @@ def test_models_by_id_and_metrics(server):
     ):
         assert name in fams, name
     value = lambda fam, suffix: sum(s.value for s in fams[fam].samples if s.name == fam + suffix)  # noqa: E731
-    finished = server.client.get("/health").json()["requests_finished"]
-    assert value("vllm:e2e_request_latency_seconds", "_count") == finished >= 1
-    assert value("vllm:num_preemptions", "_total") == 0 and value("vllm:num_requests_running", "") == 0
-    assert value("vllm:generation_tokens", "_total") == server.client.get("/health").json()["tokens_generated"]
+    h = server.client.get("/health").json()
+    assert value("vllm:e2e_request_latency_seconds", "_count") == h["requests_finished"] >= 1
+    assert value("vllm:num_preemptions", "_total") == h["preemptions"] and value("vllm:num_requests_running", "") == 0
+    assert value("vllm:generation_tokens", "_total") == h["tokens_generated"]
+    assert value("vllm:kv_cache_usage_perc", "") == 0  # every block back
 
 
 def test_tokenize_detokenize_as_vllm(server):

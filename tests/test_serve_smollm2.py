@@ -54,11 +54,12 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 def test_the_gguf_is_served_with_its_tokenizer_and_capacity(server):
     h = server.client.get("/health").json()
     assert h["cache_bytes_per_token"] == PER_TOKEN and h["context"] == 256
-    assert h["capacity_sequences"] == 64_000_000 // (PER_TOKEN * 256) == 5 and h["capacity_tokens"] == 5 * 256
+    # the issue's figure: 64 MB hold ~1,390 tokens' worth of blocks (86 blocks of 16), 5 whole 256-token sequences
+    assert h["capacity_tokens"] == 64_000_000 // (PER_TOKEN * 16) * 16 == 1376 and h["capacity_sequences"] == 5
     card = server.client.get("/v1/models").json()["data"][0]
     assert card["id"] == "SmolLM2-135M-Instruct.Q4_1" and "<|im_start|>" in card["chat_template"]
     assert server.built.served.tokenizer.stop_ids == {2}  # <|im_end|>: the tokenizer's eos
-    with pytest.raises(UserError, match="holds no sequence"):  # a whole 2,048-token fp32 row is 94 MB
+    with pytest.raises(UserError, match="holds no sequence"):  # a whole 2,048-token fp32 context is 94 MB
         build(ServeConfig(model=str(GGUF), cache_memory="64MB", dtype="fp32"))
 
 

@@ -1,21 +1,26 @@
-"""Continuous batching over the slot pool: sequences join and leave the running batch at every step.
+"""Continuous batching over the paged KV cache: sequences join and leave the running batch at every step.
 
 One step (`Engine.step`), on the engine's own thread, never on the HTTP event loop:
-1. retire: finished and cancelled sequences leave, their rows are freed (a client that
-   disconnected is cancelled by the app, so its row frees here, at the next step);
-2. admit: waiting requests take free rows, first come first served; their prompts are prefilled
-   together (left padded, as `qkvlab.generate` does), copied into their rows, and their first
-   token is sampled;
-3. decode: one token for every running sequence in one forward pass over rows [0, n).
+1. retire: finished and cancelled sequences leave and give their blocks back (a client that
+   disconnected is cancelled by the app, so its blocks free here, at the next step);
+2. admit: waiting sequences, first come first served, while the free blocks hold their prompts
+   (and --max-batch allows); their prompts are prefilled together (left padded, as
+   `qkvlab.generate` does), copied into their blocks, and their first token is sampled;
+3. grow: a sequence whose next token starts a new block takes one; when none is free, the most
+   recently admitted sequence is preempted (vLLM's recompute): its blocks are given back and it
+   goes back to the front of the queue with its tokens so far, which are prefilled again when it
+   is readmitted; nothing admitted is lost, and it continues exactly where it was;
+4. decode: one token for every running sequence in one forward pass (paged.py).
 
 Each sequence computes exactly what `qkvlab.generate` computes for it alone: the same prefill, the
-same cached keys and values, each row attending to its own tokens only; so greedy tokens match.
-Admission is by rows, and rows by cache bytes: the pool holds --cache-memory / (bytes per token x
-context) sequences, so a scheme that caches less serves more at once. When every row is taken,
-requests wait in the queue; they never fail for lack of room.
+same cached keys and values, each attending to its own tokens only; so greedy tokens match.
+Admission is by blocks, and blocks by cache bytes: the pool holds --cache-memory / (bytes per
+token x block size) blocks, so a scheme that caches less serves more tokens at once, and a short
+request holds only the blocks its tokens fill. When no block is free, requests wait in the queue;
+they never fail for lack of room (the pool always holds one whole context).
 
 A request asks for `n` choices: n sequences that share one prefill of the prompt when they are
-admitted together (its keys and values are copied into each one's row) and then decode on their
+admitted together (its keys and values are copied into each one's blocks) and then decode on their
 own; seeded sampling gives choice i the seed + i, so choice 0 is what n = 1 gives. With `logprobs`
 each token carries its log-probability and the top-k alternatives (of the model's distribution,
 before temperature, as vLLM reports them); `prompt_logprobs` does the same for the prompt (echo).
@@ -40,7 +45,7 @@ import torch
 
 from qkvlab.errors import UserError
 from qkvlab.generate import Sampling, decode_step, left_pad, new_cache, next_token, prefill
-from qkvlab.serve.slots import SlotPool
+from qkvlab.serve.paged import BLOCK_SIZE, BlockPool, blocks_for
 
 PREFILL_TOKENS = 4096  # padded prompt tokens prefilled in one step (at least one whole prompt): bounds a step
 
@@ -96,6 +101,8 @@ class Sequence:
         self.steps = steps  # tokens it may produce (max_tokens, fewer where the context ends)
         self.generator = generator
         self.stops = stops  # token ids that end it (not emitted)
+        self.table: list[int] = []  # its blocks, in order (paged.py)
+        self.tokens: list[int] = []  # the tokens it emitted: with the prompt, what a preempted one recomputes
         self.produced = 0  # tokens sampled, a stop token included
         self.emitted = 0
         self.position = len(self.request.prompt)  # of the token fed next; also the columns its row has filled
@@ -106,6 +113,15 @@ class Sequence:
         self.arrived = time.perf_counter()
         self.first: float | None = None  # when its first token was emitted
         self.last: float | None = None
+
+    def prefill_ids(self) -> list[int]:
+        """What admitting it prefills: the prompt, and after a preemption the tokens it emitted
+        (the last one is the token it was about to feed, so the prefill's logits give the next)."""
+        return [*self.request.prompt, *self.tokens]
+
+    def prefill_key(self):
+        """Sequences with one key share a prefill: a request's fresh choices (its group)."""
+        return self if self.tokens else self.group
 
     def finish(self, reason: str) -> None:
         if not self.done:
@@ -119,16 +135,20 @@ class Engine:
     def __init__(
         self,
         model,
-        rows: int,
+        rows: int | None = None,
         *,
+        blocks: int | None = None,
+        block_size: int = BLOCK_SIZE,
         eot_id: int | None = None,
         stop_ids=(),
         vocab_limit: int | None = None,
         context: int | None = None,
         metrics=None,
     ):
-        """stop_ids (and eot_id, the same with one id): tokens that end a sequence unless its request
-        says otherwise; context: the longest sequence served (--max-model-len), at most the model's."""
+        """rows: most sequences at once (None: as many as the blocks hold); blocks: of the pool
+        (default: `rows` whole contexts); stop_ids (and eot_id, the same with one id): tokens that
+        end a sequence unless its request says otherwise; context: the longest sequence served
+        (--max-model-len), at most the model's."""
         self.model, self.vocab_limit, self.metrics = model, vocab_limit, metrics
         self.stop_ids = frozenset(stop_ids) | ({eot_id} if eot_id is not None else set())
         self.context = model.cfg.context if context is None else context
@@ -136,15 +156,34 @@ class Engine:
             raise UserError(
                 f"max_model_len={self.context} must be from 1 to the model's context of {model.cfg.context}"
             )
+        per_context = blocks_for(self.context, block_size)
+        if blocks is None:
+            if rows is None:
+                raise UserError("give the engine rows or blocks")
+            blocks = rows * per_context
+        if blocks < per_context:  # then a sequence of a whole context could never finish
+            raise UserError(f"{blocks} blocks of {block_size} tokens hold no sequence of {self.context} tokens")
+        self.max_batch = rows if rows is not None else blocks
         self.device = next(model.parameters()).device
-        self.pool = SlotPool(model, rows, self.context)
-        self.running: list[Sequence] = []  # running[i] occupies row i
+        self.pool = BlockPool(model, blocks, block_size)
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.waiting: deque[Sequence] = deque()
         self.cv = threading.Condition()  # guards waiting, draining, counters; wakes the loop
         self.draining = self._stopping = False
-        self.active = self.peak_active = self.tokens = self.finished = 0
+        self.active = self.peak_active = self.tokens = self.finished = self.preemptions = 0
+        self.peak_blocks = 0
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+
+    @property
+    def capacity_sequences(self) -> int:
+        """Sequences of a whole context the pool holds at once (at most max_batch)."""
+        return min(self.max_batch, self.pool.blocks // blocks_for(self.context, self.pool.block_size))
+
+    @property
+    def max_concurrency(self) -> float:
+        """vLLM's figure: the pool's tokens / the context (full-length requests at once)."""
+        return self.pool.tokens / self.context
 
     # ---- called from other threads --------------------------------------------------------------
     def submit(self, request: Request, emit: Callable[[Event], None]) -> Sequence:
@@ -204,8 +243,15 @@ class Engine:
     def stats(self) -> dict[str, int]:
         with self.cv:
             return {
-                "capacity_sequences": self.pool.rows,
-                "capacity_tokens": self.pool.rows * self.context,
+                "capacity_sequences": self.capacity_sequences,
+                "capacity_tokens": self.pool.tokens,
+                "max_concurrency": round(self.max_concurrency, 2),
+                "block_size": self.pool.block_size,
+                "blocks": self.pool.blocks,
+                "blocks_used": self.pool.used,
+                "peak_blocks_used": self.peak_blocks,
+                "preemptions": self.preemptions,
+                "max_batch": self.max_batch,
                 "active": self.active,
                 "queued": len(self.waiting),
                 "peak_active": self.peak_active,
@@ -252,7 +298,7 @@ class Engine:
     # ---- the step, on the engine thread --------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> None:
-        """Retire, admit, decode once. A failure ends the sequences it touched, never the engine."""
+        """Retire, admit, grow, decode once. A failure ends the sequences it touched, never the engine."""
         try:
             self._retire()
             admitted = self._admit()
@@ -260,80 +306,116 @@ class Engine:
                 try:
                     logits = self._prefill(admitted)
                 finally:
-                    self.running += admitted  # rows were taken in order: running[i] is row i
+                    self.running += admitted
                 self._sample(logits, admitted)
                 self._retire()
+            self._grow()
             if self.running:
                 self._decode()
         except Exception:  # noqa: BLE001 (a bug or an out-of-memory must not stop the server)
             traceback.print_exc(file=sys.stderr)
             for seq in self.running:
                 seq.finish("error")
-            self.running.clear()  # their rows are free: the next occupants overwrite them
         finally:
             self._retire()
             with self.cv:
                 self.active = len(self.running)
                 self.peak_active = max(self.peak_active, self.active)
+                self.peak_blocks = max(self.peak_blocks, self.pool.used)
                 self.cv.notify_all()
 
     def _retire(self) -> None:
-        """Drop finished and cancelled sequences; the last row moves into each freed one."""
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
+        """Drop finished and cancelled sequences; their blocks go back to the pool."""
+        keep = []
+        for seq in self.running:
             if seq.cancel_reason is not None:
                 seq.finish(seq.cancel_reason)
-            if not seq.done:
-                i += 1
-                continue
-            last = self.running.pop()
-            if last is not seq:
-                self.pool.move(len(self.running), i, last.position)
-                self.running[i] = last
-            with self.cv:
-                self.finished += 1
+            if seq.done:
+                self.pool.give_back(seq.table)
+                with self.cv:
+                    self.finished += 1
+            else:
+                keep.append(seq)
+        self.running[:] = keep
 
     def _admit(self) -> list[Sequence]:
-        """Waiting sequences for the free rows, up to PREFILL_TOKENS padded prompt tokens (a group's
-        prompt counted once: its choices share the prefill)."""
-        free = self.pool.rows - len(self.running)
+        """Waiting sequences, first come first served, while free blocks hold what each must
+        prefill (its prompt, and a preempted one's tokens so far) and --max-batch allows; up to
+        PREFILL_TOKENS padded tokens (a group's prompt counted once: its choices share it)."""
         out: list[Sequence] = []
-        groups: dict[Group, int] = {}
+        keys: dict[object, int] = {}
         with self.cv:
-            while self.waiting and len(out) < free:
+            while self.waiting and len(self.running) + len(out) < self.max_batch:
                 nxt = self.waiting[0]
-                if out and nxt.group not in groups:
-                    longest = max(len(nxt.request.prompt), *(len(g.request.prompt) for g in groups))
-                    if longest * (len(groups) + 1) > PREFILL_TOKENS:
+                length = len(nxt.prefill_ids())
+                key = nxt.prefill_key()
+                if out and key not in keys:
+                    if max(length, *keys.values()) * (len(keys) + 1) > PREFILL_TOKENS:
                         break
-                groups.setdefault(nxt.group, len(groups))
+                table = self.pool.take(blocks_for(length, self.pool.block_size))
+                if table is None:
+                    break  # first come first served: nobody overtakes the head of the queue
+                nxt.table = table
+                keys.setdefault(key, length)
                 out.append(self.waiting.popleft())
             self.active = len(self.running) + len(out)  # busy from leaving the queue on
             self.peak_active = max(self.peak_active, self.active)
         return out
 
+    def _grow(self) -> None:
+        """Give each running sequence the block its next token falls in, preempting the most
+        recently admitted ones (recompute) while none is free."""
+        B = self.pool.block_size
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if seq.position // B < len(seq.table):
+                i += 1
+                continue
+            block = self.pool.take(1)
+            if block is not None:
+                seq.table += block
+                i += 1
+                continue
+            self._preempt(self.running.pop())  # the last admitted; may be seq itself (then i is past the end)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.pool.give_back(seq.table)
+        seq.position = len(seq.request.prompt)  # it restarts from a prefill of prompt + tokens
+        with self.cv:
+            self.waiting.appendleft(seq)
+            self.preemptions += 1
+        if self.metrics is not None:
+            self.metrics.preempted()
+
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Each group's prompt once, left padded into a scratch cache, then its real tokens into the
-        row of each of its sequences -> logits (len(seqs), V) after each one's prompt."""
-        groups = list(dict.fromkeys(s.group for s in seqs))
-        prompts = [g.request.prompt for g in groups]
+        """Each group's prompt once (a preempted sequence's prompt and tokens on their own), left
+        padded into a scratch cache, then its real tokens into each of its sequences' blocks ->
+        logits (len(seqs), V) after each one's last token."""
+        keys = list(dict.fromkeys(s.prefill_key() for s in seqs))
+        first = {}
+        for s in seqs:
+            first.setdefault(s.prefill_key(), s)
+        prompts = [tuple(first[k].prefill_ids()) for k in keys]
+        groups = [first[k].group if not first[k].tokens else None for k in keys]  # None: a recompute
         batch = left_pad(prompts, device=self.device)
         T = batch.idx.shape[1]
         scratch = new_cache(self.model, len(prompts), T)
-        if any(g.request.prompt_logprobs is not None and g.prompt_logprobs is None for g in groups):
+        wants = [g is not None and g.request.prompt_logprobs is not None and g.prompt_logprobs is None for g in groups]
+        if any(wants):
             every, _ = self.model(batch.idx, cache=scratch, positions=batch.positions, token_mask=batch.token_mask)
             for j, g in enumerate(groups):  # every (G, T, V): logits after each prompt token
-                if g.request.prompt_logprobs is not None and g.prompt_logprobs is None:
+                if wants[j]:
                     g.prompt_logprobs = self._prompt_logprobs(every[j, T - len(prompts[j]) :], prompts[j], g)
             logits = every[:, -1]
         else:
             logits = prefill(self.model, scratch, batch)
-        row = {g: j for j, g in enumerate(groups)}
-        for k, s in enumerate(seqs):
-            j = row[s.group]
-            self.pool.load(len(self.running) + k, scratch, j, T - len(prompts[j]), len(prompts[j]))
-        return logits[[row[s.group] for s in seqs]]
+        row = {k: j for j, k in enumerate(keys)}
+        for s in seqs:
+            j = row[s.prefill_key()]
+            self.pool.load(s.table, scratch, j, T - len(prompts[j]), len(prompts[j]))
+            s.position = len(prompts[j])
+        return logits[[row[s.prefill_key()] for s in seqs]]
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt, group: Group) -> tuple:
         """logits (L, V) after each of the prompt's L tokens -> per token (logprob, top k), the first None."""
@@ -355,9 +437,9 @@ class Engine:
 
     def _decode(self) -> None:
         tokens = torch.tensor([s.pending for s in self.running], device=self.device)
-        positions = torch.tensor([s.position for s in self.running], device=self.device)
-        width = max(s.position for s in self.running) + 1
-        logits = decode_step(self.model, self.pool.step(positions, width), tokens, positions)
+        positions = [s.position for s in self.running]
+        step = self.pool.step([s.table for s in self.running], positions)
+        logits = decode_step(self.model, step, tokens, torch.tensor(positions, device=self.device))
         for s in self.running:
             s.position += 1
         self._sample(logits, self.running)
@@ -392,6 +474,7 @@ class Engine:
                 self.metrics.token(s, now)
             s.first = s.first or now
             s.last, s.emitted = now, s.emitted + 1
+            s.tokens.append(t)
             s.emit(Event(token=t, index=s.index, logprob=lp, top=top, prompt=prompt))
             emitted += 1
             if s.produced >= s.steps:

@@ -9,9 +9,8 @@ when a token is emitted, which is when its time is known:
   older name vllm:time_per_output_token_seconds, as vLLM still exports it);
 - vllm:request_time_per_output_token_seconds: per request, (last - first token) / (tokens - 1);
 - vllm:e2e_request_latency_seconds: arrival to the end;
-- vllm:num_preemptions_total: always 0 here, since the row pool never preempts (a row is held
-  for a whole context);
-- vllm:kv_cache_usage_perc: rows in use / rows (a fraction from 0 to 1, as vLLM's).
+- vllm:num_preemptions_total: sequences preempted (recompute) for want of a free block;
+- vllm:kv_cache_usage_perc: blocks in use / blocks (a fraction from 0 to 1, as vLLM's).
 
 Each app has its own registry: tests run several servers in one process.
 """
@@ -68,8 +67,7 @@ class Metrics:
             "vllm:request_time_per_output_token_seconds", "Per request: decode time per output token.", ITL_BUCKETS
         )
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to the last token.", E2E_BUCKETS)
-        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (none with the row pool).", **label)
-        self.preemptions.labels(model_name)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute).", **label).labels(model_name)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens prefilled.", **label).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", **label).labels(model_name)
         self.success = Counter(
@@ -78,10 +76,10 @@ class Metrics:
 
     def watch(self, engine) -> None:
         """Read the engine's counts at each scrape."""
-        rows = engine.pool.rows
+        pool = engine.pool
         self.running.labels(self.name).set_function(lambda: engine.active)
         self.waiting.labels(self.name).set_function(lambda: len(engine.waiting))
-        self.usage.labels(self.name).set_function(lambda: engine.active / rows)
+        self.usage.labels(self.name).set_function(lambda: pool.used / pool.blocks)
 
     # ---- observed by the engine ---------------------------------------------------------------
     def token(self, seq, now: float) -> None:
@@ -93,6 +91,9 @@ class Metrics:
             self.itl.observe(now - seq.last)
             self.tpot_old.observe(now - seq.last)
         self.generation_tokens.inc()
+
+    def preempted(self) -> None:
+        self.preemptions.inc()
 
     def finished(self, seq, reason: str, now: float) -> None:
         self.e2e.observe(now - seq.arrived)

@@ -3,11 +3,12 @@
 The model is whatever convert/load.py's one loader reads (a qkvlab folder or run, a Hugging Face
 folder, a .gguf), with its own tokenizer (serve/tokens.py), served as it is.
 
-Capacity: the cache is one pool of rows, each holding a whole context (--max-model-len, default the
-model's), so
-    capacity (sequences) = cache memory // (KV-cache bytes per token x context)
+Capacity: the cache is one pool of blocks of --block-size tokens (paged.py), so
+    capacity (tokens) = cache memory // (KV-cache bytes per token x block size) x block size
 with bytes per token from the projection spec (accounting.kv_cache_bytes_per_token: Q-K=V caches
-one tensor where Q-K-V caches two, MQA one head where MHA caches n_head). --max-batch caps it.
+one tensor where Q-K-V caches two, MQA one head where MHA caches n_head). It must hold one whole
+context (--max-model-len, default the model's); capacity / context is vLLM's "maximum
+concurrency". --max-batch caps the sequences decoded at once.
 
 Drain: the first SIGTERM (or Ctrl-C) stops admitting (new requests get 503, /health says
 "draining"), lets running and queued requests finish for up to --drain-timeout seconds, ends the
@@ -41,11 +42,10 @@ class ServeConfig:
     host: str = setting("127.0.0.1", help="address to listen on (loopback unless you say otherwise)")
     port: int = setting(8000, help="TCP port (0: any free port, printed at start-up)", minimum=0, maximum=65535)
     cache_memory: str = setting(
-        "1GiB", help="KV-cache memory: the pool of sequence slots, e.g. 512MB, 8GiB or bytes", metavar="SIZE"
+        "1GiB", help="KV-cache memory: the pool of cache blocks, e.g. 512MB, 8GiB or bytes", metavar="SIZE"
     )
-    max_batch: int | None = setting(
-        None, help="most sequences at once (default: all the cache memory holds)", minimum=1
-    )
+    block_size: int = setting(16, help="tokens per cache block (vLLM's default 16)", minimum=1, maximum=4096)
+    max_batch: int | None = setting(None, help="most sequences at once (default: all the cache blocks hold)", minimum=1)
     device: str = setting("auto", help=DEVICE_HELP, metavar="DEVICE")
     dtype: str = setting(
         "auto",
@@ -78,16 +78,20 @@ class ServeConfig:
         return dataclasses.asdict(self)
 
 
-def capacity(cache_bytes: int, bytes_per_token: int, context: int, max_batch: int | None = None) -> int:
-    """Sequences of a whole context that fit in cache_bytes (at most max_batch); refuses zero."""
-    per_sequence = bytes_per_token * context
-    rows = cache_bytes // per_sequence
-    if rows < 1:
+def pool_blocks(cache_bytes: int, bytes_per_token: int, context: int, block_size: int = 16) -> int:
+    """Blocks of block_size tokens that fit in cache_bytes; refuses a pool without one whole context."""
+    from qkvlab.serve.paged import blocks_for
+
+    per_block = bytes_per_token * block_size
+    blocks = cache_bytes // per_block
+    if blocks < blocks_for(context, block_size):
+        need = blocks_for(context, block_size) * per_block
         raise UserError(
-            f"--cache-memory of {cache_bytes:,} bytes holds no sequence: one needs {per_sequence:,} bytes "
-            f"({bytes_per_token:,} bytes per token x context {context:,}); raise --cache-memory or lower --max-model-len"
+            f"--cache-memory of {cache_bytes:,} bytes holds no sequence: one of the context's {context:,} tokens "
+            f"needs {need:,} bytes ({bytes_per_token:,} bytes per token, blocks of {block_size}); "
+            "raise --cache-memory or lower --max-model-len"
         )
-    return min(rows, max_batch) if max_batch is not None else rows
+    return blocks
 
 
 @dataclass
@@ -125,13 +129,15 @@ def build(cfg: ServeConfig) -> Built:
     model = loaded.model.to(device=device, dtype=dtype).eval()
     cache_dtype = dtype_name(str(next(model.parameters()).dtype).removeprefix("torch."))
     per_token = kv_cache_bytes_per_token(model_cfg, cache_dtype)
-    rows = capacity(cfg.cache_bytes, per_token, context, cfg.max_batch)
-    check_fits(rows * per_token * context, "--cache-memory", "lower --cache-memory", device)
+    blocks = pool_blocks(cfg.cache_bytes, per_token, context, cfg.block_size)
+    check_fits(blocks * cfg.block_size * per_token, "--cache-memory", "lower --cache-memory", device)
     name = cfg.name or Path(cfg.model).resolve().name.removesuffix(".gguf")
     metrics = _metrics(name)
     engine = Engine(
         model,
-        rows,
+        cfg.max_batch,
+        blocks=blocks,
+        block_size=cfg.block_size,
         stop_ids=tok.stop_ids if tok is not None else (),
         vocab_limit=getattr(tok, "vocab_size", None),
         context=context,
@@ -218,12 +224,13 @@ def serve(cfg: ServeConfig) -> int:
     built = build(cfg)
     sock = listen(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
-    served, rows = built.served, built.engine.pool.rows
-    print(  # vLLM's terms at the end: the cache in tokens, the concurrency at full-length requests
+    served, engine = built.served, built.engine
+    print(  # vLLM's terms: the cache in tokens, the concurrency at full-length requests
         f"qkvlab serve: http://{host if ':' not in host else f'[{host}]'}:{port}/v1 serving {served.name} "
-        f"({served.scheme}, {built.dtype} on {built.device}): capacity {rows:,} sequences of {served.context:,} tokens "
-        f"({served.cache_bytes_per_token:,} bytes per token, {nbytes(served.cache_bytes)}); "
-        f"KV cache size: {rows * served.context:,} tokens, maximum concurrency {rows:,}x",
+        f"({served.scheme}, {built.dtype} on {built.device}): capacity {engine.capacity_sequences:,} sequences of "
+        f"{served.context:,} tokens; KV cache size: {engine.pool.tokens:,} tokens "
+        f"({served.cache_bytes_per_token:,} bytes per token, {nbytes(served.cache_bytes)}), "
+        f"maximum concurrency {engine.max_concurrency:.2f}x",
         flush=True,
     )
     built.engine.start()
