@@ -102,7 +102,7 @@ def step_work(cfg) -> float:
 
 def step_seconds(cfg, threads: int, steps: int = PROBE_STEPS) -> float:
     """Seconds per optimizer step of TrainConfig `cfg` in this process at `threads` threads, under the
-    autocast the run would train with (cfg.dtype; auto is bf16 on bf16-native CPUs)."""
+    autocast the run would train with (cfg.dtype; auto as timed here, train.dtype_probe)."""
     import torch
 
     from qkvlab.devices import torch_dtype

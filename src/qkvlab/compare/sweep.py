@@ -28,7 +28,7 @@ SWEEP_VARIANTS = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=V-K", "Q
 # heads at every size so MQA keeps 1 of 4 kv heads (25% of Q-K=V's cache) throughout; 20 tokens per
 # parameter (Chinchilla's ratio); 6 seeds where a run costs seconds, 3 where it costs minutes. Depth
 # stays 2 because the cost grows as N^2 (tokens follow N): the largest size is ~21 min per run on one
-# CPU core (bf16 autocast from d 192 where the CPU has it), the 8 variants about 6 h of 2 cores.
+# CPU core (measured under bf16 autocast, which the old `auto` rule chose there), the 8 variants about 6 h of 2 cores.
 SWEEP_SIZES = "d48-L2-h4-b16-s6,d80-L2-h4-b16-s6,d128-L2-h4-b32-s3,d208-L2-h4-b32-s3"
 # lr per size: base_lr * (LR_WIDTH / d_model), the 1/width rule of muP-style transfer for Adam's
 # hidden matrices, fixed before any run (2e-3 is the CPU LM recipe's lr at d 64).

@@ -6,9 +6,10 @@ width (autocast casts every Linear's input and weight at every step), so no CPU 
 `cpu_autocast` times a training step (forward and backward) of one block and the head at the
 model's width, heads, vocabulary and batch x length, in fp32 and under bf16 autocast, alternating
 rounds, best of each, and takes bf16 only if it is faster by more than the rounds' own spread
-(matmuls alone are not enough: the casts, norms and softmax around them decide it at small widths). The figures are cached per
-machine (CPU, torch, threads) and shape class in `cache_dir()/dtype_probe.json`, so a machine
-measures a shape once; the decision and its figures go into the run's record.
+(matmuls alone are not enough: the casts, norms and softmax around them decide it at small
+widths). The figures are cached per machine (CPU, torch, threads) and shape class in
+`cache_dir()/dtype_probe.json`, so a machine measures a shape once; the decision and its figures
+go into the run's record.
 """
 
 from __future__ import annotations
