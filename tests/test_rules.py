@@ -42,3 +42,28 @@ def test_docs_tell_the_changelog():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "analysis.md").read_text()
     assert rules.changelog_markdown() in doc
     assert "fixed before any run" not in doc and "fixed here before any run" not in doc
+
+
+def test_lm_reconstruction_gives_the_published_version_3_words():
+    """scripts/reconstruct_lm_verdicts.py rebuilds the 16-seed LM verdicts from the published
+    intervals; under version 3 it must give docs/results/lm/results.md's words claim by claim, and
+    under version 2 the 1 / 1 / 5 docs/analysis.md reports."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    from qkvlab.analysis import paper_figures as pf
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("reconstruct", root / "scripts" / "reconstruct_lm_verdicts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    md = (root / "docs" / "results" / "lm" / "results.md").read_text()
+    published = {}
+    for c in pf.LM_CLAIMS:
+        row = next(line for line in md.splitlines() if line.startswith(f"| Paper {c.paper}: {c.text} |"))
+        published[c.id] = re.search(r"\*\*(\w+)\*\*", row).group(1)
+    assert mod.verdicts(3) == published
+    v2 = list(mod.verdicts(2).values())
+    assert (v2.count("reproduced"), v2.count("contradicted"), v2.count("inconclusive")) == (1, 1, 5)
+    assert mod.verdicts(4)["lm-qkeqv-worst"] == "reproduced"
