@@ -2,10 +2,10 @@
 
 MODEL: a qkvlab folder, a Hugging Face folder or a .gguf, with its own tokenizer and chat template.
 POST /v1/completions, /v1/chat/completions (streaming, logprobs, n, echo), /tokenize, /detokenize;
-GET /v1/models, /health, /metrics (Prometheus, vLLM's names). The cache is a pool of --cache-memory bytes: capacity = cache memory / (KV-cache bytes
-per token x context) sequences, so Q-K=V serves twice the sequences of Q-K-V and MQA more. Needs the
-`serve` extra: pip install 'qkvlab[serve]'. See docs/serve.md. The settings: ServeConfig
-(qkvlab/serve/server.py).
+GET /v1/models, /health, /metrics (Prometheus, vLLM's names). The cache is a pool of --cache-memory bytes in
+blocks of --block-size tokens: capacity = cache memory / KV-cache bytes per token, so Q-K=V holds twice the
+tokens of Q-K-V and MQA more. Needs the `serve` extra: pip install 'qkvlab[serve]'. See docs/serve.md.
+The settings: ServeConfig (qkvlab/serve/server.py).
 """
 
 from __future__ import annotations
