@@ -262,3 +262,42 @@ def test_committed_sweep_rescored_on_size_means():
     assert v.slope_word == NO_LINE
     old = analyse(runs, source="test split", rules=VERSIONS[3]).variants[0]
     assert old.slope_word == GROWING and old.fit_params.slope_interval().lo > 0  # what was published
+
+
+def test_per_window_scores_pair_the_sweep_and_survive_the_csv(tmp_path):
+    """With every run's per-window test losses, a size's gap takes the paired per-unit evaluation
+    variance (not se_A^2 + se_B^2); scores.json beside results.csv keeps them for a re-render."""
+    runs_dir = tmp_path / "runs"
+    _sweep(runs_dir, test_se=0.05)
+    rng = random.Random(5)
+    windows = [rng.gauss(3.0, 1.0) for _ in range(30)]
+    for test in runs_dir.glob("*/*/*/test.json"):
+        body = json.loads(test.read_text())
+        shift = body["loss"] - 3.0
+        body["per_unit"] = [w + shift + rng.gauss(0, 0.01) for w in windows]
+        test.write_text(json.dumps(body))
+    paired = write_scaling_results(runs_dir, tmp_path / "out", plots=False)
+    loose = analyse([r.__class__(**{**r.__dict__, "per_unit": None}) for r in paired.runs], source="test split")
+    for v, w in zip(paired.variants, loose.variants):
+        for s in v.gaps:
+            assert v.gaps[s].hi - v.gaps[s].lo < w.gaps[s].hi - w.gaps[s].lo  # se 0.05 added whole is wider
+    only_csv = tmp_path / "docs"
+    only_csv.mkdir()
+    for name in ("results.csv", "scores.json"):
+        (only_csv / name).write_bytes((tmp_path / "out" / name).read_bytes())
+    again = write_scaling_results(only_csv, only_csv, plots=False)
+    for v, w in zip(again.variants, paired.variants):
+        for s in v.gaps:
+            assert (v.gaps[s].lo, v.gaps[s].hi) == pytest.approx((w.gaps[s].lo, w.gaps[s].hi), abs=1e-3)
+
+
+def test_committed_sweep_rerenders_to_its_committed_results(tmp_path):
+    """docs/results/scaling/results.md is what `compare --render` derives from the folder's own
+    per-seed rows and compare.json: re-scoring reproduces every stored figure and word."""
+    src = ROOT / "docs" / "results" / "scaling"
+    for name in ("results.csv", "compare.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    write_scaling_results(tmp_path, tmp_path, plots=False)
+    plots = "## Plots\n\n![gap_vs_params](gap_vs_params.png)\n![gap_vs_compute](gap_vs_compute.png)\n\n"
+    assert (tmp_path / "results.md").read_text() == (src / "results.md").read_text().replace(plots, "")
+    assert (tmp_path / "results.csv").read_text() == (src / "results.csv").read_text()

@@ -24,6 +24,7 @@ reject (else ``no line``). The same line is fitted against log10(C).
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class ScalingRun:
     dir: str = ""
     train_s: float = 0.0  # training time of the run (its last row's elapsed_s)
     se: float = 0.0  # the evaluation's own standard error of val_loss (test split; 0: unknown)
+    per_unit: tuple[float, ...] | None = None  # every test window's loss (test.json; scores.json beside the csv)
 
     @property
     def compute(self) -> float:
@@ -111,6 +113,7 @@ class Scaling:
     variants: list[VariantScaling]
     source: str = "validation"  # what was scored: "test split" or "validation"
     train_tokens: int | None = None  # tokens of the training split (compare.json): what epochs count
+    rules: Rules = CURRENT  # the analysis rules applied
 
     def epochs(self, size: str) -> float | None:
         """Passes over the training split the size's runs made (None when the split is not recorded)."""
@@ -178,13 +181,13 @@ def analyse(
 ) -> Scaling:
     """Per variant: paired gaps per size, line fits vs log10 N and log10 C (under the rules given)."""
     sizes, size_params, size_tokens = _size_table(runs)
-    base = {(r.size, r.seed): Measured(r.val_loss, r.se) for r in runs if r.variant == BASELINE}
+    base = {(r.size, r.seed): Measured(r.val_loss, r.se, 0, r.per_unit) for r in runs if r.variant == BASELINE}
     log_c = {s: math.log10(6.0 * size_params[s] * size_tokens[s]) for s in sizes}
     out = []
     for v in dict.fromkeys(r.variant for r in runs if r.variant != BASELINE):
         gaps, points = {}, []
         for s in sizes:
-            mine = {r.seed: Measured(r.val_loss, r.se) for r in runs if r.variant == v and r.size == s}
+            mine = {r.seed: Measured(r.val_loss, r.se, 0, r.per_unit) for r in runs if r.variant == v and r.size == s}
             ref = {seed: m for (size, seed), m in base.items() if size == s}
             est = paired_estimate(mine, ref, rules.eval_variance)
             if est is not None:
@@ -193,7 +196,7 @@ def analyse(
         fit_n, lof = _fits(points, lambda s: math.log10(size_params[s]), level, rules)
         fit_c, _ = _fits(points, log_c.get, level, rules)
         out.append(VariantScaling(v, gaps, points, fit_n, fit_c, pf.lm_ppl_change(v), lof, rules))
-    return Scaling(list(runs), sizes, size_params, size_tokens, out, source, train_tokens)
+    return Scaling(list(runs), sizes, size_params, size_tokens, out, source, train_tokens, rules)
 
 
 # ---- reading run folders -----------------------------------------------------------------------
@@ -260,15 +263,46 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str], str]:
             done.append(one)
     tests = [test_value(t, "val_loss") for _, t in done]
     if done and all(tests):
-        runs = [replace(r, val_loss=tv[0], se=tv[1]) for (r, _), tv in zip(done, tests)]
+        runs = [replace(r, val_loss=tv[0], se=tv[1], per_unit=tv[3]) for (r, _), tv in zip(done, tests)]
         return runs, unfinished, "test split"
     return [r for r, _ in done], unfinished, "validation"
 
 
+SCORES = "scores.json"  # beside a sweep's results.csv: every run's per-window test losses
+
+
+def write_unit_scores(out_dir: str | Path, runs: Sequence[ScalingRun]) -> None:
+    """scores.json: per run (by its folder) its test windows' losses to 1e-6, one run per line, for
+    re-rendering with the paired per-unit evaluation variance; nothing when no run has them."""
+    from qkvlab.analysis.runs import UNIT_DIGITS
+    from qkvlab.io import atomic_write
+
+    have = [r for r in runs if r.per_unit]
+    if not have:
+        return
+    lines = [json.dumps({"dir": r.dir, "per_unit": [round(x, UNIT_DIGITS) for x in r.per_unit]}) for r in have]
+    atomic_write(
+        Path(out_dir) / SCORES, '{"format": "qkvlab sweep scores 1", "runs": [\n' + ",\n".join(lines) + "\n]}\n"
+    )
+
+
+def _unit_scores(folder: Path) -> dict[str, tuple[float, ...]]:
+    from qkvlab.errors import UserError
+
+    path = folder / SCORES
+    if not path.is_file():
+        return {}
+    try:
+        return {r["dir"]: tuple(r["per_unit"]) for r in json.loads(path.read_text())["runs"]}
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: not a sweep's scores file ({type(e).__name__}: {e})") from None
+
+
 def read_runs_csv(path: str | Path) -> list[ScalingRun]:
-    """The runs of a results.csv this module wrote (one row per run): what re-renders a sweep whose
-    run folders are gone."""
+    """The runs of a results.csv this module wrote (one row per run), with their per-window test
+    losses when scores.json lies beside it: what re-renders a sweep whose run folders are gone."""
     rows = list(csv.DictReader(Path(path).open()))
+    units = _unit_scores(Path(path).parent)
     return [
         ScalingRun(
             size=r["size"],
@@ -283,6 +317,7 @@ def read_runs_csv(path: str | Path) -> list[ScalingRun]:
             dir=r.get("dir", ""),
             train_s=float(r.get("train_s") or 0.0),
             se=float(r.get("val_loss_se") or 0.0),
+            per_unit=units.get(r.get("dir", "")),
         )
         for r in rows
     ]

@@ -19,6 +19,7 @@ from qkvlab.analysis.scaling import (
     paper_size_params,
     read_runs,
     read_runs_csv,
+    write_unit_scores,
 )
 from qkvlab.files import save_figure
 from qkvlab.variants import BASELINE
@@ -158,7 +159,7 @@ def _lof(v) -> str:
 
 
 def _gap_section(sc: Scaling) -> list[str]:
-    means = sc.variants[0].rules.sweep_slope == "size means" if sc.variants else True
+    means = sc.rules.sweep_slope == "size means"
     through = "the size means" if means else "every per-seed point"
     header = (
         ["variant"]
@@ -211,9 +212,7 @@ def to_markdown(
     out = ["# Scaling: gap to Q-K-V against model size", ""]
     if command:
         out += [f"Command: `{command}`", ""]
-    version = sc.variants[0].rules.version if sc.variants else None
-    if version is not None:
-        out += provenance_lines(version, (manifest or {}).get("trained_under_analysis")) + [""]
+    out += provenance_lines(sc.rules.version, (manifest or {}).get("trained_under_analysis")) + [""]
     out += _sizes_section(sc) + _gap_section(sc)
     if plots:
         out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
@@ -319,5 +318,10 @@ def write_scaling_results(
             plot_scaling(sc, out / "gap_vs_compute.png", against="compute"),
         ]
     atomic_write(out / "results.csv", to_csv(sc))
+    write_unit_scores(out, sc.runs)
+    if manifest is not None and Path(out).resolve() == Path(runs_dir).resolve():
+        from qkvlab.analysis.runs import write_manifest
+
+        write_manifest(out, {**manifest, "analysis_version": sc.rules.version})
     atomic_write(out / "results.md", to_markdown(sc, [str(p) for p in written], unfinished, command, manifest, note))
     return sc

@@ -440,12 +440,12 @@ def render(out: str | Path, analysis_version: int | None = None, *, plots: bool 
     """`qkvlab compare --render`: no planning, no training. Re-derive OUT's results.md, results.csv
     and plots from what OUT stores (its run folders, else scores.json; a sweep: its run folders, else
     its per-seed results.csv) under the analysis rules of analysis_version (default: the current)."""
-    from qkvlab.analysis.runs import MANIFEST, SCORES
+    from qkvlab.analysis.runs import MANIFEST
 
     out = Path(out)
     if not out.is_dir():
         raise UserError(f"{out}: no such folder (--render re-derives the results of a compare folder)")
-    sweep = (out / "results.csv").is_file() and not (out / SCORES).is_file() and _is_sweep(out)
+    sweep = (out / "results.csv").is_file() and _is_sweep(out)
     if sweep:
         from qkvlab.analysis.scaling_report import write_scaling_results
 
