@@ -14,7 +14,8 @@ from qkvlab.cache import KVCache
 from qkvlab.cli import main
 from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import logit_diff, role_weights
-from qkvlab.convert.retrofit import fit
+from qkvlab.convert.retrofit import attention_inputs, fit
+from qkvlab.convert.retrofit_fit import calibration_windows
 from qkvlab.errors import UserError
 from qkvlab.model import GPT
 
@@ -95,15 +96,52 @@ def test_layer_selection_and_mqa_cache():
     assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-12
 
 
-def test_cache_budget_picks_best_fitting_layers():
+def test_cache_budget_picks_the_layers_with_the_lowest_output_error():
     model, cfg = model_with(n_layer=4)
     res = fit(model, cfg, calib(), to="Q-K=V", cache_budget=0.75, block=32)
-    r2 = {lf.layer: lf.r2 for lf in res.layers}
-    assert len(res.converted) == 2
-    assert min(r2[i] for i in res.converted) >= max(r2[i] for i in r2 if i not in res.converted)
+    err = {lf.layer: lf.error for lf in res.layers}
+    assert len(res.converted) == 2 and len(set(err.values())) == 4
+    assert max(err[i] for i in res.converted) <= min(err[i] for i in err if i not in res.converted)
     assert kv_cache_bytes_per_token(res.cfg) <= 0.75 * kv_cache_bytes_per_token(cfg)
     with pytest.raises(UserError, match="cache-budget 0.2"):
         fit(model, cfg, calib(), to="Q-K=V", cache_budget=0.2, block=32)
+
+
+def test_output_error_and_refinement():
+    """The error is 0 for the original layer itself; refinement lowers it on windows it never saw,
+    from the very start the closed-form fit gives; the converted layers' rotary keys stay a K=V layer."""
+    from qkvlab.convert.retrofit_refine import RefineOptions, output_error, targets
+
+    model, cfg = model_with(n_layer=2, kv_heads=2)
+    toks = calib(4096, seed=3)
+    xs = attention_inputs(model, toks, 4096, 32)
+    attn, rot = model.trunk.blocks[0].attn, model.trunk.rotary
+    assert xs[0].shape == (127, 32, cfg.d_model)  # (4096 - 1) // 32 whole windows
+    assert output_error(attn, xs[0], targets(attn, xs[0], rot), rot) == 0.0
+    plain = fit(model, cfg, toks, to="Q-K=V", block=32, inputs=xs)
+    refined = fit(model, cfg, toks, to="Q-K=V", block=32, inputs=xs, refine=RefineOptions(steps=100, lr=3e-3))
+    for a, b in zip(plain.layers, refined.layers):
+        assert a.error == a.error_fit == pytest.approx(b.error_fit, rel=1e-12) and a.error_fit > 0.05
+        assert b.error < 0.7 * b.error_fit  # held windows: not the ones the steps saw
+    again = fit(model, cfg, toks, to="Q-K=V", block=32, inputs=xs, refine=RefineOptions(steps=100, lr=3e-3))
+    assert [lf.error for lf in again.layers] == [lf.error for lf in refined.layers]  # seeded: the same steps
+    assert refined.cfg.spec.name == "Q-K=V"
+
+
+def test_calibration_windows_cover_the_corpus_and_mean_start():
+    toks = torch.arange(10_000)
+    w = calibration_windows(toks, 32 * 20, 32, seed=0)
+    assert w.shape == (20, 32) and len({int(r[0]) for r in w}) == 20
+    assert all(int(r[0]) % 32 == 0 and torch.equal(r, toks[int(r[0]) : int(r[0]) + 32]) for r in w)
+    assert int(w[-1, 0]) > 5_000  # spread over the corpus, not its first 640 tokens
+    assert calibration_windows(toks, 10**9, 32).shape == (312, 32)  # at most every window
+    model, cfg = model_with(n_layer=1)
+    res = fit(model, cfg, calib(), to="Q-K=V", start="mean", block=32)
+    src, dst = role_weights(model.trunk.blocks[0], model.trunk.blocks[0].attn.spec), None
+    dst = role_weights(res.model.trunk.blocks[0], res.model.trunk.blocks[0].attn.spec)
+    assert torch.allclose(dst["k"][0], (src["k"][0] + src["v"][0]) / 2, rtol=0, atol=1e-15)
+    with pytest.raises(UserError, match="start='median'"):
+        fit(model, cfg, calib(), to="Q-K=V", start="median", block=32)
 
 
 @pytest.mark.parametrize(
@@ -156,7 +194,7 @@ def trained(tmp_path_factory):
         os.environ["QKVLAB_CACHE"] = old
 
 
-def test_retrofit_command_end_to_end(trained, capsys):
+def test_retrofit_command_end_to_end(trained, capsys, monkeypatch):
     out = trained / "rf"
     argv = ["retrofit", str(trained / "teacher"), str(out), "--to", "Q-K=V", "--data", str(trained / "plays.txt")]
     argv += ["--steps", "40", "--batch-size", "16", "--lr", "2e-3", "--eval-every", "40", "--quiet"]
@@ -176,7 +214,10 @@ def test_retrofit_command_end_to_end(trained, capsys):
     # a second run without --resume refuses to touch OUT; with --resume it finds the run finished
     assert main(argv) == 2
     assert "pass --resume" in capsys.readouterr().err
-    assert main(argv + ["--resume"]) == 0
+    from qkvlab.convert import retrofit as rf
+
+    monkeypatch.setattr(rf, "fit", lambda *a, **k: pytest.fail("fitted again on --resume"))
+    assert main(argv + ["--resume"]) == 0  # the fit in OUT/fit is reused
     again = json.loads((out / "retrofit.json").read_text())
     assert again["ppl_uptrained"] == pytest.approx(report["ppl_uptrained"], rel=1e-6)
 
@@ -207,6 +248,26 @@ def test_kl_and_distill_options():
         get_task("distill", teacher="a", student="b", tokens="c", kl_weight=0, lm_weight=0)
     with pytest.raises(UserError, match="needs the option teacher"):
         get_task("distill", student="b", tokens="c")
+
+
+def test_distill_trains_only_the_chosen_layers_attention(tmp_path):
+    from qkvlab.convert.retrofit import write_tokens
+    from qkvlab.io import save_model
+    from qkvlab.tasks import get_task
+
+    model, cfg = model_with(n_layer=3)
+    save_model(tmp_path / "student", model.float(), cfg)
+    write_tokens(tmp_path / "t.safetensors", calib(400), calib(100, seed=2))
+    opts = dict(
+        teacher=str(tmp_path / "student"), student=str(tmp_path / "student"), tokens=str(tmp_path / "t.safetensors")
+    )
+    task = get_task("distill", **opts, train_layers=[2, 0])
+    trainable = {n for n, p in task.build_model(cfg).named_parameters() if p.requires_grad}
+    assert trainable == {f"trunk.blocks.{i}.attn.{w}.weight" for i in (0, 2) for w in ("in_proj", "out_proj")}
+    assert all(p.requires_grad for p in get_task("distill", **opts).build_model(cfg).parameters())
+    for bad in ([3], [-1], "0", [True]):
+        with pytest.raises(UserError, match="train_layers="):
+            get_task("distill", **opts, train_layers=bad)
 
 
 def test_command_settings(capsys, tmp_path):

@@ -1,7 +1,8 @@
 """Retrofit a trained model to K=V and/or fewer key/value heads: fit, then uptrain by distillation.
 
 The fit (retrofit_fit.py) keeps the keys and fits the values on calibration text, folding the fit
-into the output projection; this module is the whole procedure around it:
+into the output projection, then refines each converted layer against the original layer's
+attention output (retrofit_refine.py); this module is the whole procedure around it:
 
 - the source, through the one loader (convert/load.py): a qkvlab folder with its tokenizer/, or
   a Hugging Face folder or .gguf with its tokenizer files;
@@ -30,6 +31,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.convert.load import TOKENIZER_DIR, load_any
 from qkvlab.convert.retrofit_fit import (
     POOLS,
+    STARTS,
     TARGETS,
     FitResult,
     LayerFit,
@@ -39,6 +41,7 @@ from qkvlab.convert.retrofit_fit import (
     fit,
     fit_layer,
 )
+from qkvlab.convert.retrofit_refine import RefineOptions
 from qkvlab.data.tokenizer import load_tokenizer
 from qkvlab.devices import DEVICE_HELP, TRAIN_DTYPES, check_device, check_dtype, dtype_choices, select_device
 from qkvlab.errors import UserError
@@ -66,6 +69,11 @@ __all__ = [
     "retrofit",
     "summary_line",
 ]
+# What the fit depends on: a resumed run with other values fits again; the rest (steps, lr, ...) may change.
+FIT_OPTIONS = (
+    "to", "kv_heads", "layers", "cache_budget", "pool", "start", "refine_steps", "refine_lr", "data",
+    "heldout_fraction", "calib_tokens", "block_size", "seed",
+)  # fmt: skip
 TOKENS_FILE = "tokens.safetensors"
 REPORT = "retrofit.json"
 
@@ -166,13 +174,24 @@ class RetrofitOptions:
         maximum=1,
     )
     pool: str = setting("fit", help="value heads: least-squares fit folded into out_proj, or plain mean", choices=POOLS)
+    start: str = setting(
+        "keys",
+        help="K=V's shared tensor starts as the keys (exact rotary) or the mean of keys and values",
+        choices=STARTS,
+    )
+    refine_steps: int = setting(
+        150, help="Adam steps per converted layer on the original layer's attention output (0: none)", minimum=0
+    )
+    refine_lr: float = setting(1e-3, help="refinement peak learning rate (cosine to 0)", positive=True)
     data: str | None = setting(
         None, help="text: a path, 'shakespeare[:genres]', 'hf:NAME?split=..' (default Shakespeare)", metavar="SOURCE"
     )
     heldout_fraction: float = setting(
         0.1, help="last fraction of every document held out for perplexity, in (0, 1)", positive=True
     )
-    calib_tokens: int = setting(2048, help="calibration tokens for the fit", minimum=1)
+    calib_tokens: int = setting(
+        8192, help="calibration tokens for the fit and refinement (random windows of the training text)", minimum=1
+    )
     eval_tokens: int = setting(8192, help="held-out tokens scored for perplexity", minimum=1)
     block_size: int | None = setting(None, help="window length (default min(context, 256))", metavar="T", minimum=1)
     steps: int = setting(200, help="uptraining steps (0: fit only)", minimum=0)
@@ -181,6 +200,11 @@ class RetrofitOptions:
     warmup_steps: int = setting(20, help="uptraining warmup steps", minimum=0)
     kl_weight: float = setting(1.0, help="weight of KL(teacher || student) on logits, temperature 1", minimum=0)
     lm_weight: float = setting(1.0, help="weight of the LM loss (0: pure distillation)", minimum=0)
+    train: str = setting(
+        "converted",
+        help="what uptraining trains: the converted layers' attention weights, or every weight",
+        choices=("converted", "all"),
+    )
     eval_every: int = setting(50, help="uptraining steps between evaluations and checkpoints", minimum=1)
     eval_batches: int = setting(10, help="validation batches per uptraining evaluation", minimum=1)
     seed: int = seed_setting(0, help="uptraining batch order")
@@ -297,32 +321,44 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     ppl = lambda m: perplexity(m, held_ids, block=block, max_tokens=opts.eval_tokens)  # noqa: E731
     ppls = {"ppl_original": ppl(model)}
     say(f"original {cfg.scheme_label}: held-out ppl {ppls['ppl_original']:.4g}")
-    res = fit(
-        model,
-        cfg,
-        train_ids,
-        to=opts.to,
-        kv_heads=opts.kv_heads,
-        layers=opts.layers,
-        cache_budget=opts.cache_budget,
-        pool=opts.pool,
-        calib_tokens=opts.calib_tokens,
-        block=block,
-    )
+    res = _reuse_fit(out / "fit", opts) if resume else None
+    if res is not None:
+        say(f"fit: reused {out / 'fit'} (written by the run being resumed)")
+    else:
+        res = fit(
+            model,
+            cfg,
+            train_ids,
+            to=opts.to,
+            kv_heads=opts.kv_heads,
+            layers=opts.layers,
+            cache_budget=opts.cache_budget,
+            pool=opts.pool,
+            start=opts.start,
+            refine=RefineOptions(steps=opts.refine_steps, lr=opts.refine_lr, seed=opts.seed),
+            calib_tokens=opts.calib_tokens,
+            block=block,
+            seed=opts.seed,
+            say=say,
+        )
     res.model.to(device)
     for lf in res.layers:
         mark = "converted" if lf.layer in res.converted else "kept"
         say(
-            f"layer {lf.layer}: R^2 {lf.r2:.4f} cache/token {lf.cache_bytes_before} -> {lf.cache_bytes_after} B ({mark})"
+            f"layer {lf.layer}: output error {lf.error:.4f} cache/token {lf.cache_bytes_before} -> "
+            f"{lf.cache_bytes_after} B ({mark})"
         )
-    (out / "fit").mkdir(exist_ok=True)
     meta = {"retrofit_from": str(source), "retrofit": asdict(opts)}
-    write_model_files(out / "fit", res.model, res.cfg, meta)
+    if not (out / "fit" / "config.json").is_file():
+        (out / "fit").mkdir(exist_ok=True)
+        fit_meta = {**meta, "fit_layers": [asdict(lf) for lf in res.layers], "converted_layers": res.converted}
+        write_model_files(out / "fit", res.model, res.cfg, fit_meta)
     ppls["ppl_fit"] = ppl(res.model)
     say(f"fit {res.cfg.scheme_label}: held-out ppl {ppls['ppl_fit']:.4g}")
     final, ppls["ppl_uptrained"], train_info = res.model, None, None
     if opts.steps > 0:
-        result = _uptrain(source, out, opts, res.cfg, block, resume=resume, progress=progress)
+        trained = res.converted if opts.train == "converted" else None
+        result = _uptrain(source, out, opts, res.cfg, block, trained, resume=resume, progress=progress)
         final, _, _ = load_model(out / "uptrain", device=device, dtype=torch.float32)
         ppls["ppl_uptrained"] = ppl(final)
         train_info = {"steps": result.step, "tokens": result.tokens, "last": result.metrics}
@@ -337,7 +373,19 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     return report
 
 
-def _uptrain(source, out: Path, opts: RetrofitOptions, cfg: ModelConfig, block: int, *, resume: bool, progress: bool):
+def _reuse_fit(folder: Path, opts: RetrofitOptions) -> FitResult | None:
+    """The fit an interrupted run wrote (its weights are written before the config, each atomically),
+    when it was made with these options; None otherwise (then it is fitted again)."""
+    if not (folder / "config.json").is_file():
+        return None
+    model, cfg, body = load_model(folder, dtype=torch.float32)
+    made = body.get("retrofit") or {}
+    if "fit_layers" not in body or any(made.get(k) != v for k, v in asdict(opts).items() if k in FIT_OPTIONS):
+        return None
+    return FitResult(model, cfg, [LayerFit(**lf) for lf in body["fit_layers"]], body["converted_layers"])
+
+
+def _uptrain(source, out: Path, opts: RetrofitOptions, cfg: ModelConfig, block: int, layers, *, resume, progress):
     """Distil the source into out/fit with the training engine, into out/uptrain (resumable)."""
     from qkvlab.train.config import TrainConfig
     from qkvlab.train.loop import train
@@ -351,6 +399,7 @@ def _uptrain(source, out: Path, opts: RetrofitOptions, cfg: ModelConfig, block: 
             "kl_weight": opts.kl_weight,
             "lm_weight": opts.lm_weight,
             "block_size": block,
+            "train_layers": layers,
         },
         model=cfg,
         seed=opts.seed,

@@ -9,12 +9,20 @@ Per converted layer (any selection of layers; the result is a per-layer model, d
   V_g ≈ V'_G M_g (+ c_g when out_proj has a bias), and M_g is folded into the output projection
   columns of the query heads that read g: W_O,h ← W_O,h M_gᵀ (b_O += W_O,h c_g). With
   pool="mean" and separate values the GQA paper's plain mean is kept (M = I).
-  R² = 1 - SSE/SST of that fit is the layer's fit quality; with a cache budget the layers with the
-  best R² are converted first until the KV cache is at most that fraction of the original's.
+  R² = 1 - SSE/SST of that fit is the layer's fit quality (reported);
+- then each converted layer is refined against the original layer's attention output
+  (retrofit_refine.py), and its relative output error on held calibration windows is the layer's
+  cost: with a cache budget the layers with the lowest error are converted first until the KV
+  cache is at most that fraction of the original's.
+
+start="mean" instead starts the shared tensor from the average of the key and value projections
+(Paper B's authors' best start for their distillation); the keys are then no longer exact and the
+refinement has to repair them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +30,7 @@ import torch
 from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import role_weights
+from qkvlab.convert.retrofit_refine import RefineOptions, refine_layer
 from qkvlab.errors import UserError
 from qkvlab.io import build_model_from_state
 from qkvlab.model import GPT
@@ -29,6 +38,7 @@ from qkvlab.spec import format_layers, parse_scheme, select_layers
 
 TARGETS = ("Q-K-V", "Q-K=V")  # what a fit can reach: a learned query and key; values shared or not
 POOLS = ("fit", "mean")
+STARTS = ("keys", "mean")  # the shared K=V tensor starts as the keys, or as the mean of keys and values
 
 
 # ---- the fit ----------------------------------------------------------------------------------------
@@ -38,16 +48,27 @@ class LayerFit:
     r2: float  # of the source values from the new value tensor (1.0: nothing fitted)
     cache_bytes_before: int  # per token, bf16
     cache_bytes_after: int
+    error_fit: float = 0.0  # relative attention-output error on held calibration windows, after the fit
+    error: float = 0.0  # the same after refinement (= error_fit without it): the layer's cost
+
+
+def calibration_windows(tokens: torch.Tensor, n_tokens: int, block: int, seed: int = 0) -> torch.Tensor:
+    """n_tokens // block windows (n, block) at distinct random window positions over all of tokens
+    (seeded): the corpus's whole range, not its first document."""
+    n_win = max(1, (len(tokens) - 1) // block)
+    n = max(1, min(n_tokens // block, n_win))
+    starts = torch.randperm(n_win, generator=torch.Generator().manual_seed(seed))[:n].sort().values * block
+    return torch.stack([tokens[s : s + block] for s in starts.tolist()])
 
 
 @torch.no_grad()
-def attention_inputs(model: GPT, tokens: torch.Tensor, n_tokens: int, block: int) -> list[torch.Tensor]:
-    """Each layer's attention input (after norm1) on the first n_tokens calibration tokens: (N, d)."""
-    n = max(1, min(n_tokens, len(tokens) - 1) // block)
-    x = tokens[: n * block].view(n, block)
+def attention_inputs(model: GPT, tokens: torch.Tensor, n_tokens: int, block: int, seed: int = 0) -> list[torch.Tensor]:
+    """Each layer's attention input (after norm1) on calibration windows of tokens: (n, block, d)
+    per layer, in the model's dtype, on the CPU."""
+    x = calibration_windows(tokens, n_tokens, block, seed)
     captured: list[list[torch.Tensor]] = [[] for _ in model.trunk.blocks]
     hooks = [
-        blk.attn.register_forward_pre_hook(lambda m, args, i=i: captured[i].append(args[0].detach().flatten(0, 1)))
+        blk.attn.register_forward_pre_hook(lambda m, args, i=i: captured[i].append(args[0].detach().cpu()))
         for i, blk in enumerate(model.trunk.blocks)
     ]
     try:
@@ -58,7 +79,7 @@ def attention_inputs(model: GPT, tokens: torch.Tensor, n_tokens: int, block: int
     finally:
         for h in hooks:
             h.remove()
-    return [torch.cat(c).double().cpu() for c in captured]
+    return [torch.cat(c) for c in captured]
 
 
 def _heads(w: torch.Tensor, b: torch.Tensor | None, heads: int, hd: int):
@@ -72,7 +93,7 @@ def _pool(w: torch.Tensor, b: torch.Tensor | None, r: int):
     return wp, None if b is None else b.view(h // r, r, -1).mean(1)
 
 
-def fit_layer(block, x: torch.Tensor, dst_scheme: str, dst_kv: int, pool: str, ridge: float = 1e-10):
+def fit_layer(block, x: torch.Tensor, dst_scheme: str, dst_kv: int, pool: str, ridge: float = 1e-10, start="keys"):
     """New fused in_proj rows, out_proj (weight, bias) and R² for one block; x: its (N, d) inputs."""
     attn = block.attn
     spec = attn.spec
@@ -92,6 +113,9 @@ def fit_layer(block, x: torch.Tensor, dst_scheme: str, dst_kv: int, pool: str, r
     wv, bv = _heads(f64(roles["v"][0]), f64(roles["v"][1]), src_kv, hd)
     wk2, bk2 = _pool(wk, bk, r)  # keys: exact when r == 1
     shared = parse_scheme(dst_scheme).shared("k", "v")
+    if shared and start == "mean":  # one tensor halfway between the keys and the values
+        wv_p, bv_p = _pool(wv, bv, r)
+        wk2, bk2 = (wk2 + wv_p) / 2, None if bk2 is None else (bk2 + bv_p) / 2
     wv2, bv2 = (wk2, bk2) if shared else _pool(wv, bv, r)
 
     def act(w, b):  # (N, heads, hd)
@@ -141,7 +165,7 @@ class FitResult:
     converted: list[int] = field(default_factory=list)
 
 
-def check_target(to: str, pool: str = "fit", cache_budget: float | None = None) -> str:
+def check_target(to: str, pool: str = "fit", cache_budget: float | None = None, start: str = "keys") -> str:
     """The target scheme's name; what needs no model is refused before one is loaded."""
     dst = parse_scheme(to)
     if dst.name not in TARGETS:
@@ -153,6 +177,8 @@ def check_target(to: str, pool: str = "fit", cache_budget: float | None = None) 
         raise UserError(f"pool={pool!r} is not allowed; use one of {', '.join(POOLS)}")
     if cache_budget is not None and not 0 < cache_budget <= 1:
         raise UserError(f"--cache-budget {cache_budget} must be a fraction in (0, 1]")
+    if start not in STARTS:
+        raise UserError(f"start={start!r} is not allowed; use one of {', '.join(STARTS)}")
     return dst.name
 
 
@@ -186,33 +212,64 @@ def fit(
     layers: str | None = None,
     cache_budget: float | None = None,
     pool: str = "fit",
+    start: str = "keys",
+    refine: RefineOptions | None = None,
     calib_tokens: int = 2048,
     block: int | None = None,
+    seed: int = 0,
     inputs: list[torch.Tensor] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> FitResult:
     """The retrofitted model (in the source's dtype) and per-layer fit quality; see the module doc.
-    inputs: the layers' calibration inputs from `attention_inputs` (computed here when None)."""
-    dst = check_target(to, pool, cache_budget)
+    refine: the refinement's options (None: none, the closed-form fit alone); inputs: the layers'
+    calibration inputs from `attention_inputs` (computed here when None)."""
+    dst = check_target(to, pool, cache_budget, start)
     candidates = candidate_layers(cfg, layers, kv_heads, dst)
     block = block or min(cfg.context, 256)
-    xs = inputs if inputs is not None else attention_inputs(model, calib, calib_tokens, block)
+    xs = inputs if inputs is not None else attention_inputs(model, calib, calib_tokens, block, seed)
     fits: dict[int, tuple] = {}
+    for i in candidates:
+        kv = kv_heads or cfg.layer_config(i).n_kv_heads
+        fits[i] = fit_layer(model.trunk.blocks[i], xs[i].flatten(0, 1).double(), dst, kv, pool, start=start) + (kv,)
+    # every candidate converted: the model each layer is refined and costed in (layers are independent)
+    table = list(cfg.layer_table())
+    for i in candidates:
+        table[i] = (dst, fits[i][3])
+    trial = build_model_from_state(GPT, _config(cfg, table), _fitted_state(model, table, fits, candidates), "the fit")
+    refine = refine or RefineOptions(steps=0)
     report: list[LayerFit] = []
     for i in candidates:
         lc = cfg.layer_config(i)
-        kv = kv_heads or lc.n_kv_heads
-        fits[i] = fit_layer(model.trunk.blocks[i], xs[i], dst, kv, pool) + (kv,)
-        after = cfg.replace(attn=dst, kv_heads=kv, layers=None, match_params=None, n_layer=1)
+        after = cfg.replace(attn=dst, kv_heads=fits[i][3], layers=None, match_params=None, n_layer=1)
         before = lc.replace(n_layer=1, layers=None, match_params=None)
-        report.append(LayerFit(i, fits[i][2], kv_cache_bytes_per_token(before), kv_cache_bytes_per_token(after)))
+        e_fit, e = refine_layer(
+            trial.trunk.blocks[i].attn, model.trunk.blocks[i].attn, xs[i], model.trunk.rotary, refine
+        )
+        report.append(
+            LayerFit(i, fits[i][2], kv_cache_bytes_per_token(before), kv_cache_bytes_per_token(after), e_fit, e)
+        )
+        if say:
+            say(f"layer {i}: R^2 {fits[i][2]:.4f}, output error {e_fit:.4f} -> {e:.4f} after {refine.steps} steps")
     chosen = candidates
     if cache_budget is not None:
         chosen = _within_budget(cfg, report, cache_budget, f"{dst}{'' if kv_heads is None else f'/{kv_heads}'}")
     table = list(cfg.layer_table())
     for i in chosen:
         table[i] = (dst, fits[i][3])
+    out_cfg = _config(cfg, table)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    converted = tuple(f"trunk.blocks.{i}.attn." for i in chosen)
+    for k, v in trial.state_dict().items():  # the chosen layers' fitted and refined attention
+        if k.startswith(converted):
+            state[k] = v.detach().clone()
+    new = build_model_from_state(GPT, out_cfg, state, "the fitted model")
+    return FitResult(new.eval(), out_cfg, report, chosen)
+
+
+def _config(cfg: ModelConfig, table: list[tuple[str, int]]) -> ModelConfig:
+    """cfg with each layer's (scheme, kv heads) from table: one scheme, or a per-layer model."""
     uniform = len(set(table)) == 1
-    out_cfg = cfg.replace(
+    return cfg.replace(
         attn=table[0][0] if uniform else cfg.attn,
         kv_heads=table[0][1] if uniform else cfg.kv_heads,
         layers=None if uniform else format_layers(tuple(table), (cfg.attn, cfg.kv_heads)),
@@ -220,16 +277,15 @@ def fit(
         mlp_hidden=cfg.hidden,
         match_params=None,
     ).validate()
-    new = build_model_from_state(GPT, out_cfg, _fitted_state(model, table, fits, chosen), "the fitted model")
-    return FitResult(new.eval(), out_cfg, report, chosen)
 
 
 def _within_budget(cfg: ModelConfig, report: list[LayerFit], budget: float, target: str) -> list[int]:
-    """The best-fitting layers (R²) whose conversion brings the KV cache to at most `budget` of it."""
+    """The layers with the lowest output error whose conversion brings the KV cache to at most
+    `budget` of it."""
     total = kv_cache_bytes_per_token(cfg)
     goal = budget * total
     chosen, now = [], total
-    for lf in sorted(report, key=lambda f: -f.r2):  # best-fitting layers first
+    for lf in sorted(report, key=lambda f: (f.error, f.layer)):  # cheapest layers first
         if now <= goal + 1e-9:
             break
         if lf.cache_bytes_after < lf.cache_bytes_before:

@@ -7,7 +7,9 @@ random windows of a token file (safetensors with int64 tensors "train" and "val"
 `qkvlab.convert.retrofit.write_tokens`) drawn from (seed, step) like the LM task, so the training
 loop resumes it exactly. Options: teacher, student, tokens, kl_weight (1.0), lm_weight (1.0; 0:
 pure distillation, which cannot adapt the student to the corpus beyond the teacher), block_size
-(the student's context, at most 256).
+(the student's context, at most 256), train_layers (None: every weight trains; a list of layer
+indices: only those layers' attention weights do, e.g. a retrofit's converted layers, so the
+backward pass skips the embedding's and the MLPs' weight gradients).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from qkvlab.io import is_model_folder, load_model, read_config
 from qkvlab.tasks.base import Task
 from qkvlab.tasks.lm import VAL_SEED, step_generator
 
-OPTIONS = ("teacher", "student", "tokens", "kl_weight", "lm_weight", "block_size")
+OPTIONS = ("teacher", "student", "tokens", "kl_weight", "lm_weight", "block_size", "train_layers")
 DEFAULT_BLOCK = 256
 
 
@@ -63,6 +65,7 @@ class DistillTask(Task):
         kl_weight: float = 1.0,
         lm_weight: float = 1.0,
         block_size: int | None = None,
+        train_layers: list[int] | None = None,
     ):
         for key, value in (("teacher", teacher), ("student", student), ("tokens", tokens)):
             if not value:
@@ -77,6 +80,13 @@ class DistillTask(Task):
         data = load_file(self.tokens_path)
         self.train_ids, self.val_ids = data["train"].numpy(), data["val"].numpy()
         self.student_cfg, _ = read_config(self.student_path)
+        if train_layers is not None:
+            n = self.student_cfg.n_layer
+            if not isinstance(train_layers, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in train_layers
+            ):
+                raise UserError(f"train_layers={train_layers!r} must be a list of layer indices in [0, {n})")
+        self.train_layers = None if train_layers is None else sorted(set(train_layers))
         self._teacher: nn.Module | None = None
         self._val: dict[tuple[int, int, int], list] = {}
 
@@ -90,6 +100,10 @@ class DistillTask(Task):
 
     def build_model(self, cfg: ModelConfig) -> nn.Module:
         model, _, _ = load_model(self.student_path, dtype=torch.float32)
+        if self.train_layers is not None:  # the optimizer takes only what requires grad (train/optim.py)
+            model.requires_grad_(False)
+            for i in self.train_layers:
+                model.trunk.layer(i).attn.requires_grad_(True)
         return model
 
     def teacher(self, device: torch.device) -> nn.Module:
@@ -106,12 +120,13 @@ class DistillTask(Task):
         return get_batch(self.train_ids, batch_size, self.block, step_generator(seed, step))
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits, lm = model(inputs, targets)
+        logits, lm = model(inputs, targets if self.lm_weight else None)  # no LM loss to compute at weight 0
         if self.kl_weight == 0:
             return self.lm_weight * lm
         with torch.no_grad():
             teacher_logits, _ = self.teacher(inputs.device)(inputs)
-        return self.lm_weight * lm + self.kl_weight * kl_teacher_student(teacher_logits, logits)
+        kl = self.kl_weight * kl_teacher_student(teacher_logits, logits)
+        return kl if lm is None else self.lm_weight * lm + kl
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
@@ -138,6 +153,7 @@ class DistillTask(Task):
             "kl_weight": self.kl_weight,
             "lm_weight": self.lm_weight,
             "block_size": self.block,
+            "train_layers": self.train_layers,
         }
 
 
