@@ -62,7 +62,7 @@ CHANGELOG = (
         "verdict words from paired 95% t-intervals over seeds: reproduced when the interval lies inside the "
         "claim's region; close/at-most margins set by hand (5%, 2%, ±2%, 1, 1.5 points); ordering claims "
         "had no margin (the interval above or below 0)",
-        "none of the documented runs",
+        "none of the runs documented now (the rounds before it were checked on point estimates)",
     ),
     Change(
         2,
@@ -87,7 +87,7 @@ CHANGELOG = (
     Change(
         4,
         "2026-12-02",
-        "issue 27",
+        "9d55e53 (issue 27)",
         "claims as the papers made them: worst/best among the variants the paper ran (a labelled qkvlab "
         "ranking over every variant run beside it); one smallest effect per compared pair (half the "
         "paper's own gap of that pair) in every claim; an ordering comparison that holds is reproduced "
@@ -95,8 +95,9 @@ CHANGELOG = (
         "on accuracy, as the paper reports, with a paired exact McNemar test of solve-or-fail over seeds "
         "beside them; the sweep's slope fitted on size means with a lack-of-fit F test, trend words only "
         "where the line fits",
-        "every documented result (lm, synthetic, the sweep of 2026-12-02); re-scored from their stored "
-        "scores, never retrained",
+        "every documented result: the sweep of 2026-12-02 re-scored from its committed per-seed rows; lm and "
+        "synthetic, whose per-seed scores were not committed, reconstructed from their published intervals "
+        "(docs/analysis.md); nothing retrained",
         "6f54bc90e0fea176",
     ),
 )
