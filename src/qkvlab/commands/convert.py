@@ -3,6 +3,7 @@
   qkvlab convert IN OUT --to SCHEME [--layer L]   remove W_Q/W_K by a change of basis (or insert it)
   qkvlab convert --from-hf IN OUT                 IN: a transformers folder (safetensors) or a .gguf
   qkvlab convert IN OUT --to-hf gpt2|llama        write a GPT2LMHeadModel / LlamaForCausalLM folder
+  qkvlab convert IN OUT.gguf --to-gguf            write a llama.cpp GGUF (llama, F32; convert/gguf_export.py)
 
 Steps combine (--from-hf with --to, --to with --to-hf). The tokenizer travels with the weights:
 into OUT/tokenizer/ for a qkvlab folder, into OUT itself (transformers' files) with --to-hf.
@@ -47,7 +48,12 @@ def run(args) -> int:
     src = Path(cfg.input)
     if src.resolve() == Path(cfg.output).resolve() and cfg.to_hf:
         raise UserError("OUT must differ from IN when exporting")
-    check_model_target(cfg.output, overwrite=cfg.overwrite, flag="OUT")  # before any work
+    if cfg.to_gguf:  # before any work: a file to write, and the GGUF its tokenizer comes from
+        if Path(cfg.output).exists() and not cfg.overwrite:
+            raise UserError(f"{cfg.output} exists; pass --overwrite to replace it, or choose another OUT")
+        cfg.gguf_vocab = str(_gguf_vocab(cfg, src))
+    else:
+        check_model_target(cfg.output, overwrite=cfg.overwrite, flag="OUT")  # before any work
     if cfg.from_hf or cfg.to_hf:
         from qkvlab.convert.hf import quiet
 
@@ -94,6 +100,8 @@ def _run(opts: ConvertConfig, src: Path) -> int:
             worst, _step(f"convert {cfg.scheme_label} -> {res.cfg.scheme_label} ({str(dtype)[6:]})", abs_d, rel_d)
         )
         model, cfg = res.model, res.cfg
+    if opts.to_gguf:
+        return _write_gguf(opts, model, cfg, worst)
     with atomic_dir(opts.output, replace=opts.overwrite) as tmp:
         if opts.to_hf:
             from transformers import AutoModelForCausalLM
@@ -115,6 +123,48 @@ def _run(opts: ConvertConfig, src: Path) -> int:
             abs_d, rel_d = logit_diff(model, back, cfg.vocab_size, cfg.context)
             if not rel_d <= TOLERANCE[dtype]:
                 raise CheckFailed(f"the written model differs from the converted one: max_rel_logit_diff={rel_d:.3g}")
+    print(f"wrote {opts.output}")
+    print(f"max_rel_logit_diff={worst:.3g}")
+    return 0
+
+
+# ---- GGUF ------------------------------------------------------------------------------------
+def _gguf_vocab(opts: ConvertConfig, src: Path) -> Path:
+    """The GGUF whose tokenizer fields the written file carries: --gguf-vocab, IN itself (--from-hf
+    X.gguf), or the GGUF a qkvlab folder records it came from (retrofit_from / converted_from)."""
+    if opts.gguf_vocab is not None:
+        found = Path(opts.gguf_vocab)
+    elif opts.from_hf and src.suffix == ".gguf":
+        found = src
+    else:
+        from qkvlab.io import find_model_dir, read_config
+
+        body = read_config(find_model_dir(src))[1]
+        origins = [body.get(k) for k in ("retrofit_from", "converted_from")]
+        found = next((Path(o) for o in origins if isinstance(o, str) and o.endswith(".gguf")), None)
+        if found is None:
+            raise UserError(
+                f"--to-gguf: {src} did not come from a GGUF; pass --gguf-vocab FILE.gguf with the model's tokenizer "
+                "(llama.cpp reads the tokenizer in GGUF form)"
+            )
+    if not found.is_file():
+        raise UserError(f"--to-gguf: the tokenizer's GGUF {found} is not a file")
+    return found
+
+
+def _write_gguf(opts: ConvertConfig, model, cfg, worst: float) -> int:
+    """OUT.gguf, read back through transformers' GGUF reader and checked against the model."""
+    from qkvlab.convert.gguf_export import write_gguf
+    from qkvlab.convert.hf import from_hf, load_hf
+    from qkvlab.files import atomic_path
+
+    with atomic_path(opts.output) as tmp:  # published only once the check passed
+        write_gguf(model.float(), cfg, tmp, opts.gguf_vocab, name=Path(opts.output).stem)
+        back, _ = from_hf(load_hf(tmp, cache=False))
+        abs_d, rel_d = logit_diff(model.float(), back, cfg.vocab_size, min(cfg.context, 64))
+        if not rel_d <= 1e-5:
+            raise CheckFailed(f"the written GGUF differs: max_rel_logit_diff={rel_d:.3g} > 1e-05")
+    worst = max(worst, _step(f"export {cfg.scheme_label} -> GGUF llama F32 (read back by transformers)", abs_d, rel_d))
     print(f"wrote {opts.output}")
     print(f"max_rel_logit_diff={worst:.3g}")
     return 0

@@ -28,6 +28,12 @@ class ConvertConfig:
     layer: int | None = setting(None, help="remove the projection of layer L only (theorem a)", metavar="L")
     from_hf: bool = setting(False, help="IN is a Hugging Face GPT-2/Llama folder or a .gguf file")
     to_hf: str | None = setting(None, help="write a transformers checkpoint of this class", choices=HF_CLASSES)
+    to_gguf: bool = setting(False, help="write OUT as a llama.cpp GGUF file (llama, F32)")
+    gguf_vocab: str | None = setting(
+        None,
+        help="the GGUF whose tokenizer a --to-gguf file carries (default: the GGUF the model was imported or retrofitted from)",
+        metavar="FILE",
+    )
     dtype: str | None = setting(
         None,
         help="dtype of the result (default: the input's, fp32 or fp64)",
@@ -39,8 +45,12 @@ class ConvertConfig:
 
     def validate(self) -> ConvertConfig:
         check(self)  # types, choices and bounds of every field; below: the rules across fields
-        if not (self.to or self.from_hf or self.to_hf):
-            raise UserError("nothing to do: give --to SCHEME, --from-hf or --to-hf gpt2|llama")
+        if not (self.to or self.from_hf or self.to_hf or self.to_gguf):
+            raise UserError("nothing to do: give --to SCHEME, --from-hf, --to-hf gpt2|llama or --to-gguf")
+        if self.to_gguf and (self.to_hf or not self.output.endswith(".gguf")):
+            raise UserError(f"--to-gguf writes one file: OUT={self.output!r} must end in .gguf (and no --to-hf)")
+        if self.gguf_vocab is not None and not self.to_gguf:
+            raise UserError("--gguf-vocab is for --to-gguf")
         if self.layer is not None and not self.to:
             raise UserError("--layer needs --to SCHEME")
         return self

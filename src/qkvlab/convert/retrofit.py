@@ -28,7 +28,7 @@ import torch
 
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
-from qkvlab.convert.load import TOKENIZER_DIR, load_any
+from qkvlab.convert.load import TOKENIZER_DIR, load_any, save_hf_tokenizer
 from qkvlab.convert.retrofit_fit import (
     POOLS,
     STARTS,
@@ -88,6 +88,8 @@ class Source:
     kind: str  # "qkvlab" or "hf"
     tokenizer_dir: Path | None = None  # qkvlab: the folder's tokenizer/, copied beside the result
     decode: Callable[[list[int]], str] | None = None
+    hf_tokenizer: Any = None  # hf: the transformers tokenizer, saved into the result's tokenizer/
+    generation_config: Path | None = None  # hf: its generation_config.json (end-of-turn ids), if any
 
 
 def load_source(path: str | Path) -> Source:
@@ -106,7 +108,8 @@ def load_source(path: str | Path) -> Source:
     def encode(text: str) -> list[int]:
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    return Source(m.model, m.cfg, encode, tok.eos_token_id, "hf", None, tok.decode)
+    gen = None if m.tokenizer_dir is None else m.tokenizer_dir / "generation_config.json"
+    return Source(m.model, m.cfg, encode, tok.eos_token_id, "hf", None, tok.decode, tok, gen)
 
 
 # ---- text: calibration/training tokens and held-out tokens ----------------------------------------
@@ -366,9 +369,12 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     counts = {"train": len(train_ids), "held": len(held_ids), "block": block}
     report = _report(source, cfg, res, opts, counts, ppls, train_info)
     write_model_files(out, final, res.cfg, {**meta, "retrofit_report": REPORT})
-    if src.tokenizer_dir is not None:
-        with atomic_dir(out / "tokenizer") as tmp:
-            shutil.copytree(src.tokenizer_dir, tmp, dirs_exist_ok=True)
+    if src.tokenizer_dir is not None or src.hf_tokenizer is not None:
+        with atomic_dir(out / TOKENIZER_DIR) as tmp:  # the result reads and serves text as its source did
+            if src.tokenizer_dir is not None:
+                shutil.copytree(src.tokenizer_dir, tmp, dirs_exist_ok=True)
+            else:
+                save_hf_tokenizer(src.hf_tokenizer, tmp, src.generation_config)
     atomic_write(out / REPORT, json_text(report, indent=2))
     return report
 

@@ -55,7 +55,8 @@ def output_error(attn: nn.Module, xs: torch.Tensor, ys: torch.Tensor, rotary, ch
 
 def refine_layer(new: nn.Module, old: nn.Module, xs: torch.Tensor, rotary, opts: RefineOptions) -> tuple[float, float]:
     """Fit `new` (in place) to `old`'s outputs on xs (n, T, C); returns the relative output error
-    (before, after) on the held windows (the last n // 8, at least one, never stepped on)."""
+    (before, after) on the held windows (the last n // 8, at least one, never stepped on). Steps
+    that end worse on those windows than the start are undone."""
     n_check = max(1, len(xs) // 8) if len(xs) > 1 else 0
     train, check = (xs[:-n_check], xs[-n_check:]) if n_check else (xs, xs)
     y_train, y_check = targets(old, train, rotary), targets(old, check, rotary)
@@ -64,6 +65,7 @@ def refine_layer(new: nn.Module, old: nn.Module, xs: torch.Tensor, rotary, opts:
         return before, before
     params = [p for p in new.parameters()]
     was = [p.requires_grad for p in params]
+    start = [p.detach().clone() for p in params]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=opts.lr)
@@ -81,4 +83,10 @@ def refine_layer(new: nn.Module, old: nn.Module, xs: torch.Tensor, rotary, opts:
     for p, w in zip(params, was):
         p.requires_grad_(w)
         p.grad = None
-    return before, output_error(new, check, y_check, rotary)
+    after = output_error(new, check, y_check, rotary)
+    if after > before:  # a layer the fit already matched: Adam's unit-size steps only moved it away
+        with torch.no_grad():
+            for p, w in zip(params, start):
+                p.copy_(w)
+        return before, before
+    return before, after

@@ -1,0 +1,112 @@
+"""A qkvlab model as a GGUF file (llama architecture, F32) for llama.cpp, through the gguf package.
+
+The weights come from the one transformers export (convert/hf.py's `to_hf(..., "llama")`), so a
+per-layer K=V model is an ordinary Llama whose attn_v equals attn_k: the shared tensor is the value
+as it is and the key after rotary, which is what llama.cpp's graph computes from two equal
+matrices (its cache then holds both; the saving is qkvlab's cache's, not llama.cpp's). GGUF's
+names and its rotary row order follow llama.cpp's own convert_hf_to_gguf.py (q and k rows
+permuted from the rotate_half layout to interleaved pairs). The tokenizer is a GGUF's: every
+`tokenizer.*` field is copied from a GGUF (the one the model was imported or retrofitted from),
+since llama.cpp needs its pre-tokenizer name and merges in GGUF form.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qkvlab.config import ModelConfig
+from qkvlab.errors import UserError
+from qkvlab.files import atomic_path
+from qkvlab.model import GPT
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+
+
+def rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows from the rotate_half layout (two halves per head) to GGUF's interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(model: GPT, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """GGUF name -> float32 tensor, from the transformers Llama export of `model`."""
+    from qkvlab.convert.hf import to_hf
+
+    hf = to_hf(model.float(), cfg, "llama")
+    kv = hf.config.num_key_value_heads
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf.state_dict().items():
+        t = t.detach().float().contiguous()
+        if name in _GLOBAL_NAMES:
+            out[_GLOBAL_NAMES[name]] = t
+        elif name == "lm_head.weight":
+            if not cfg.tie_embeddings:
+                out["output.weight"] = t
+        elif name.startswith("model.layers."):
+            i, rest = name[len("model.layers.") :].split(".", 1)
+            if rest not in _LAYER_NAMES:
+                raise UserError(f"GGUF export: no llama.cpp name for the tensor {name} (biases are not supported)")
+            if rest == "self_attn.q_proj.weight":
+                t = rotary_rows(t, cfg.n_head)
+            elif rest == "self_attn.k_proj.weight":
+                t = rotary_rows(t, kv)
+            out[f"blk.{i}.{_LAYER_NAMES[rest]}"] = t
+        else:
+            raise UserError(f"GGUF export: no llama.cpp name for the tensor {name}")
+    return out
+
+
+def write_gguf(model: GPT, cfg: ModelConfig, path: str | Path, vocab_from: str | Path, name: str = "qkvlab") -> None:
+    """`path` (written atomically): the model in F32 with the tokenizer fields of the GGUF `vocab_from`."""
+    import gguf
+
+    vocab_from = Path(vocab_from)
+    if cfg.bias:
+        raise UserError("GGUF export: a model with biases has no llama.cpp llama layout here (bias=False only)")
+    try:
+        reader = gguf.GGUFReader(vocab_from)
+    except Exception as e:  # a truncated or foreign file: gguf raises ValueError, struct errors, ...
+        raise UserError(f"{vocab_from}: not a readable GGUF file ({str(e).splitlines()[0][:120]})") from None
+    vocab = reader.fields.get("tokenizer.ggml.tokens")
+    if vocab is None or len(vocab.data) != cfg.vocab_size:
+        have = "no tokenizer" if vocab is None else f"a vocabulary of {len(vocab.data)}"
+        raise UserError(f"{vocab_from} has {have}; the model's vocabulary is {cfg.vocab_size} tokens")
+    tensors = gguf_tensors(model, cfg)
+    with atomic_path(path, needed=sum(t.numel() * 4 for t in tensors.values())) as tmp:
+        w = gguf.GGUFWriter(str(tmp), "llama")
+        w.add_name(name)
+        w.add_context_length(cfg.context)
+        w.add_embedding_length(cfg.d_model)
+        w.add_block_count(cfg.n_layer)
+        w.add_feed_forward_length(cfg.hidden)
+        w.add_head_count(cfg.n_head)
+        w.add_head_count_kv(int(tensors["blk.0.attn_k.weight"].shape[0] // cfg.head_dim))
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        for field in reader.fields.values():
+            if field.name.startswith("tokenizer."):
+                sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+                w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+        for key, t in tensors.items():
+            w.add_tensor(key, t.numpy())
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
