@@ -255,11 +255,14 @@ def _quiet(*args, **kwargs) -> None:
     pass
 
 
-def _train_dtype(plan: Plan, device: str, threads: int | None = None, say: Callable[..., None] = _quiet) -> str:
+def _train_dtype(
+    plan: Plan, device: str, threads: int | None = None, say: Callable[..., None] = _quiet, records: list | None = None
+) -> str:
     """What the runs' dtype setting resolves to on `device` (auto is timed on the CPU per model
     shape, so a sweep may train its narrow sizes in fp32 and its wide ones under bf16). Decided here,
     at the workers' thread count, before any worker starts: the workers find it cached instead of
-    timing while the others train. Each CPU decision is said once, with its figures."""
+    timing while the others train. Each CPU decision is said once, with its figures, and its record
+    appended to `records`."""
     import torch
 
     before = torch.get_num_threads()
@@ -269,9 +272,11 @@ def _train_dtype(plan: Plan, device: str, threads: int | None = None, say: Calla
         decided = [r.cfg.autocast(device.split(":")[0]) for r in plan.runs]
     finally:
         torch.set_num_threads(before)
-    notes = {p.shape: p.describe() for _, p in reversed(decided) if p is not None}  # each shape's first word
-    for note in notes.values():
-        say(f"compare: {note}")
+    first = {p.shape: p for _, p in reversed(decided) if p is not None}  # each shape's first word
+    for p in first.values():
+        say(f"compare: {p.describe()}")
+    if records is not None:
+        records.extend(p.record() for p in first.values())
     return ", ".join(sorted({dtype for dtype, _ in decided})) or "fp32"
 
 
@@ -290,13 +295,18 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
     layout = choose_layout(cfg, todo, cpus, cfg.jobs, cfg.threads, say if main else _quiet) if parallel else None
     jobs, threads = (layout.jobs, layout.threads) if layout is not None else (1, None)
     work = (layout.run_estimates(todo) if layout is not None else None) or {}  # seconds per run, once
+    probes: list = []
     manifest = _manifest(
         plan,
         runs,
         metrics,
         command,
-        machine_info(jobs, threads or 0, device, world, _train_dtype(plan, device, threads, say if main else _quiet)),
+        machine_info(
+            jobs, threads or 0, device, world, _train_dtype(plan, device, threads, say if main else _quiet, probes)
+        ),
     )
+    if probes:  # the timings that decided "auto" on this CPU (beside machine: results.md lists that one)
+        manifest["dtype_probe"] = probes
     trained_before = _training_record(out) if not todo else None
     if trained_before:  # only re-rendering: the folder keeps the record of the invocation that trained
         manifest.update(trained_before)
