@@ -68,6 +68,18 @@ def test_the_atomic_writers_say_how_much_room_and_keep_the_old_version(tmp_path,
     assert (target / "old" if writer == "dir" else target).read_text() == "old"
 
 
+def test_a_file_written_inside_a_folder_being_published_is_named_by_its_final_path(tmp_path):
+    target = tmp_path / "model"
+    with pytest.raises(UserError) as refused:
+        with atomic_dir(target) as tmp:
+            with atomic_path(tmp / "model.safetensors", needed=4_300_000):
+                raise SafetensorError(DISK_FULL)
+    assert str(refused.value).startswith(
+        f"{target / 'model.safetensors'}: no space left on the device (needs about 4.3 MB"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_full_disk_at_a_checkpoint_keeps_the_last_good_one_and_resume_continues(
     plays_file, tmp_path, monkeypatch, capsys
 ):

@@ -111,9 +111,9 @@ def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(mo
 
     for has_bf16, grid_dtype, sweep_dtype in ((False, "fp32", "fp32"), (True, "bf16", "bf16, fp32")):
         # a fake timer: where bf16 pays, it pays from d_model 192 on
-        fast = lambda s, v=has_bf16: ([1.0] * 5, [0.5 if v and s.d_model >= 192 else 1.5] * 5)  # noqa: E731
+        fast = lambda s, v=has_bf16: ([1.0] * 5, [0.5 if v and s.d_model >= 192 else 1.5] * 5)
         cache = tmp_path / f"{has_bf16}.json"
-        timed = lambda m, rows, f=fast, c=cache: real_cpu_autocast(m, rows, measure=f, cache=c)  # noqa: E731
+        timed = lambda m, rows, f=fast, c=cache: real_cpu_autocast(m, rows, measure=f, cache=c)
         monkeypatch.setattr(dtype_probe, "cpu_autocast", timed)
         assert execute._train_dtype(wide, "cpu") == grid_dtype
         assert execute._train_dtype(sweep, "cpu") == sweep_dtype

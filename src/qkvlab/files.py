@@ -71,6 +71,8 @@ def _cleaned_up(e: BaseException, path: Path, tmp: str | Path, needed: int | Non
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+    if isinstance(e, UserError) and str(tmp) in str(e):  # a writer inside a temp folder: name the user's path
+        raise UserError(str(e).replace(str(tmp), str(path))) from None
     err = as_user_error(e, path, needed=needed, written=written)
     if err is not None and err is not e:
         raise err from None
