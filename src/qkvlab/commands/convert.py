@@ -149,6 +149,9 @@ def _gguf_vocab(opts: ConvertConfig, src: Path) -> Path:
             )
     if not found.is_file():
         raise UserError(f"--to-gguf: the tokenizer's GGUF {found} is not a file")
+    from qkvlab.convert.gguf_export import read_vocab
+
+    read_vocab(found)  # a truncated or tokenizer-less file is refused before the model is read
     return found
 
 

@@ -68,21 +68,29 @@ def gguf_tensors(model: GPT, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
+def read_vocab(path: str | Path):
+    """A GGUF reader of `path` that holds a tokenizer, or one line saying why not."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(Path(path))
+    except Exception as e:  # a truncated or foreign file: gguf raises ValueError, struct errors, ...
+        raise UserError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0][:120]})") from None
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise UserError(f"{path}: a GGUF without a tokenizer (no tokenizer.ggml.tokens)")
+    return reader
+
+
 def write_gguf(model: GPT, cfg: ModelConfig, path: str | Path, vocab_from: str | Path, name: str = "qkvlab") -> None:
     """`path` (written atomically): the model in F32 with the tokenizer fields of the GGUF `vocab_from`."""
     import gguf
 
-    vocab_from = Path(vocab_from)
     if cfg.bias:
         raise UserError("GGUF export: a model with biases has no llama.cpp llama layout here (bias=False only)")
-    try:
-        reader = gguf.GGUFReader(vocab_from)
-    except Exception as e:  # a truncated or foreign file: gguf raises ValueError, struct errors, ...
-        raise UserError(f"{vocab_from}: not a readable GGUF file ({str(e).splitlines()[0][:120]})") from None
-    vocab = reader.fields.get("tokenizer.ggml.tokens")
-    if vocab is None or len(vocab.data) != cfg.vocab_size:
-        have = "no tokenizer" if vocab is None else f"a vocabulary of {len(vocab.data)}"
-        raise UserError(f"{vocab_from} has {have}; the model's vocabulary is {cfg.vocab_size} tokens")
+    reader = read_vocab(vocab_from)
+    size = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if size != cfg.vocab_size:
+        raise UserError(f"{vocab_from} has a vocabulary of {size}; the model's is {cfg.vocab_size} tokens")
     tensors = gguf_tensors(model, cfg)
     with atomic_path(path, needed=sum(t.numel() * 4 for t in tensors.values())) as tmp:
         w = gguf.GGUFWriter(str(tmp), "llama")
