@@ -194,6 +194,27 @@ def test_preemption_by_recompute_loses_nothing_and_stays_exact(scheme, pos, kv):
         assert tokens(ev) == alone and ev[-1].finish == "length"
 
 
+def test_at_one_cache_memory_k_eq_v_runs_twice_the_sequences():
+    """Same bytes, same requests (two blocks each): Q-K=V's blocks hold one tensor, so twice as
+    many of them fit, and twice as many sequences run at once; each still gets its tokens alone."""
+    running = {}
+    for scheme in ("Q-K-V", "Q-K=V"):
+        model = tiny_model(scheme, "rope", None)
+        blocks = pool_blocks(2 * 2 * 32 * 8 * 16 * 12, kv_cache_bytes_per_token(model.cfg, "fp64"), CONTEXT)
+        engine = Engine(model, blocks=blocks)
+        events = {i: [] for i in range(12)}
+        for i in range(12):
+            engine.submit(Request((i + 1,) * 20, 4), events[i].append)  # 20 + 4 tokens: two blocks
+        engine.step()
+        running[scheme] = engine.stats()["active"]
+        while not engine.idle():
+            engine.step()
+        assert all(
+            tokens(events[i]) == generate(model, [[i + 1] * 20], 4, Sampling(temperature=0.0))[0] for i in range(12)
+        )
+    assert running == {"Q-K-V": 6, "Q-K=V": 12}
+
+
 def test_a_short_request_holds_only_its_blocks():
     """The issue's example at toy scale: a pool of 4 whole contexts (40 tokens each, 12 blocks of
     16 = 3 per context... 4 x 3 = 12 blocks) runs 12 one-block requests at once, not 4."""
