@@ -509,6 +509,9 @@ def test_cli_refusals_are_one_line(model_dir, tmp_path, capsys):
         ([str(model_dir), "--cache-memory", "lots"], "--cache-memory"),
         ([str(model_dir), "--port", "70000"], "--port"),
         ([str(model_dir), "--max-batch", "0"], "--max-batch"),
+        ([str(model_dir), "--chat-template", str(tmp_path / "none.jinja")], "--chat-template"),
+        ([str(model_dir), "--max-model-len", str(CONTEXT + 1)], "exceeds the model's context"),
+        ([str(model_dir), "--block-size", "0"], "--block-size"),
     ]
     for argv, needle in cases:
         assert main(["serve", *argv]) == 2
@@ -815,6 +818,16 @@ def test_the_openai_client_chats_and_reads_logprobs(chat_server):
     assert [c.index for c in comp.choices] == [0, 1] and len(comp.choices[0].logprobs.tokens) == 3
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="chat", prompt="ab", temperature=5)
+
+
+def test_chat_template_option_gives_a_qkvlab_tokenizer_a_chat_endpoint(model_dir, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}a:")
+    with Running(model_dir, chat_template=str(template)) as s:  # the bytes tokenizer
+        assert s.client.get("/v1/models/tiny").json()["chat_template"] == template.read_text()
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}
+        r = s.client.post("/v1/chat/completions", json=body).json()
+        assert r["choices"][0]["token_ids"] == greedy(s, list(b"u:hi;a:"), 5)
 
 
 def test_convert_carries_the_tokenizer_both_ways(chat_dir, tmp_path, capsys):

@@ -57,6 +57,9 @@ class ServeConfig:
         help="tokenizer instead of the model's own: gpt2, bytes, or a folder (qkvlab's or transformers' files)",
         metavar="gpt2|bytes|DIR",
     )
+    chat_template: str | None = setting(
+        None, help="a Jinja chat template file, instead of the tokenizer's (or for a model without one)", metavar="FILE"
+    )
     max_model_len: int | None = setting(
         None, help="longest sequence served, prompt and output (default: the model's context)", minimum=1
     )
@@ -68,6 +71,8 @@ class ServeConfig:
         check_device(self.device)
         dtype_name(self.dtype)
         self.cache_bytes  # noqa: B018 (checks the size)
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise UserError(f"--chat-template {self.chat_template}: no such file")
         return self
 
     @property
@@ -119,6 +124,13 @@ def build(cfg: ServeConfig) -> Built:
     loaded = load_any(cfg.model, cfg.tokenizer)
     model_cfg = loaded.cfg
     tok = serve_tokenizer(loaded.tokenizer, loaded.tokenizer_dir)
+    if cfg.chat_template is not None:
+        if tok is None:
+            raise UserError("--chat-template needs a tokenizer: the model has none; give --tokenizer")
+        try:
+            tok.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"--chat-template {cfg.chat_template}: {e.strerror}") from None
     if tok is not None and tok.vocab_size > model_cfg.vocab_size:
         raise UserError(
             f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's vocabulary is {model_cfg.vocab_size}"

@@ -6,7 +6,10 @@
   transformers' `apply_chat_template`, and the stop ids are vLLM's: the tokenizer's eos_token_id
   and the eos_token_id(s) of generation_config.json beside it;
 - a qkvlab tokenizer (bpe, char, gpt2, bytes): no special tokens beyond its end of text, no chat
-  template.
+  template of its own.
+
+`--chat-template FILE` (vLLM's option) sets or replaces the template of either kind; a qkvlab
+tokenizer's is rendered by the same Jinja renderer transformers' apply_chat_template uses.
 
 `encode` may take seconds on a megabyte prompt: the app calls it off the event loop.
 """
@@ -37,7 +40,20 @@ class ServeTokenizer:
         return self.decode([token], skip_special_tokens=False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        raise UserError("this model has no chat template: use /v1/completions")
+        if self.chat_template is None:
+            raise UserError("this model has no chat template: use /v1/completions (or serve it with --chat-template)")
+        try:
+            return self._render(messages, add_generation_prompt, **kwargs)
+        except Exception as e:  # the template's own checks (jinja's raise_exception) and its errors
+            raise UserError(f"the chat template refused these messages: {str(e).splitlines()[0][:200]}") from None
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(
+            [messages], chat_template=self.chat_template, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+        return rendered[0]
 
 
 class QkvlabTokenizer(ServeTokenizer):
@@ -71,15 +87,14 @@ class HFTokenizer(ServeTokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        if self.chat_template is None:
-            return super().render_chat(messages)
-        try:
-            return self.tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
-        except Exception as e:  # the template's own checks (jinja's raise_exception) and its errors
-            raise UserError(f"the chat template refused these messages: {str(e).splitlines()[0][:200]}") from None
+    def _render(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
+        return self.tok.apply_chat_template(
+            messages,
+            chat_template=self.chat_template,  # the tokenizer's, or --chat-template's
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
 
 
 def generation_eos(folder: Path | None) -> set[int]:
