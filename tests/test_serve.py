@@ -1,6 +1,9 @@
-"""qkvlab serve: continuous batching is exact (every scheme family, in a full mixed batch), capacity
-follows the cache bytes, and a real HTTP client (httpx) against a server on a free loopback port:
-OpenAI shapes, streaming, queueing, bad input answered with 4xx and survived, disconnects, drain."""
+"""qkvlab serve: continuous batching on the paged cache is exact (every scheme family, in a full
+mixed batch, and through preemption by recompute, greedy and seeded), capacity in tokens follows
+the cache bytes (K=V twice Q-K-V), n shares a prefill, logprobs are the model's; and a real HTTP
+client (httpx, and the openai package where installed) against a server on a free loopback port:
+OpenAI/vLLM shapes, chat through a transformers tokenizer's template, streaming, tokenize,
+metrics, queueing, bad input answered with 4xx and survived, disconnects, drain."""
 
 from __future__ import annotations
 

@@ -87,3 +87,24 @@ def test_chat_equals_transformers_on_its_template_and_stops_at_the_end_of_turn(s
     choice = r.json()["choices"][0]
     assert choice["token_ids"] == want[: want.index(2)] and choice["finish_reason"] == "stop"
     assert choice["message"]["content"] == tok.decode(want[: want.index(2)], skip_special_tokens=True)
+
+
+def test_a_4_mb_prompt_is_tokenized_without_holding_up_health(server):
+    """transformers' tokenizer on 3.9 MB of text takes seconds; it runs on a worker thread and
+    releases the GIL, so /health answers meanwhile."""
+    import threading
+    import time
+
+    out = {}
+    text = "The capital of France is Paris. <|im_start|> " * 87_000  # 3.9 MB
+    t = threading.Thread(target=lambda: out.update(r=server.client.post("/v1/completions", json={"prompt": text})))
+    t.start()
+    time.sleep(0.3)
+    slowest = 0.0
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert server.client.get("/health").status_code == 200
+        slowest = max(slowest, time.monotonic() - t0)
+        time.sleep(0.05)
+    assert out["r"].status_code == 400 and "longer than the model's context" in out["r"].json()["error"]["message"]
+    assert slowest < 0.5, slowest
