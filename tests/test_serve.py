@@ -197,6 +197,21 @@ def test_preemption_by_recompute_loses_nothing_and_stays_exact(scheme, pos, kv):
         assert tokens(ev) == alone and ev[-1].finish == "length"
 
 
+def test_capacity_in_tokens_at_smollm2s_shape():
+    """docs/serve.md's figures: 64 MB, fp32, SmolLM2-135M's shape (30 layers, 9 heads of 64, 3 KV heads)."""
+    held = {}
+    for name, attn, kv in [("Q-K-V", "Q-K-V", 3), ("Q-K=V", "Q-K=V", 3), ("MQA", "Q-K=V", 1)]:
+        cfg = ModelConfig(
+            attn=attn, kv_heads=kv, n_layer=30, n_head=9, d_model=576, vocab_size=VOCAB, context=2048
+        ).validate()
+        per_token = kv_cache_bytes_per_token(cfg, "fp32")
+        held[name] = (per_token, pool_blocks(64_000_000, per_token, 512) * 16)
+    assert held == {"Q-K-V": (46_080, 1_376), "Q-K=V": (23_040, 2_768), "MQA": (7_680, 8_320)}
+    with pytest.raises(UserError, match="holds no sequence"):  # no whole 2,048-token Q-K-V context in 64 MB
+        pool_blocks(64_000_000, 46_080, 2048)
+    assert pool_blocks(64_000_000, 23_040, 2048) * 16 >= 2048  # as K=V it holds one
+
+
 def test_at_one_cache_memory_k_eq_v_runs_twice_the_sequences():
     """Same bytes, same requests (two blocks each): Q-K=V's blocks hold one tensor, so twice as
     many of them fit, and twice as many sequences run at once; each still gets its tokens alone."""
