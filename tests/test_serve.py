@@ -809,6 +809,11 @@ def test_chat_stops_at_the_end_of_turn_token(chat_server):
     assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
     bad = s.client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert bad.status_code == 400 and "role" in bad.json()["error"]["message"]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    bad = s.client.post("/v1/chat/completions", json={"messages": image})
+    assert bad.status_code == 400 and "text parts" in bad.json()["error"]["message"]
+    bad = s.client.post("/v1/chat/completions", json={"messages": messages, "tools": [{"type": "function"}]})
+    assert bad.status_code == 400 and "no tool calling" in bad.json()["error"]["message"]
     bad = s.client.post("/v1/chat/completions", json={"messages": messages, "temperature": 2.5})
     assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
     assert s.client.get("/health").json()["status"] == "ok"

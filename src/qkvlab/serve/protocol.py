@@ -29,6 +29,16 @@ MAX_N = 128  # choices per request, as OpenAI
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs and OpenAI's chat
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for a log-probability of -inf (JSON has no infinity)
+NEUTRAL_ONLY = {  # OpenAI fields not implemented: the neutral value a client may send by default
+    "best_of": "1 or null",
+    "suffix": "null",
+    "presence_penalty": "0",
+    "frequency_penalty": "0",
+    "logit_bias": "null or {}",
+    "tools": "null (no tool calling)",
+    "tool_choice": '"none" or null',
+    "response_format": '{"type": "text"} or null',
+}
 
 
 class StreamOptions(BaseModel):
@@ -185,6 +195,11 @@ def problem(error: ValidationError, schema: type[BaseModel] = CompletionRequest)
         return f"prompt must be a string, a list of integer token ids, or a list of either, got {got}", field
     if field == "stop":
         return f"stop must be a string or a list of strings, got {got}", field
+    if field == "messages" and loc[-1] == "content":
+        where = ".".join(loc)
+        return f"{where} must be a string or a list of text parts (the model reads text only), got {got}", field
+    if field in NEUTRAL_ONLY and len(loc) == 1:
+        return f"{field}: qkvlab serve accepts only {NEUTRAL_ONLY[field]}, got {got}", field
     return f"{'.'.join(loc)}: {e['msg'][0].lower()}{e['msg'][1:]}, got {got}", field
 
 
