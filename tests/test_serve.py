@@ -502,6 +502,7 @@ def test_sigterm_drains_a_real_server_process(model_dir, tmp_path):
     try:
         line = proc.stdout.readline()
         assert "capacity 3 sequences" in line and "Q-K=V" in line and "http://127.0.0.1:" in line, line
+        assert "KV cache size: 144 tokens" in line and "maximum concurrency 3.60x" in line, line  # 9 blocks of 16
         url = line.split()[2].removesuffix("/v1")
         with httpx.Client(base_url=url, timeout=WAIT) as client:
             assert client.get("/health").json()["capacity_sequences"] == 3
