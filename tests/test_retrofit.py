@@ -302,3 +302,29 @@ def test_retrofit_refuses_bad_target_and_layers_before_any_work(trained, capsys,
     assert main(argv + ["--to", "Q-K=V", "--kl-weight", "0", "--lm-weight", "0"]) == 2
     assert "both 0: nothing to uptrain on" in capsys.readouterr().err
     assert not (trained / "bad").exists()
+
+
+def test_retrofit_reads_and_keeps_a_transformers_tokenizer_in_a_qkvlab_folder(tmp_path, capsys):
+    """A qkvlab folder whose tokenizer/ holds transformers' files (what `convert --from-hf` writes)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from qkvlab.convert.load import save_hf_tokenizer
+    from qkvlab.convert.retrofit import load_source
+    from qkvlab.io import save_model
+
+    text = "the quick brown fox jumps over the lazy dog. " * 200
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=40, special_tokens=["<eot>"]))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eot>")
+    model, cfg = model_with(n_layer=2, vocab_size=len(hf))
+    save_model(tmp_path / "m", model.float(), cfg)
+    save_hf_tokenizer(hf, tmp_path / "m" / "tokenizer")
+    src = load_source(tmp_path / "m")
+    assert src.encode("the lazy dog") == hf.encode("the lazy dog") and src.eot_id == hf.eos_token_id
+    (tmp_path / "t.txt").write_text(text)
+    argv = ["retrofit", str(tmp_path / "m"), str(tmp_path / "rf"), "--data", str(tmp_path / "t.txt"), "--steps", "0"]
+    assert main(argv + ["--calib-tokens", "256", "--eval-tokens", "256", "--refine-steps", "2", "--quiet"]) == 0
+    kept = AutoTokenizer.from_pretrained(tmp_path / "rf" / "tokenizer")
+    assert kept.encode("the lazy dog") == hf.encode("the lazy dog")

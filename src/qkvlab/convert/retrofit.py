@@ -95,7 +95,7 @@ class Source:
 def load_source(path: str | Path) -> Source:
     """The model (float32 or as stored) and its tokenizer (convert/load.py)."""
     m = load_any(path)
-    if m.kind == "qkvlab":
+    if m.kind == "qkvlab" and m.tokenizer_dir is None:  # a qkvlab tokenizer (else transformers' files in tokenizer/)
         tok_dir = m.folder / TOKENIZER_DIR
         if not tok_dir.is_dir():
             raise UserError(f"{path}: no tokenizer/ folder (qkvlab train writes one); retrofit needs it to read text")
@@ -109,6 +109,8 @@ def load_source(path: str | Path) -> Source:
         return tok(text, add_special_tokens=False)["input_ids"]
 
     gen = None if m.tokenizer_dir is None else m.tokenizer_dir / "generation_config.json"
+    if m.kind == "qkvlab":  # its tokenizer/ holds transformers' files: copied to the result as they are
+        return Source(m.model, m.cfg, encode, tok.eos_token_id, "qkvlab", m.tokenizer_dir, tok.decode)
     return Source(m.model, m.cfg, encode, tok.eos_token_id, "hf", None, tok.decode, tok, gen)
 
 
