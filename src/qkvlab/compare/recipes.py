@@ -8,7 +8,7 @@ from typing import Any
 
 from qkvlab.errors import UserError
 
-RECIPES = ("cpu", "paper")
+RECIPES = ("cpu", "paper")  # a task grid's recipes; a sweep's are SWEEP_RECIPES (below), by the same --recipe
 
 DEFAULT_LM_VARIANTS = (
     "Q-K-V",
@@ -113,3 +113,92 @@ def recipe_name(requested: str | None, full_grid: bool, family: str) -> str:
     if requested is not None:
         return requested
     return "paper" if full_grid and family in PAPER_RECIPE_MODULES else "cpu"
+
+
+# ---- the scaling sweep's named recipes (`qkvlab compare --sweep --recipe NAME`) ---------------------
+# Fixed before any of their runs (issue 27); docs/results/scaling/README.md, "next sweep", gives their
+# sizes, tokens, epochs and estimated times. Each recipe fills the CompareConfig settings the command
+# line leaves unset (sizes, variants, data, tokenizer, tokens per parameter, dtype, device), plus two
+# keys no flag spells: first_seed (a scan's seeds never coincide with the sweep's, so the run an lr is
+# chosen on is not a run that is scored) and lr_scan (the recipe whose runs choose each size's lr).
+#
+# The corpus: the Linux 6.12 sources from Debian's linux-source-6.12 (scripts/setup_sweep_corpus.sh),
+# 300 MB of text, about 166M BPE-1024 tokens, the held-out tail 0.15% of the stream (test half ~125k
+# tokens, ~975 windows of 128): every size below, CPU and GPU, sees its training text less than once.
+SWEEP_CORPUS = "data/sweep/prepared-linux-6.12-bpe1024"
+# Depth 2 and depth 4 at matched N: the depth-4 width is the depth-2 width / sqrt(2) rounded to a
+# multiple of the 4 heads (N within 2-13% of its depth-2 partner), so the arms differ in depth, not size.
+CPU_WIDTHS = {2: (48, 80, 128, 208), 4: (36, 56, 92, 148)}
+GPU_WIDTHS = {2: (128, 208, 336, 544), 4: (92, 148, 240, 384)}
+SWEEP_BATCH = 16  # sequences of 128, every CPU size (the old sweep doubled it from d128 on: a confound)
+GPU_BATCH = 128  # 16k tokens a step, every GPU size: at 2k tokens a step an H200 waits on kernel launches
+SWEEP_SEEDS = 4
+# The lr scan, per size: Q-K-V alone at 0.5x, 1x and 2x the 1/width rule (2e-3 * 64 / d), one seed
+# (100, outside the sweep's 0..3), the full token budget. The rule that reads it (sweep.scan_lrs): each
+# size trains both variants at the lr whose Q-K-V run ended with the lowest validation loss (the fixed
+# validation windows, never the test split). One lr for both variants, as the papers ran every variant
+# on the baseline's recipe: the two runs of a seed stay paired (same lr, schedule, data order), and the
+# gap is Q-K=V's cost at Q-K-V's tuned lr; a per-variant best would select on the very difference tested.
+LR_SCAN_FACTORS = (0.5, 1.0, 2.0)
+LR_SCAN_SEED = 100
+# The GPU's lr is fixed now (no time to scan there): the CPU rule scaled by sqrt(batch ratio), Adam's
+# square-root rule for an 8x larger batch.
+GPU_LR_SCALE = (GPU_BATCH / SWEEP_BATCH) ** 0.5
+
+
+def rule_lr(d_model: int, scale: float = 1.0) -> float:
+    """The 1/width rule (compare/sweep.py size_lr at base 2e-3), times scale, to 3 significant digits."""
+    return float(f"{2e-3 * 64 / d_model * scale:.3g}")
+
+
+def _sizes(widths, depth: int, batch: int, seeds: int, lrs=(None,)) -> str:
+    return ",".join(
+        f"d{d}-L{depth}-h4-b{batch}-s{seeds}" + (f"-lr{rule_lr(d, f):g}" if f is not None else "")
+        for d in widths
+        for f in lrs
+    )
+
+
+_SWEEP_COMMON = dict(tokens_per_param=20.0, tokenizer="bpe:1024", data=SWEEP_CORPUS)
+SWEEP_RECIPES: dict[str, dict[str, Any]] = {
+    # First: which confound made the old sweep's d128 peak, on the peak's own data (Shakespeare, BPE-1024,
+    # fp32 as it ran). Cell b32-lr0.001 is the old d128 recipe (seeds 0-1 reproduce its runs); b16 is the
+    # batch of the sizes below it, lr 2e-3 the rule's lr at d64.
+    "factorial-d128": dict(
+        sizes=",".join(f"d128-L2-h4-b{b}-s2-lr{lr:g}" for b in (16, 32) for lr in (1e-3, 2e-3)),
+        variants="Q-K-V,Q-K=V",
+        tokens_per_param=20.0,
+        tokenizer="bpe:1024",
+        dtype="fp32",
+    ),
+    **{
+        f"lr-scan-L{L}": dict(
+            sizes=_sizes(CPU_WIDTHS[L], L, SWEEP_BATCH, 1, LR_SCAN_FACTORS),
+            variants="Q-K-V",
+            first_seed=LR_SCAN_SEED,
+            dtype="fp32",
+            **_SWEEP_COMMON,
+        )
+        for L in (2, 4)
+    },
+    **{
+        f"next-L{L}": dict(
+            sizes=_sizes(CPU_WIDTHS[L], L, SWEEP_BATCH, SWEEP_SEEDS),
+            variants="Q-K-V,Q-K=V",
+            lr_scan=f"lr-scan-L{L}",
+            dtype="fp32",  # one dtype at every size; on this project's EPYC bf16 autocast runs 0.75x fp32
+            **_SWEEP_COMMON,
+        )
+        for L in (2, 4)
+    },
+    **{
+        f"gpu-L{L}": dict(
+            sizes=_sizes(GPU_WIDTHS[L], L, GPU_BATCH, SWEEP_SEEDS, (GPU_LR_SCALE,)),
+            variants="Q-K-V,Q-K=V",
+            dtype="bf16",
+            device="cuda",
+            **_SWEEP_COMMON,
+        )
+        for L in (2, 4)
+    },
+}

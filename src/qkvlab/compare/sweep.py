@@ -8,16 +8,25 @@ context)`` (plus any model options), N its non-embedding parameter count (qkvlab
 steps = round(tokens_per_param * N / (batch * context)), warm-up max(5, steps / 20), an evaluation
 every steps / 10, cosine from lr to lr / 10 with lr = --lr * 64 / d_model (size_lr), weight decay by
 variant (2^-5 with an identity role, else 0.1). Runs go to OUT/<d..-L..>/<variant>/seed<k>.
+
+A size may pin its learning rate, ``-lr<value>`` (e.g. ``d128-L2-h4-b16-s2-lr0.001``: that lr at that
+size, no 1/width rule). A shape given more than once is a cell of a grid over batch and lr (a factorial,
+an lr scan): its folder adds both, OUT/d128-L2-b16-lr0.001/... `--recipe NAME` takes a named sweep
+(compare/recipes.py SWEEP_RECIPES) for every setting the command line leaves unset; a recipe with an
+lr scan takes each size's lr from the finished scan given by --lr-scan (scan_lrs: Q-K-V's lowest
+validation loss). A sweep trains every size in one dtype (execute refuses an `auto` that resolves to two).
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qkvlab.accounting import analytic_params
 from qkvlab.compare.planning import MAX_SEEDS, Plan, PlannedRun
+from qkvlab.compare.recipes import RECIPES, SWEEP_RECIPES
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 from qkvlab.train.config import TrainConfig, default_weight_decay
@@ -44,7 +53,10 @@ def size_lr(base_lr: float, d_model: int) -> float:
     return base_lr * LR_WIDTH / d_model
 
 
-_SIZE = re.compile(r"^d(\d+)-L(\d+)-h(\d+)((?:-[bs]\d+)*)$")
+_NUMBER = r"(?:\d+\.?\d*|\.\d+)(?:[eE]-?\d+)?"
+_OPTION = re.compile(rf"-(b|s)(\d+)|-(lr)({_NUMBER})")
+_SIZE = re.compile(rf"^d(\d+)-L(\d+)-h(\d+)((?:-[bs]\d+|-lr{_NUMBER})*)$")
+SIZE_FORM = "d<d_model>-L<layers>-h<heads>[-b<batch>][-s<seeds>][-lr<lr>], e.g. d64-L2-h4-b16-s2"
 
 
 @dataclass(frozen=True)
@@ -54,11 +66,18 @@ class SweepSize:
     n_head: int
     batch_size: int | None = None  # sequences per step (None: the sweep's default)
     seeds: int | None = None
+    lr: float | None = None  # this size's lr (None: the 1/width rule)
+    cell: bool = False  # its shape is given more than once: a grid cell, whose folder names batch and lr
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.d_model, self.n_layer, self.n_head)
 
     @property
     def label(self) -> str:
-        """The size's folder: d<d_model>-L<n_layer>."""
-        return f"d{self.d_model}-L{self.n_layer}"
+        """The size's folder: d<d_model>-L<n_layer> (a cell: -b<batch>-lr<lr> added)."""
+        base = f"d{self.d_model}-L{self.n_layer}"
+        return f"{base}-b{self.batch_size}-lr{self.lr:g}" if self.cell else base
 
 
 def parse_sizes(text: str) -> list[SweepSize]:
@@ -66,21 +85,103 @@ def parse_sizes(text: str) -> list[SweepSize]:
     for item in (t.strip() for t in text.split(",")):
         m = _SIZE.match(item)
         if not item or not m:
-            raise UserError(
-                f"sweep size {item!r} is not d<d_model>-L<layers>-h<heads>[-b<batch>][-s<seeds>], e.g. d64-L2-h4-b16-s2"
-            )
-        opts = dict((o[0], int(o[1:])) for o in m.group(4).split("-")[1:])
-        size = SweepSize(int(m.group(1)), int(m.group(2)), int(m.group(3)), opts.get("b"), opts.get("s"))
+            raise UserError(f"sweep size {item!r} is not {SIZE_FORM}")
+        opts: dict[str, float] = {}
+        for o in _OPTION.finditer(m.group(4)):
+            key, value = (o.group(1), int(o.group(2))) if o.group(1) else (o.group(3), float(o.group(4)))
+            if key in opts:
+                raise UserError(f"sweep size {item!r}: -{key} given twice")
+            opts[key] = value
+        lr = opts.get("lr")
+        size = SweepSize(int(m.group(1)), int(m.group(2)), int(m.group(3)), opts.get("b"), opts.get("s"), lr)
         if min(size.d_model, size.n_layer, size.n_head, size.batch_size or 1, size.seeds or 1) < 1:
             raise UserError(f"sweep size {item!r}: every number must be positive")
+        if lr is not None and not (math.isfinite(lr) and lr > 0):
+            raise UserError(f"sweep size {item!r}: lr {lr:g} must be positive")
         if (size.seeds or 1) > MAX_SEEDS:
             raise UserError(f"sweep size {item!r}: {size.seeds} seeds; at most {MAX_SEEDS:,}")
-        if any(s.label == size.label for s in out):
-            raise UserError(f"sweep sizes {text!r}: {size.label} appears twice (a size's folder is d..-L..)")
         out.append(size)
+    shapes = [s.shape for s in out]
+    out = [replace(s, cell=shapes.count(s.shape) > 1) for s in out]
+    seen: dict[str, SweepSize] = {}
+    for s in out:
+        if s.cell and (s.batch_size is None or s.lr is None):
+            raise UserError(
+                f"sweep sizes {text!r}: d{s.d_model}-L{s.n_layer} is given more than once, so each is a cell of a "
+                "grid and must pin -b<batch> and -lr<lr>"
+            )
+        if s.label in seen:
+            raise UserError(f"sweep sizes {text!r}: {s.label} appears twice (a size's folder is d..-L..)")
+        seen[s.label] = s
     if len(out) < 2:
-        raise UserError(f"sweep sizes {text!r}: a slope needs at least 2 sizes")
+        raise UserError(f"sweep sizes {text!r}: a slope needs at least 2 sizes (or cells)")
     return out
+
+
+def sweep_recipe(name: str | None) -> dict:
+    """The named sweep recipe's settings ({} for none); a task grid's recipe name is refused."""
+    if name is None:
+        return {}
+    if name not in SWEEP_RECIPES:
+        raise UserError(
+            f"--recipe {name} is a task grid's recipe; a sweep takes one of {', '.join(SWEEP_RECIPES)}"
+            if name in RECIPES
+            else f"unknown sweep recipe {name!r}; allowed: {', '.join(SWEEP_RECIPES)}"
+        )
+    return SWEEP_RECIPES[name]
+
+
+def apply_recipe(cfg):
+    """cfg with the named sweep recipe filling what the command line left unset (dtype and device:
+    their `auto`), and the recipe's extra keys (first_seed, lr_scan)."""
+    import dataclasses
+
+    recipe = sweep_recipe(cfg.recipe)
+    fill = {}
+    for key in ("sizes", "variants", "data", "tokenizer", "tokens_per_param"):
+        if key in recipe and getattr(cfg, key) is None:
+            fill[key] = recipe[key]
+    for key in ("dtype", "device"):
+        if key in recipe and getattr(cfg, key) == "auto":
+            fill[key] = recipe[key]
+    return dataclasses.replace(cfg, **fill), recipe
+
+
+def scan_lrs(scan_dir: str | Path) -> dict[tuple[int, int, int], dict]:
+    """The lr scan's choice per shape (d_model, n_layer, n_head): the lr of the finished Q-K-V run with
+    the lowest final validation loss (the fixed validation windows; the test split is never looked
+    at), with every lr tried and its loss, and whether the choice lies at the edge of the grid."""
+    from qkvlab.analysis.runs import run_finished
+    from qkvlab.io import read_config, read_metrics
+
+    root = Path(scan_dir)
+    if not root.is_dir():
+        raise UserError(f"--lr-scan {scan_dir}: no such folder (run the scan's recipe first)")
+    tried: dict[tuple[int, int, int], dict[float, float]] = {}
+    for metrics in sorted(root.glob("*/Q-K-V/*/metrics.jsonl")):
+        d = metrics.parent
+        if not run_finished(d):
+            continue
+        cfg, body = read_config(d)
+        rows = [r for r in read_metrics(d) if r.get("val_loss") is not None]
+        lr = ((body.get("train") or {}).get("config") or {}).get("lr")
+        if rows and lr is not None:
+            tried.setdefault((cfg.d_model, cfg.n_layer, cfg.n_head), {})[float(lr)] = float(rows[-1]["val_loss"])
+    out = {}
+    for shape, losses in tried.items():
+        best = min(losses, key=losses.get)
+        out[shape] = {"lr": best, "tried": dict(sorted(losses.items())), "edge": best in (min(losses), max(losses))}
+    return out
+
+
+def _scan_lr(size: SweepSize, chosen: dict, scan: str, recipe_name: str) -> float:
+    found = chosen.get(size.shape)
+    if found is None:
+        raise UserError(
+            f"--lr-scan {scan} has no finished Q-K-V run at d{size.d_model}-L{size.n_layer}-h{size.n_head}; "
+            f"finish `qkvlab compare --sweep --recipe {SWEEP_RECIPES[recipe_name]['lr_scan']} --out {scan}` first"
+        )
+    return found["lr"]
 
 
 def _check_sweep_settings(cfg) -> None:
@@ -98,8 +199,24 @@ def _check_sweep_settings(cfg) -> None:
 def plan_sweep(cfg):
     """The sweep's Plan: one TrainConfig per (size, variant, seed)."""
     _check_sweep_settings(cfg)
+    cfg, recipe = apply_recipe(cfg)
     r = SWEEP_RECIPE
     sizes = parse_sizes(cfg.sizes or SWEEP_SIZES)
+    if cfg.lr_scan is not None and "lr_scan" not in recipe:
+        raise UserError("--lr-scan goes with a sweep recipe that takes its lr from a scan (--recipe next-L2, next-L4)")
+    if "lr_scan" in recipe:
+        if cfg.lr_scan is None:
+            raise UserError(
+                f"--recipe {cfg.recipe} takes each size's lr from its lr scan: run `qkvlab compare --sweep "
+                f"--recipe {recipe['lr_scan']} --out runs/{recipe['lr_scan']}`, then add --lr-scan runs/{recipe['lr_scan']}"
+            )
+        chosen = scan_lrs(cfg.lr_scan)
+        sizes = [s if s.lr is not None else replace(s, lr=_scan_lr(s, chosen, cfg.lr_scan, cfg.recipe)) for s in sizes]
+    if any(s.lr is not None for s in sizes) and cfg.lr is not None:
+        raise UserError("--lr sets the 1/width rule's base lr, and these sizes pin their own (-lr..)")
+    if any(s.cell for s in sizes) and cfg.batch_size is not None:
+        raise UserError("--batch-size would override the batch of each cell of this grid (-b..); drop it")
+    first_seed = recipe.get("first_seed", 0)
     variants = parse_variants(cfg.variants if cfg.variants is not None else list(SWEEP_VARIANTS))
     tpp = cfg.tokens_per_param if cfg.tokens_per_param is not None else r["tokens_per_param"]
     if tpp <= 0:
@@ -117,11 +234,11 @@ def plan_sweep(cfg):
         batch = cfg.batch_size or size.batch_size or r["batch_size"]
         steps = max(1, round(tpp * n / (batch * base.context)))
         seeds = cfg.seeds or size.seeds or r["seeds"]
-        size_rate = size_lr(lr, size.d_model)
+        size_rate = size.lr if size.lr is not None else size_lr(lr, size.d_model)
         per_size.append((batch, steps))
         for v in variants:
             model = v.apply(base)
-            for seed in range(seeds):
+            for seed in range(first_seed, first_seed + seeds):
                 train_cfg = TrainConfig.from_dict(
                     dict(
                         task="lm",
