@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.convert.load import load_any
 from qkvlab.convert.retrofit import load_source, perplexity
 from qkvlab.convert.retrofit_fit import with_layers
@@ -74,17 +75,18 @@ def main() -> None:
         name: perplexity(m, toks, block=block, max_tokens=args.eval_tokens) for name, toks in texts.items()
     }
     by_cost = [lf["layer"] for lf in sorted(report["layers"], key=lambda lf: (lf["error"], lf["layer"]))]
-    n_total = 2 * cfg.n_layer  # K and V per layer, equal bytes: a K=V layer frees one of the two
     cache_rows = []
     for k in [int(x) for x in args.layers.split(",")]:
         layers = sorted(by_cost[:k])
-        m = model if k == 0 else with_layers(model, cfg, fitted, fitted_cfg, layers)[0]
-        row = {"layers_converted": k, "layers": layers, "cache_fraction": 1 - k / n_total, **score(m)}
+        m, m_cfg = (model, cfg) if k == 0 else with_layers(model, cfg, fitted, fitted_cfg, layers)
+        fraction = kv_cache_bytes_per_token(m_cfg) / kv_cache_bytes_per_token(cfg)
+        row = {"layers_converted": k, "layers": layers, "cache_fraction": fraction, **score(m)}
         cache_rows.append(row)
         say(f"K={k}: " + ", ".join(f"{n} {v:.2f}" for n, v in row.items() if n in texts))
     final = load_any(args.run).model.float().eval() if report.get("ppl_uptrained") else None
     final_scores = score(final) if final is not None else None
-    metrics = [json.loads(line) for line in (args.run / "uptrain" / "metrics.jsonl").read_text().splitlines()]
+    log = args.run / "uptrain" / "metrics.jsonl"
+    metrics = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
     opts = report["options"]
     per_step = opts["batch_size"] * block
     token_rows = [
@@ -92,16 +94,17 @@ def main() -> None:
         for r in metrics
         if "val_ppl" in r
     ]
-    # the original on the same validation windows the loop scored (the distill task's own evaluation)
-    task = get_task(
-        "distill",
-        teacher=str(args.source),
-        student=str(args.run / "fit"),
-        tokens=str(args.run / "tokens.safetensors"),
-        block_size=block,
-    )
-    tc = TrainConfig.from_dict(json.loads((args.run / "uptrain" / TRAIN_CONFIG).read_text()))
-    teacher_val = task.evaluate(model, batch_size=tc.val_batch_size, max_batches=tc.eval_batches)["val_ppl"]
+    teacher_val = None
+    if token_rows:  # the original on the same validation windows the loop scored (the distill task's evaluation)
+        task = get_task(
+            "distill",
+            teacher=str(args.source),
+            student=str(args.run / "fit"),
+            tokens=str(args.run / "tokens.safetensors"),
+            block_size=block,
+        )
+        tc = TrainConfig.from_dict(json.loads((args.run / "uptrain" / TRAIN_CONFIG).read_text()))
+        teacher_val = task.evaluate(model, batch_size=tc.val_batch_size, max_batches=tc.eval_batches)["val_ppl"]
     samples = []
     for prompt in PROMPTS:
         ids = src.encode(prompt)[-(cfg.context - args.new_tokens) :]
@@ -132,7 +135,7 @@ def main() -> None:
     say(f"wrote {args.out}")
 
 
-def plot(out: Path, cache_rows, token_rows, final_scores, report, names, teacher_val: float) -> None:
+def plot(out: Path, cache_rows, token_rows, final_scores, report, names, teacher_val: float | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,12 +151,14 @@ def plot(out: Path, cache_rows, token_rows, final_scores, report, names, teacher
             )
     ax.set_xlabel("KV cache, fraction of the original")
     ax.set_ylabel("perplexity / original's")
-    ax.set_title("K=V on the layers with the lowest output error, fit only")
+    ax.set_title(f"{report['scheme']} on the layers with the lowest output error, fit only", fontsize=9)
     ax.invert_xaxis()
     ax.grid(alpha=0.3)
     ax.legend()
     save_figure(fig, out / "ppl_vs_cache.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
+    if teacher_val is None:  # a fit-only run: no distillation curve
+        return
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["tokens"] for r in token_rows], [r["val_ppl"] / teacher_val for r in token_rows], "o-")
     ax.axhline(1.0, color="gray", lw=0.8)
