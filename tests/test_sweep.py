@@ -125,3 +125,137 @@ def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(mo
     fields = {f.name: f for f in dataclasses.fields(CompareConfig)}
     assert SWEEP_SIZES in fields["sizes"].metadata["help"]
     assert f"default {SWEEP_RECIPE['tokens_per_param']:g}" in fields["tokens_per_param"].metadata["help"]
+
+
+# ---- issue 27: named sweep recipes, per-size lr, grid cells, the lr scan, one dtype ------------------
+def test_sizes_pin_lr_and_a_repeated_shape_is_a_cell_named_by_batch_and_lr():
+    a, b = parse_sizes("d128-L2-h4-b16-s2-lr0.001,d128-L2-h4-b32-s2-lr2e-3")
+    assert (a.lr, b.lr, a.cell, b.label) == (0.001, 0.002, True, "d128-L2-b32-lr0.002")
+    assert parse_sizes("d48-L2-h4-lr1.5e-05,d80-L2-h4")[0].lr == pytest.approx(1.5e-5)
+    assert parse_sizes("d48-L2-h4-lr0.001,d80-L2-h4")[0].label == "d48-L2"  # one of its shape: a size
+    for bad, why in (
+        ("d128-L2-h4-b16-lr0.001,d128-L2-h4-b16-lr0.001", "appears twice"),
+        ("d128-L2-h4-b16,d128-L2-h4-b32", "must pin"),  # a cell without its lr
+        ("d48-L2-h4-lr0,d80-L2-h4", "positive"),
+        ("d48-L2-h4-lr0.1-lr0.2,d80-L2-h4", "given twice"),
+        ("d48-L2-h4-lrx,d80-L2-h4", "is not"),
+    ):
+        with pytest.raises(UserError, match=why):
+            parse_sizes(bad)
+
+
+def test_named_recipes_fix_batch_dtype_seeds_depth_arms_and_data():
+    from qkvlab.compare.recipes import SWEEP_CORPUS, SWEEP_RECIPES
+
+    fact = plan(CompareConfig(sweep=True, recipe="factorial-d128", out="/nowhere"))
+    cells = {(r.cfg.batch_size, r.cfg.lr) for r in fact.runs}
+    assert cells == {(16, 1e-3), (16, 2e-3), (32, 1e-3), (32, 2e-3)} and len(fact.runs) == 16  # 2 x 2 x 2 seeds
+    assert {r.variant.name for r in fact.runs} == {"Q-K-V", "Q-K=V"} and {r.seed for r in fact.runs} == {0, 1}
+    assert "data" not in fact.runs[0].cfg.task_options  # the peak's own data: Shakespeare
+    old = next(r for r in fact.runs if r.point == "d128-L2-b32-lr0.001")
+    assert old.cfg.max_steps == 1923  # the old sweep's d128 run, step for step
+    n = {}
+    for L in (2, 4):
+        p = plan(CompareConfig(sweep=True, recipe=f"gpu-L{L}", out="/nowhere"))
+        assert {r.cfg.dtype for r in p.runs} == {"bf16"} and p.config.device == "cuda"
+        assert {r.cfg.batch_size for r in p.runs} == {128} and {r.cfg.model.n_layer for r in p.runs} == {L}
+        assert {r.seed for r in p.runs} == {0, 1, 2, 3}
+        assert p.runs[0].cfg.task_options["data"] == SWEEP_CORPUS
+        n[L] = [analytic_params(r.cfg.model).non_embedding for r in p.runs if r.variant.name == "Q-K-V" and r.seed == 0]
+        scan = plan(CompareConfig(sweep=True, recipe=f"lr-scan-L{L}", out="/nowhere"))
+        assert {r.seed for r in scan.runs} == {100} and {r.variant.name for r in scan.runs} == {"Q-K-V"}
+        assert {r.cfg.dtype for r in scan.runs} == {"fp32"} and {r.cfg.batch_size for r in scan.runs} == {16}
+        by_shape = {}
+        for r in scan.runs:
+            by_shape.setdefault(r.cfg.model.d_model, []).append(r.cfg.lr)
+        for d, lrs in by_shape.items():  # 0.5x, 1x, 2x the 1/width rule
+            assert sorted(lrs) == pytest.approx([x * 2e-3 * 64 / d for x in (0.5, 1, 2)], rel=5e-3)
+        assert "lr_scan" in SWEEP_RECIPES[f"next-L{L}"]
+    for a, b in zip(n[2], n[4]):  # the depth arms are matched in N
+        assert abs(a / b - 1) < 0.15
+    with pytest.raises(UserError, match="task grid's recipe"):
+        plan(CompareConfig(sweep=True, recipe="cpu"))
+    with pytest.raises(UserError, match="add --sweep"):
+        plan(CompareConfig(recipe="next-L2"))
+    with pytest.raises(UserError, match="lr-scan-L2"):
+        plan(CompareConfig(sweep=True, recipe="next-L2"))  # its lr comes from the scan
+    with pytest.raises(UserError, match="--batch-size"):
+        plan(CompareConfig(sweep=True, recipe="factorial-d128", batch_size=8))
+
+
+def test_lr_scan_then_sweep_at_qkv_best_validation_lr(tmp_path, corpus, monkeypatch):
+    """The scan's cells train; the sweep then trains both variants at the lr of the scan's Q-K-V run
+    with the lowest validation loss (a size the scan did not reach is refused in one line)."""
+    from qkvlab.compare.sweep import scan_lrs
+
+    common = ["--data", str(corpus), "--tokenizer", "char", "--context", "16", "--jobs", "1", "--threads", "1"]
+    common += ["--tokens-per-param", "0.3", "--no-plots"]
+    scan = tmp_path / "scan"
+    cells = "d8-L2-h2-b4-s1-lr0.0005,d8-L2-h2-b4-s1-lr0.05,d16-L2-h2-b4-s1-lr0.001,d16-L2-h2-b4-s1-lr0.01"
+    assert main(["compare", "--sweep", "--recipe", "lr-scan-L2", "--sizes", cells, "--out", str(scan), *common]) == 0
+    assert sorted(p.name for p in scan.iterdir() if p.is_dir()) == [
+        "d16-L2-b4-lr0.001",
+        "d16-L2-b4-lr0.01",
+        "d8-L2-b4-lr0.0005",
+        "d8-L2-b4-lr0.05",
+    ]
+    assert {p.name for p in (scan / "d8-L2-b4-lr0.05" / "Q-K-V").iterdir()} == {"seed100"}
+    chosen = scan_lrs(scan)
+    assert len(chosen) == 2
+    for c in chosen.values():
+        assert c["lr"] == min(c["tried"], key=c["tried"].get) and len(c["tried"]) == 2 and c["edge"]
+    sweep_cfg = CompareConfig(
+        sweep=True,
+        recipe="next-L2",
+        sizes="d8-L2-h2-b4-s2,d16-L2-h2-b4-s2",
+        lr_scan=str(scan),
+        data=str(corpus),
+        tokenizer="char",
+        tokens_per_param=0.3,
+        model={"context": 16},
+        out=str(tmp_path / "sweep"),
+    )
+    p = plan(sweep_cfg)
+    for r in p.runs:
+        assert r.cfg.lr == chosen[(r.cfg.model.d_model, 2, 2)]["lr"] and r.cfg.dtype == "fp32"
+    assert {r.seed for r in p.runs} == {0, 1} and {r.variant.name for r in p.runs} == {"Q-K-V", "Q-K=V"}
+    with pytest.raises(UserError, match="no finished Q-K-V run at d24-L2-h2"):
+        plan(dataclasses.replace(sweep_cfg, sizes="d8-L2-h2-b4-s2,d24-L2-h2-b4-s2"))
+    with pytest.raises(UserError, match="no such folder"):
+        plan(dataclasses.replace(sweep_cfg, lr_scan=str(tmp_path / "nothing")))
+    with pytest.raises(UserError, match="--lr-scan goes with"):
+        plan(dataclasses.replace(sweep_cfg, recipe=None))
+
+
+def test_a_sweep_refuses_an_auto_dtype_that_splits_its_sizes(monkeypatch, tmp_path, corpus):
+    from qkvlab.compare import run
+    from qkvlab.train import dtype_probe
+
+    fast = lambda s: ([1.0] * 5, [0.5 if s.d_model >= 32 else 1.5] * 5)  # noqa: E731  bf16 pays from d 32
+    cache = tmp_path / "probe.json"
+    monkeypatch.setattr(
+        dtype_probe, "cpu_autocast", lambda m, rows: real_cpu_autocast(m, rows, measure=fast, cache=cache)
+    )
+    cfg = CompareConfig(
+        sweep=True, out=str(tmp_path / "mixed"), sizes="d8-L1-h2,d32-L1-h2", data=str(corpus), tokenizer="char",
+        device="cpu", jobs=1, threads=1, seeds=1, tokens_per_param=0.05, model={"context": 16},
+    )  # fmt: skip
+    with pytest.raises(UserError, match="resolves to bf16, fp32 .* one dtype"):
+        run(plan(cfg))
+    assert not list((tmp_path / "mixed").glob("*/*/seed0"))  # refused before any run started
+
+
+def test_factorial_cells_at_one_n_render_gaps_without_a_line(tmp_path, corpus):
+    """Cells share N: each has its gap, no slope is fitted (a line through one x is not defined), and
+    the corpus the runs read is named in results.md."""
+    out = tmp_path / "fact"
+    args = ["compare", "--sweep", "--out", str(out), "--variants", "Q-K-V,Q-K=V", "--seeds", "1"]
+    args += ["--sizes", "d8-L1-h2-b4-lr0.001,d8-L1-h2-b8-lr0.002", "--tokens-per-param", "0.5", "--context", "16"]
+    args += ["--data", str(corpus), "--tokenizer", "char", "--jobs", "1", "--threads", "1", "--no-plots"]
+    assert main(args) == 0
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert sorted({r["size"] for r in rows}) == ["d8-L1-b4-lr0.001", "d8-L1-b8-lr0.002"]
+    md = (out / "results.md").read_text()
+    assert "`Q-K=V`" in md and "Corpus: `" in md and str(corpus) in md
+    line = next(x for x in md.splitlines() if x.startswith("| `Q-K=V`"))
+    assert line.count("–") >= 2  # no slope, no lack-of-fit test

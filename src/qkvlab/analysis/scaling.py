@@ -161,7 +161,7 @@ def _fits(points, x_of, level, rules: Rules) -> tuple[Fit | None, LackOfFit | No
     """The line in x_of(size): through the size means (version 4; each size one point, so seeds are
     not counted as sizes) or through every per-seed point (versions <= 3); and the lack-of-fit test
     of the line through every point against the size means."""
-    if len({s for s, _ in points}) < 2:
+    if len({x_of(s) for s, _ in points}) < 2:  # cells of a grid at one N (a factorial): no line to fit
         return None, None
     xs, ys = [x_of(s) for s, _ in points], [d for _, d in points]
     lof = lack_of_fit(xs, ys)

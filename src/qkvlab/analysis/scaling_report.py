@@ -113,6 +113,19 @@ def _run_section(sc: Scaling, manifest: dict | None, note: str) -> list[str]:
     return lines + [""]
 
 
+def _corpus_line(manifest: dict | None) -> list[str]:
+    """The training corpus as compare.json recorded it: its source, checksum and split sizes."""
+    c = (((manifest or {}).get("metrics") or {}).get("lm") or {}).get("corpus") or {}
+    if not c:
+        return []
+    tokens = c.get("tokens") or {}
+    return [
+        f"Corpus: `{c.get('source')}` (sha256 {str(c.get('corpus_sha256', ''))[:12]}…), "
+        f"{tokens.get('train', 0):,} training and {tokens.get('val', 0):,} held-out tokens.",
+        "",
+    ]
+
+
 def _sizes_section(sc: Scaling) -> list[str]:
     from qkvlab.units import human
 
@@ -213,7 +226,7 @@ def to_markdown(
     if command:
         out += [f"Command: `{command}`", ""]
     out += provenance_lines(sc.rules.version, (manifest or {}).get("trained_under_analysis")) + [""]
-    out += _sizes_section(sc) + _gap_section(sc)
+    out += _sizes_section(sc) + _corpus_line(manifest) + _gap_section(sc)
     if plots:
         out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     if unfinished:

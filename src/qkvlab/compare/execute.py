@@ -178,6 +178,8 @@ def _check_tasks(plan: list[PlannedRun], family_request: bool, say) -> tuple[lis
         prepared = getattr(t, "prepared", None)
         if prepared is not None and getattr(prepared, "train", None) is not None:
             metrics[run.task]["train_tokens"] = len(prepared.train)  # what epochs are counted in (the sweep)
+            meta = getattr(prepared, "meta", None) or {}
+            metrics[run.task]["corpus"] = {k: meta[k] for k in ("source", "corpus_sha256", "tokens") if k in meta}
         del t
     keep = [r for r in plan if checked[(r.task, json.dumps(r.cfg.task_options, sort_keys=True, default=str))]]
     return keep, metrics
@@ -296,15 +298,13 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
     jobs, threads = (layout.jobs, layout.threads) if layout is not None else (1, None)
     work = (layout.run_estimates(todo) if layout is not None else None) or {}  # seconds per run, once
     probes: list = []
-    manifest = _manifest(
-        plan,
-        runs,
-        metrics,
-        command,
-        machine_info(
-            jobs, threads or 0, device, world, _train_dtype(plan, device, threads, say if main else _quiet, probes)
-        ),
-    )
+    train_dtype = _train_dtype(plan, device, threads, say if main else _quiet, probes)
+    if cfg.sweep and "," in train_dtype:  # a gap's change with size must not be a change of precision
+        raise UserError(
+            f"--dtype {cfg.dtype} resolves to {train_dtype} across this sweep's sizes; a sweep trains every size in "
+            "one dtype: pass --dtype fp32 or --dtype bf16"
+        )
+    manifest = _manifest(plan, runs, metrics, command, machine_info(jobs, threads or 0, device, world, train_dtype))
     if probes:  # the timings that decided "auto" on this CPU (beside machine: results.md lists that one)
         manifest["dtype_probe"] = probes
     trained_before = _training_record(out) if not todo else None
@@ -360,7 +360,7 @@ def _manifest(plan: Plan, runs: list[PlannedRun], metrics, command: str | None, 
     """compare.json: the command, the plan, the recipe of its first run, every run, the machine."""
     cfg = plan.config
     if cfg.sweep:
-        recipe = "scaling sweep"
+        recipe = f"scaling sweep ({cfg.recipe})" if cfg.recipe else "scaling sweep"
     elif cfg.preset:
         recipe = cfg.preset
     elif recipe_name(cfg.recipe, cfg.full_grid, plan.family) == "paper":

@@ -19,6 +19,7 @@ from qkvlab.compare.recipes import (
     DEFAULT_LM_VARIANTS,
     FULL_GRID_STEPS,
     RECIPES,
+    SWEEP_RECIPES,
     paper_recipe,
     recipe_name,
 )
@@ -73,9 +74,11 @@ class CompareConfig:
     full_grid: bool = setting(False, help="the paper's grid for the task family (long)")
     recipe: str | None = setting(
         None,
-        choices=RECIPES,
+        choices=(*RECIPES, *SWEEP_RECIPES),
         help="cpu: the CPU-sized recipe (compare/recipes.py); paper: the papers' own recipe where the task "
-        "module defines one (synthetic, vision, anomaly: PAPER_RECIPE); default: paper with --full-grid where one exists, else cpu",
+        "module defines one (synthetic, vision, anomaly: PAPER_RECIPE); default: paper with --full-grid where one exists, else cpu. "
+        "With --sweep: a named sweep (SWEEP_RECIPES: factorial-d128, lr-scan-L2/L4, next-L2/L4, gpu-L2/L4) for every "
+        "setting not given",
     )
     data: str | None = setting(
         None, help="lm corpus: a text file or folder, or hf:NAME (default Shakespeare)", metavar="PATH"
@@ -128,6 +131,12 @@ class CompareConfig:
         help="sweep: training tokens per non-embedding parameter of Q-K-V (default 20)",
         metavar="X",
         positive=True,
+    )
+    lr_scan: str | None = setting(
+        None,
+        help="sweep: a finished lr scan's folder; each size trains at the lr of its Q-K-V run with the lowest "
+        "validation loss (with --recipe next-L2 or next-L4)",
+        metavar="DIR",
     )
     dry_run: bool = setting(False, help="print the plan, train nothing")
 
@@ -327,8 +336,10 @@ def plan(cfg: CompareConfig) -> Plan:
         cfg = dataclasses.replace(cfg, seeds=PILOT_SEEDS)
     if cfg.sweep:
         raise ValueError("a sweep's plan is qkvlab.compare.sweep.plan_sweep (qkvlab.compare.plan picks it)")
-    if cfg.sizes is not None or cfg.tokens_per_param is not None:
-        raise UserError("--sizes and --tokens-per-param are settings of --sweep")
+    if cfg.sizes is not None or cfg.tokens_per_param is not None or cfg.lr_scan is not None:
+        raise UserError("--sizes, --tokens-per-param and --lr-scan are settings of --sweep")
+    if cfg.recipe in SWEEP_RECIPES:
+        raise UserError(f"--recipe {cfg.recipe} is a scaling sweep's recipe: add --sweep")
     tasks, family = resolve_tasks(cfg.task)
     default_variants = DEFAULT_LM_VARIANTS if family == "lm" else _paper_b_schemes()
     variants = parse_variants(cfg.variants if cfg.variants is not None else list(default_variants))

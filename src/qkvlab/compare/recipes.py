@@ -123,13 +123,18 @@ def recipe_name(requested: str | None, full_grid: bool, family: str) -> str:
 # chosen on is not a run that is scored) and lr_scan (the recipe whose runs choose each size's lr).
 #
 # The corpus: the Linux 6.12 sources from Debian's linux-source-6.12 (scripts/setup_sweep_corpus.sh),
-# 300 MB of text, about 166M BPE-1024 tokens, the held-out tail 0.15% of the stream (test half ~125k
-# tokens, ~975 windows of 128): every size below, CPU and GPU, sees its training text less than once.
+# 280 MB of text, about 155M BPE-1024 tokens (1.80 characters a token on a 20 MB sample), the held-out
+# tail 0.15% of the stream (test half ~116k tokens, ~900 windows of 128): every size below, CPU and GPU
+# (the largest, 7.1M x 20 = 142M tokens), sees its training text less than once. 280 MB is also what
+# fits the GPU lease's 64 MiB working tree as xz (~48 MiB, benchmarks/gpu_sweep.py).
 SWEEP_CORPUS = "data/sweep/prepared-linux-6.12-bpe1024"
+SWEEP_CORPUS_PREPARE = dict(tokenizer="bpe:1024", split="stream", val_fraction=0.0015)
+SWEEP_CORPUS_MB = 280
 # Depth 2 and depth 4 at matched N: the depth-4 width is the depth-2 width / sqrt(2) rounded to a
 # multiple of the 4 heads (N within 2-13% of its depth-2 partner), so the arms differ in depth, not size.
 CPU_WIDTHS = {2: (48, 80, 128, 208), 4: (36, 56, 92, 148)}
-GPU_WIDTHS = {2: (128, 208, 336, 544), 4: (92, 148, 240, 384)}
+# The GPU's depth-4 arm stops at 2.8M: a 7.1M pair of blocks would not fit the lease (benchmarks/gpu_sweep.py).
+GPU_WIDTHS = {2: (128, 208, 336, 544), 4: (92, 148, 240)}
 SWEEP_BATCH = 16  # sequences of 128, every CPU size (the old sweep doubled it from d128 on: a confound)
 GPU_BATCH = 128  # 16k tokens a step, every GPU size: at 2k tokens a step an H200 waits on kernel launches
 SWEEP_SEEDS = 4
