@@ -6,20 +6,24 @@ size, bf16) on the sweep's corpus, the Linux 6.12 sources. Nothing there can be 
 travels as xz (the "carry": `pack` here, `unpack` there, ~48 MiB) with the BPE tokenizer trained here;
 there it is tokenized with 16 threads into the same token ids (train.bin's sha256 is checked).
 
-Order and budget. A block is one size: every seed of both variants. Blocks run in ascending N, both arms
-interleaved, and a block starts only if the pace measured on the blocks before it (seconds per training
-FLOP, plus each run's fixed cost) says it ends inside the budget; otherwise it and every larger block
-are skipped, whole. So every size reported has all its seeds, and where the cut falls depends on the
-machine's speed, never on a result.
+Order and budget. A block is one size: every seed of both variants. Blocks run arm by arm (depth 2,
+then depth 4), each arm in ascending N, and a block starts only if the pace measured on the blocks
+before it (Pace: seconds per training FLOP of the arm's last block, plus each run's fixed seconds) says
+it ends inside the budget; otherwise it and the arm's larger blocks are skipped, whole. So every size
+reported has all its seeds, and where the cut falls depends on the machine's speed, never on a result.
 
-Budget arithmetic (BUDGET_S 510 s of the ~9 min; the rest is the call's start and the copy back):
-setup ~40 s (imports, xz, tokenizing 280 MB on 16 threads). A training step of batch 16k tokens
-costs max(eager floor, FLOPs / R): the floor (kernel launches and the loss's host sync each step) is
-~2 ms at depth 2 and ~3 ms at depth 4, R ~250 TFLOP/s of the ~790 measured for large bf16 matmuls.
-Per run: d128-L2 481 steps 1.0 s, d92-L4 1.5 s, d148-L4 3.9 s, d208-L2 2.5 s, d336-L2 6.6 s,
-d240-L4 10.1 s, d544-L2 8673 steps 27 s; x 8 runs a size: 8 + 12 + 31 + 20 + 53 + 81 + 217 = 422 s,
-plus ~1 s a run fixed (evaluations, the test split, saving) x 56 = 56 s: ~520 s with the setup, so the
-last block (d544-L2, 217 s) runs only if the measured pace is at or better than these figures.
+Budget arithmetic (BUDGET_S 510 s of the ~9 min; the rest is the call's start and the copy back; the
+shell script stops everything at BUDGET_S + 60 s): setup ~40 s (imports, xz, tokenizing 280 MB on 16
+threads). A step of 16k tokens costs max(eager floor, FLOPs / R): the floor (kernel launches and the
+loss's host sync every step) ~2 ms at depth 2 and ~3 ms at depth 4, R ~250 TFLOP/s of the ~790
+measured there for large bf16 matmuls; plus ~1 s a run (evaluations, test split, saving). A size's 8
+runs (scripts/sweep_plan.py): d128-L2 16 s, d208-L2 28, d336-L2 61, d544-L2 216 (8673 steps a run);
+d92-L4 20, d148-L4 39, d240-L4 89: 469 s, ~510 s with the setup. So the plan fills the budget only at
+that pace or better. Pace's FLOP scaling errs long (from d336's floor-bound 2 ms a step it predicts
+d544's at ~4.9 ms, the model says 3.1): on a machine exactly as assumed, d544-L2 is predicted 349 s
+with ~365 s left and runs (216 s); the depth-4 arm then runs d92 and d148, and its d240 (predicted
+~195 s from d148's floor-bound pace, ~90 s left) is skipped. A slower machine stops the depth-2 arm at
+2.7M instead. No shape is compiled: a compile per shape would cost more than a block.
 
 Outputs ($OUT, at most 8 files come back): summary.txt (one PASS/FAIL/SKIP line per step), log.txt,
 sweep.json (blocks, predictions, pace), and gpu-sweep.tar.gz: for each arm the compare folder's
@@ -52,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CARRY_FORMAT = "qkvlab sweep carry 1"
 ARMS = ("gpu-L2", "gpu-L4")
 BUDGET_S = 510.0
-SAFETY = 1.15  # a block's prediction is inflated by this before it is compared with the time left
+SAFETY = 1.0  # the prediction already errs long (Pace); the hard stop and the per-block bundle cover the rest
 # --cpu-dry: the same recipes on tiny shapes; the last block is sized to be skipped by the budget
 DRY_SIZES = {
     "gpu-L2": "d8-L2-h2-b4-s2-lr0.01,d16-L2-h2-b4-s2-lr0.005,d512-L2-h4-b4-s2-lr0.001",
@@ -163,16 +167,19 @@ def plans(data: Path, dry: bool, out: Path):
 
 
 def blocks(found: dict) -> list[tuple[int, str, str, list]]:
-    """(N, arm, size label, runs) per size, ascending N over both arms."""
+    """(N, arm, size label, runs) per size: the arms in ARMS order (depth 2 first: reaching far in N is
+    what only the GPU can do; the CPU sweep has both arms up to 1M), each in ascending N."""
     from qkvlab.accounting import analytic_params
 
     out = []
     for arm, p in found.items():
+        mine = []
         for label in dict.fromkeys(r.point for r in p.runs):
             runs = [r for r in p.runs if r.point == label]
             base = runs[0].cfg.model.replace(attn="Q-K-V", kv_heads=None, match_params=None)
-            out.append((analytic_params(base).non_embedding, arm, label, runs))
-    return sorted(out, key=lambda b: b[0])
+            mine.append((analytic_params(base).non_embedding, arm, label, runs))
+        out += sorted(mine, key=lambda b: b[0])
+    return out
 
 
 def work_of(runs) -> float:
@@ -182,28 +189,35 @@ def work_of(runs) -> float:
 
 
 class Pace:
-    """Seconds per training FLOP and a run's fixed seconds, from the blocks run so far."""
+    """A block's seconds, predicted from the blocks run so far: its training FLOPs at the seconds per
+    FLOP of the last block of the same arm (the largest so far at that depth: per FLOP, smaller models
+    run slower, so this errs long), else of the last block of any arm; plus each run's fixed seconds
+    (wall minus training: evaluations, the test split, saving), the mean over every run so far."""
 
     def __init__(self):
-        self.train_s = self.work = self.fixed_s = 0.0
+        self.rate: dict[str, float] = {}  # arm -> seconds per training FLOP of its last block
+        self.last: float | None = None
+        self.fixed_s = 0.0
         self.runs = 0
 
-    def add(self, runs, wall_s: float) -> None:
+    def add(self, runs, wall_s: float, arm: str = "") -> None:
         from qkvlab.io import read_metrics
 
         trained = 0.0
         for r in runs:
             rows = read_metrics(r.dir)
             trained += float(rows[-1].get("elapsed_s") or 0.0) if rows else 0.0
-        self.train_s += trained
-        self.work += work_of(runs)
+        work = work_of(runs)
+        if work > 0:
+            self.rate[arm] = self.last = trained / work
         self.fixed_s += max(0.0, wall_s - trained)
         self.runs += len(runs)
 
-    def predict(self, runs) -> float | None:
-        if not self.runs or self.work <= 0:
+    def predict(self, runs, arm: str = "") -> float | None:
+        rate = self.rate.get(arm, self.last)
+        if rate is None or not self.runs:
             return None
-        return self.train_s / self.work * work_of(runs) + self.fixed_s / self.runs * len(runs)
+        return rate * work_of(runs) + self.fixed_s / self.runs * len(runs)
 
 
 def run_blocks(found: dict, log: Log, budget_s: float, start: float) -> None:
@@ -212,14 +226,14 @@ def run_blocks(found: dict, log: Log, budget_s: float, start: float) -> None:
     from qkvlab.compare import run
 
     pace = Pace()
-    cut = False
+    cut: set[str] = set()  # arms whose next size did not fit: their larger sizes are not tried
     for n, arm, label, runs in blocks(found):
         entry = {"arm": arm, "size": label, "N": n, "runs": len(runs), "work_flops": work_of(runs)}
         left = budget_s - (time.monotonic() - start)
-        guess = pace.predict(runs)
+        guess = pace.predict(runs, arm)
         entry.update(predicted_s=guess, left_s=round(left, 1))
-        if cut or (guess is not None and guess * SAFETY > left) or left <= 0:
-            cut = True
+        if arm in cut or (guess is not None and guess * SAFETY > left) or left <= 0:
+            cut.add(arm)
             entry["state"] = "skipped"
             log.line(
                 "SKIP", f"{arm} {label}", f"N {n:,}, {len(runs)} runs: predicted {guess or 0:.0f} s, {left:.0f} s left"
@@ -229,7 +243,7 @@ def run_blocks(found: dict, log: Log, budget_s: float, start: float) -> None:
             t0 = time.monotonic()
             outcome = run(dataclasses.replace(p, runs=runs), command=_command(arm, p), say=lambda *a, **k: None)
             wall = time.monotonic() - t0
-            pace.add(runs, wall)
+            pace.add(runs, wall, arm)
             entry.update(state="ran", wall_s=round(wall, 1), failures=outcome.failures)
             verdict = "FAIL" if outcome.failures else "PASS"
             log.line(

@@ -34,11 +34,21 @@ def test_dry_run_exercises_every_step_and_cuts_by_budget(dry):
     lines = (out / "summary.txt").read_text().splitlines()
     names = [line.split(":")[0] for line in lines]
     assert names[:3] == ["PASS dry-carry", "PASS corpus", "PASS plan"] and names[-1] == "PASS bundle"
-    blocks = [line for line in lines if "-L" in line.split(":")[0]]
-    assert [b.split()[0] for b in blocks] == ["PASS"] * 4 + ["SKIP"]  # the huge last block does not fit
+    blocks = [line.split(":")[0] for line in lines if "-L" in line.split(":")[0]]
+    # the huge d512 does not fit the budget; the depth-4 arm still runs after it
+    assert blocks == [
+        "PASS gpu-L2 d8-L2",
+        "PASS gpu-L2 d16-L2",
+        "SKIP gpu-L2 d512-L2",
+        "PASS gpu-L4 d8-L4",
+        "PASS gpu-L4 d12-L4",
+    ]
     record = json.loads((out / "sweep.json").read_text())
-    ns = [b["N"] for b in record["blocks"]]
-    assert ns == sorted(ns) and {b["arm"] for b in record["blocks"]} == {"gpu-L2", "gpu-L4"}  # interleaved by N
+    arms = [b["arm"] for b in record["blocks"]]
+    assert arms == ["gpu-L2"] * 3 + ["gpu-L4"] * 2  # depth 2 first, then depth 4
+    for arm in ("gpu-L2", "gpu-L4"):
+        ns = [b["N"] for b in record["blocks"] if b["arm"] == arm]
+        assert ns == sorted(ns)  # each arm in ascending N
     ran = [b for b in record["blocks"] if b["state"] == "ran"]
     assert ran[0]["predicted_s"] is None and all(b["predicted_s"] > 0 for b in ran[1:])  # the pace, once measured
     assert {p.name for p in out.iterdir()} == {"summary.txt", "log.txt", "sweep.json", "gpu-sweep.tar.gz"}
@@ -77,19 +87,26 @@ def test_unpack_refuses_a_corpus_that_is_not_the_packed_one(tmp_path, monkeypatc
         gpu_sweep.unpack(carry, tmp_path / "b", tmp_path / "b-prepared")
 
 
-def test_pace_predicts_from_flops_and_fixed_seconds(tmp_path, monkeypatch):
-    """After a block: seconds per training FLOP from the runs' own step time, plus each run's fixed
-    seconds (wall minus training); before any block, no prediction (the first block always runs)."""
+def test_pace_predicts_from_the_arms_last_block_and_fixed_seconds(tmp_path, monkeypatch):
+    """After a block: its seconds per training FLOP (the runs' own step time) for the next block of
+    that arm (another arm's last block where this arm has none), plus each run's fixed seconds (wall
+    minus training); before any block, no prediction (the first block always runs)."""
 
     class R:
         def __init__(self, d, steps):
             self.dir, self.cfg = d, type("Cfg", (), {"max_steps": steps})()
 
+    def finished(name: str, elapsed: float) -> R:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 100, "elapsed_s": elapsed}) + "\n")
+        return R(tmp_path / name, 100)
+
     monkeypatch.setattr(gpu_sweep, "work_of", lambda runs: sum(r.cfg.max_steps for r in runs) * 1e9)
     pace = gpu_sweep.Pace()
-    assert pace.predict([R(None, 10)]) is None
-    for i in range(2):
-        (tmp_path / f"run{i}").mkdir()
-        (tmp_path / f"run{i}" / "metrics.jsonl").write_text(json.dumps({"step": 100, "elapsed_s": 10.0}) + "\n")
-    pace.add([R(tmp_path / "run0", 100), R(tmp_path / "run1", 100)], wall_s=24.0)  # 20 s trained, 2 s fixed each
-    assert pace.predict([R(None, 1000)]) == pytest.approx(100.0 + 2.0)
+    assert pace.predict([R(None, 10)], "a") is None
+    pace.add([finished("a0", 10.0), finished("a1", 10.0)], wall_s=24.0, arm="a")  # 1e-10 s/FLOP, 2 s fixed a run
+    assert pace.predict([R(None, 1000)], "a") == pytest.approx(100.0 + 2.0)
+    assert pace.predict([R(None, 1000)], "b") == pytest.approx(100.0 + 2.0)  # no b block yet: a's pace
+    pace.add([finished("b0", 40.0)], wall_s=42.0, arm="b")  # 4e-10 s/FLOP
+    assert pace.predict([R(None, 1000)], "b") == pytest.approx(400.0 + 2.0)
+    assert pace.predict([R(None, 1000)], "a") == pytest.approx(100.0 + 2.0)
