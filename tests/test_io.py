@@ -12,17 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from qkvlab.config import preset
 from qkvlab.errors import UserError
-from qkvlab.io import (
-    METRICS,
-    WEIGHTS,
-    atomic_file,
-    atomic_write,
-    load_model,
-    read_metrics,
-    save_model,
-    state_dict_for_save,
-    tied_aliases,
-)
+from qkvlab.files import atomic_file, atomic_write
+from qkvlab.io import METRICS, WEIGHTS, load_model, read_metrics, save_model, state_dict_for_save, tied_aliases
 from qkvlab.model import GPT
 
 SCHEMES = [

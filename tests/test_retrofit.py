@@ -14,8 +14,7 @@ from qkvlab.cache import KVCache
 from qkvlab.cli import main
 from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import logit_diff, role_weights
-from qkvlab.convert.retrofit import attention_inputs, fit
-from qkvlab.convert.retrofit_fit import calibration_windows
+from qkvlab.convert.retrofit_fit import attention_inputs, calibration_windows, fit
 from qkvlab.errors import UserError
 from qkvlab.model import GPT
 

@@ -21,11 +21,11 @@ from safetensors.torch import load_file
 from qkvlab.config import preset
 from qkvlab.errors import UserError
 from qkvlab.folders import check_model_target, claim_folder, inspect
-from qkvlab.io import load_model, save_model
+from qkvlab.io import load_model, read_metrics, save_model
 from qkvlab.model import GPT
 from qkvlab.train import checkpoint as ck
 from qkvlab.train.config import train_preset
-from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, read_metrics, train
+from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, train
 
 TINY = ["--preset", "tiny", "--tokenizer", "char", "--block-size", "32", "--batch-size", "8", "--eval-batches", "2"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qkvlab import settings
+from qkvlab import settings, units
 from qkvlab.bench import BenchConfig
 from qkvlab.cli import COMMANDS, main
 from qkvlab.config import ModelConfig
@@ -134,7 +134,7 @@ def test_every_declared_field_has_a_type_the_generator_knows():
     "text,expected", [("24GB", 24e9), ("80GiB", 80 * 2**30), ("512mb", 512e6), ("1e9", 1e9), ("2TB", 2e12)]
 )
 def test_byte_sizes(text, expected):
-    assert settings.byte_size(text, "--memory-budget") == int(expected)
+    assert units.byte_size(text, "--memory-budget") == int(expected)
 
 
 @pytest.mark.parametrize(
@@ -150,5 +150,5 @@ def test_byte_sizes(text, expected):
 )
 def test_bad_byte_sizes_are_one_line(text, needle):
     with pytest.raises(UserError) as e:
-        settings.byte_size(text, "--memory-budget")
+        units.byte_size(text, "--memory-budget")
     assert needle in str(e.value) and "--memory-budget" in str(e.value)

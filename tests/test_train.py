@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 from qkvlab import cli
 from qkvlab.cli import main
 from qkvlab.errors import UserError
-from qkvlab.io import load_model
+from qkvlab.io import load_model, read_metrics
 from qkvlab.train import checkpoint as ck
 from qkvlab.train.config import TrainConfig, load_train_config, train_preset
-from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, read_metrics, train
+from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, train
 from qkvlab.train.optim import lr_at, param_groups
 
 

@@ -12,13 +12,13 @@ import pytest
 from scipy import stats
 
 from qkvlab.analysis import paper_figures as pf
+from qkvlab.analysis.estimates import Measured
 from qkvlab.analysis.intervals import ALPHA
 from qkvlab.analysis.verdict_table import margins_markdown, verdicts_markdown
 from qkvlab.analysis.verdicts import (
     CONTRADICTED,
     INCONCLUSIVE,
     REPRODUCED,
-    Measured,
     check,
     check_claims,
     score_sources,
@@ -437,7 +437,7 @@ def test_paired_units_give_the_fixed_test_sets_variance():
     """With per-unit scores, the evaluation variance common to every seed is the spread over units
     of the seed-averaged difference / units: A = B + 0.1 on every unit has none; without per-unit
     scores the conservative se_A^2 + se_B^2 is added."""
-    from qkvlab.analysis.verdicts import paired_estimate
+    from qkvlab.analysis.estimates import paired_estimate
 
     rng = random.Random(0)
     units = [rng.gauss(4.0, 1.0) for _ in range(50)]

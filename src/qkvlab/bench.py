@@ -19,6 +19,7 @@ attention scale is folded into W_Q (GPT-2 always scales by 1/sqrt(d_head)).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import torch
 from qkvlab.accounting import analytic_params, flops_per_token, kv_cache_bytes_per_token
 from qkvlab.cache import KVCache
 from qkvlab.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
+from qkvlab.convert.hf import to_hf
 from qkvlab.devices import (
     DEVICE_HELP,
     DTYPE_BYTES,
@@ -44,10 +46,11 @@ from qkvlab.heap import hold_freed_memory
 from qkvlab.limits import check_fits, check_model, check_training
 from qkvlab.loadavg import LoadWatch, NoisyMachine, fmt, load1
 from qkvlab.model import GPT
-from qkvlab.settings import byte_size, check, seed_setting, setting
+from qkvlab.settings import check, seed_setting, setting
 from qkvlab.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
 from qkvlab.speed import copy_rate as measured_copy_rate
 from qkvlab.train.dtype_probe import autocast_dtype
+from qkvlab.units import byte_size
 from qkvlab.variants import parse_variants
 
 DEFAULT_VARIANTS = "Q-K-V,Id-K-V,Q-K=V,Q=K=V,Id-K=V,Q-K=V/MQA"
@@ -136,8 +139,6 @@ def variant_configs(cfg: BenchConfig) -> list[tuple[str, ModelConfig]]:
 def hf_twin(model: GPT):
     """A transformers model computing the same function on `model`'s weights: GPT-2 (Llama for
     rotary models) from qkvlab.convert.hf's exporter; a UserError names what has no equivalent."""
-    from qkvlab.convert.hf import to_hf
-
     hf = to_hf(model, model.cfg, "llama" if model.cfg.pos == "rope" else "gpt2").eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
@@ -197,8 +198,6 @@ def train_tokens_per_s(cfg: ModelConfig, *, batch: int, steps: int, device, dtyp
 def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

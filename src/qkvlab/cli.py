@@ -13,8 +13,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from qkvlab import __version__
 from qkvlab.errors import UserError, as_user_error
-from qkvlab.io import find_model_dir  # noqa: F401  (the commands' import; it lives with the model folders)
 
 COMMANDS = {
     "info": "parameters, KV-cache bytes and FLOPs of a model config",
@@ -45,8 +45,6 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser; only `command`'s module is imported (the others cost start-up time)."""
-    from qkvlab import __version__
-
     parser = OneLineParser(prog="qkvlab", description="Transformers with fewer attention projections.")
     parser.add_argument("--version", action="version", version=f"qkvlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)

@@ -1,7 +1,7 @@
 """Model directories (``model.safetensors`` + ``config.json``), metrics rows and tied weights.
 
 Nothing a user may receive is a pickle: weights are safetensors, metadata JSON. The file writers
-live in the torch-free `qkvlab.files` and are re-exported here for callers that already hold io.
+live in the torch-free `qkvlab.files`; import them from there.
 """
 
 from __future__ import annotations
@@ -18,17 +18,7 @@ from safetensors.torch import load_file, save_file
 from qkvlab import __version__
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
-from qkvlab.files import (  # noqa: F401  (re-exported: the writers' old home)
-    atomic_dir,
-    atomic_file,
-    atomic_path,
-    atomic_write,
-    file_sha256,
-    finite_row,
-    json_text,
-    read_json,
-    read_user_text,
-)
+from qkvlab.files import atomic_dir, atomic_path, atomic_write, json_text, read_json
 from qkvlab.folders import check_model_target
 from qkvlab.limits import check_model
 from qkvlab.model import GPT

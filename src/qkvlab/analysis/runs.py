@@ -16,7 +16,8 @@ from typing import Any
 
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
-from qkvlab.io import atomic_write, json_text, read_config, read_metrics
+from qkvlab.files import atomic_write, json_text
+from qkvlab.io import read_config, read_metrics
 
 MANIFEST = "compare.json"
 SCORES = "scores.json"  # every run's scores, curves and model config: what --render re-derives results from

@@ -27,15 +27,22 @@ import csv
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from qkvlab.accounting import analytic_params
 from qkvlab.analysis import paper_figures as pf
+from qkvlab.analysis.estimates import Measured, paired_estimate
 from qkvlab.analysis.intervals import LEVEL, Fit, Interval, LackOfFit, lack_of_fit, ols
 from qkvlab.analysis.rules import CURRENT, Rules
+from qkvlab.analysis.runs import UNIT_DIGITS, read_test, run_finished, test_value
 from qkvlab.analysis.trends import FLAT, GROWING, SHRINKING
-from qkvlab.analysis.verdicts import Measured, paired_estimate
-from qkvlab.variants import BASELINE
+from qkvlab.config import preset
+from qkvlab.errors import UserError
+from qkvlab.files import atomic_write
+from qkvlab.io import read_config, read_metrics
+from qkvlab.spec import parse_scheme
+from qkvlab.variants import BASELINE, Variant
 
 NO_LINE = "no line"  # the slope's word when a lack-of-fit test rejects the straight line
 
@@ -45,9 +52,6 @@ PAPER_SIZES = {"A": ("124M", "gpt2-124m"), "B": ("300M", "paperB-300m")}
 
 
 def paper_size_params(paper: str) -> int:
-    from qkvlab.accounting import analytic_params
-    from qkvlab.config import preset
-
     return analytic_params(preset(PAPER_SIZES[paper][1])).non_embedding
 
 
@@ -203,9 +207,6 @@ def analyse(
 def _variant_name(cfg, folder: str) -> str:
     """The variant a run trained, from its model config (scheme, key/value heads, matched MLP);
     the folder name when the config alone does not spell it (e.g. /width=SCHEME)."""
-    from qkvlab.spec import parse_scheme
-    from qkvlab.variants import Variant
-
     kv = cfg.kv_heads if cfg.kv_heads not in (None, cfg.n_head) else None
     match = parse_scheme(cfg.match_params).name if cfg.match_params else None
     v = Variant(cfg.spec.name, kv, match)
@@ -214,10 +215,6 @@ def _variant_name(cfg, folder: str) -> str:
 
 def _read_one(root: Path, d: Path) -> tuple[ScalingRun, dict | None] | None:
     """A finished run folder as a ScalingRun (validation loss) and its test.json; None: no loss."""
-    from qkvlab.accounting import analytic_params
-    from qkvlab.analysis.runs import read_test
-    from qkvlab.io import read_config, read_metrics
-
     rel = d.relative_to(root)
     cfg, body = read_config(d)
     train = body.get("train", {})
@@ -247,10 +244,6 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str], str]:
     folders, and what was scored: the test split's loss (test.json's val_loss and se) when every
     finished run has one, else the last validation loss. A run's variant and N come from its
     config.json (the model as trained)."""
-    from dataclasses import replace
-
-    from qkvlab.analysis.runs import run_finished, test_value
-
     root = Path(runs_dir)
     done: list[tuple[ScalingRun, dict | None]] = []
     unfinished = []
@@ -274,9 +267,6 @@ SCORES = "scores.json"  # beside a sweep's results.csv: every run's per-window t
 def write_unit_scores(out_dir: str | Path, runs: Sequence[ScalingRun]) -> None:
     """scores.json: per run (by its folder) its test windows' losses to 1e-6, one run per line, for
     re-rendering with the paired per-unit evaluation variance; nothing when no run has them."""
-    from qkvlab.analysis.runs import UNIT_DIGITS
-    from qkvlab.io import atomic_write
-
     have = [r for r in runs if r.per_unit]
     if not have:
         return
@@ -287,8 +277,6 @@ def write_unit_scores(out_dir: str | Path, runs: Sequence[ScalingRun]) -> None:
 
 
 def _unit_scores(folder: Path) -> dict[str, tuple[float, ...]]:
-    from qkvlab.errors import UserError
-
     path = folder / SCORES
     if not path.is_file():
         return {}

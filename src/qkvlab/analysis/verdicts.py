@@ -36,11 +36,10 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from qkvlab.analysis import paper_figures as pf
-from qkvlab.analysis.estimates import (  # noqa: F401  (Measured, Score: the verdicts' vocabulary)
+from qkvlab.analysis.estimates import (
     Measured,
     Score,
     Values,
-    _m,
     _scores,
     level_estimate,
     paired_estimate,
@@ -58,6 +57,7 @@ from qkvlab.analysis.intervals import (
     holm,
 )
 from qkvlab.analysis.rules import CURRENT, Rules
+from qkvlab.analysis.runs import test_value
 
 REPRODUCED, CONTRADICTED, INCONCLUSIVE = "reproduced", "contradicted", "inconclusive"
 WORDS = (REPRODUCED, CONTRADICTED, INCONCLUSIVE)
@@ -402,8 +402,6 @@ def final_value(run, metric: str) -> float | None:
 
 
 def _test_score(run, metric: str) -> Measured | None:
-    from qkvlab.analysis.runs import test_value
-
     tv = test_value(getattr(run, "test", None), metric)
     return None if tv is None else Measured(*tv)
 

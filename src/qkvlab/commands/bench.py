@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 
 from qkvlab.bench import BenchConfig
+from qkvlab.bench import run as run_bench
 from qkvlab.errors import UserError
+from qkvlab.files import atomic_write, json_text
 from qkvlab.folders import check_file_target
+from qkvlab.loadavg import NoisyMachine, describe
 from qkvlab.settings import add_config_options, add_options, load, print_config
 from qkvlab.units import cell, nbytes
 
@@ -28,8 +31,6 @@ def _is_bench_json(path: Path) -> bool:
 
 
 def run(args) -> int:
-    from qkvlab.bench import run as run_bench
-
     cfg = load(BenchConfig, args.config, args)
     if print_config(args, cfg.to_dict()):
         return 0
@@ -37,26 +38,21 @@ def run(args) -> int:
         raise UserError(f"{cfg.compare_dir}: no results.csv (expected the output folder of qkvlab compare)")
     if cfg.json:  # before minutes of measuring
         check_file_target(cfg.json, "--json", same_kind=_is_bench_json)
-    from qkvlab.loadavg import NoisyMachine
-
     try:
         result = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     except NoisyMachine as e:
         print(f"qkvlab bench: {e}", file=sys.stderr)
         return e.exit_code
     print_table(result, cfg)
-    from qkvlab.loadavg import describe
-
     print(f"train dtype {result['train_dtype']}; machine: {describe(result['load'])}")
     rows = result["schemes"]
     mismatch = [n for n, r in rows.items() if r["kv_cache_bytes_allocated"] != r["kv_cache_bytes_analytic"]]
     if mismatch:
         print(f"cache bytes differ from the analytic figure for: {', '.join(mismatch)}", file=sys.stderr)
     if cfg.json:
-        from qkvlab.io import atomic_write, json_text
-
         atomic_write(cfg.json, json_text(result, indent=2))
     if cfg.compare_dir:
+        # startup: matplotlib and scipy (1.5 s), for --compare-dir only
         from qkvlab.analysis.plots import plot_cache_vs_quality
 
         print(f"wrote {plot_cache_vs_quality(cfg.compare_dir, cfg.plot)}")

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import sys
 
-from qkvlab.compare import CompareConfig, plan, preflight
+from qkvlab.compare import CompareConfig, plan
 from qkvlab.compare import run as run_plan
+from qkvlab.compare.auto import run_auto
+from qkvlab.compare.execute import preflight, render
+from qkvlab.errors import UserError
 from qkvlab.settings import add_config_options, add_options, load, print_config
 
 
@@ -43,16 +46,11 @@ def run(args) -> int:
     if print_config(args, cfg.to_dict()):
         return 0
     if cfg.render:  # stored scores only: no plan, nothing trained
-        from qkvlab.compare.execute import render
-        from qkvlab.errors import UserError
-
         if not cfg.out:
             raise UserError("--render needs --out FOLDER (the compare folder to re-derive)")
         render(cfg.out, cfg.analysis_version, plots=cfg.plots)
         return 0
     if cfg.analysis_version is not None:
-        from qkvlab.errors import UserError
-
         raise UserError("--analysis-version goes with --render (a run is scored under the current rules)")
     p = plan(cfg)
     if cfg.dry_run:
@@ -62,8 +60,6 @@ def run(args) -> int:
         return 0
     command = "qkvlab " + " ".join(sys.argv[1:]) if "compare" in sys.argv[1:] else None
     if cfg.seeds == "auto":
-        from qkvlab.compare.auto import run_auto
-
         outcome = run_auto(plan, run_plan, cfg, command=command, say=print)
     else:
         outcome = run_plan(p, command=command)

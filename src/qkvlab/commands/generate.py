@@ -11,10 +11,12 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 
-from qkvlab.cli import find_model_dir
+from qkvlab.data.tokenizer import resolve_tokenizer
+from qkvlab.devices import select_device, torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.generate import FINISHED, check_prompts, generate, stream
 from qkvlab.generate_config import GenerateConfig
+from qkvlab.io import find_model_dir, load_model, read_config
 from qkvlab.settings import add_config_options, add_options, load, print_config
 
 
@@ -34,10 +36,6 @@ def encode_prompts(cfg: GenerateConfig, tok, vocab_size: int) -> list[list[int]]
 
 
 def run(args) -> int:
-    from qkvlab.data.tokenizer import resolve_tokenizer
-    from qkvlab.devices import select_device, torch_dtype
-    from qkvlab.io import load_model, read_config
-
     cfg = load(GenerateConfig, args.config, args)
     if print_config(args, asdict(cfg)):
         return 0

@@ -17,7 +17,9 @@ import torch
 
 from qkvlab.analysis.similarity import SimilarityConfig, format_report, similarity
 from qkvlab.convert.load import load_any
+from qkvlab.data.text import load_corpus
 from qkvlab.errors import UserError
+from qkvlab.files import read_user_text
 from qkvlab.settings import add_config_options, add_options, load, print_config
 
 MAX_ROW = 1024  # tokens per sequence of the batch (at most the model's context)
@@ -33,12 +35,8 @@ def text_ids(tok, text_file: str | None, n_tokens: int, context: int, vocab_size
     if n_tokens < 2:
         raise UserError(f"--tokens={n_tokens} must be an integer >= 2")
     if text_file is not None:
-        from qkvlab.io import read_user_text
-
         text = read_user_text(text_file, f"--text {text_file}")
     else:
-        from qkvlab.data.text import load_corpus
-
         text, docs = "", iter(load_corpus(None))
         while len(text) < 8 * n_tokens:  # a token is at most a few characters of English
             doc = next(docs, None)

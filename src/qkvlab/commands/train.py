@@ -21,7 +21,9 @@ from qkvlab.devices import torchrun_env
 from qkvlab.errors import UserError
 from qkvlab.folders import inspect
 from qkvlab.settings import add_config_options, add_options, load, options_from_args, print_config
-from qkvlab.train.config import TrainConfig, TrainRun
+from qkvlab.train.config import TrainConfig, TrainRun, load_train_config, merge
+from qkvlab.train.loop import TrainingDiverged, train
+from qkvlab.train.run_folder import TRAIN_CONFIG
 
 
 def add_arguments(p) -> None:
@@ -43,9 +45,6 @@ def overrides_from_args(args, run: TrainRun) -> dict:
 
 def resolve(args, run: TrainRun) -> TrainConfig:
     """The TrainConfig the command line describes."""
-    from qkvlab.train.config import load_train_config, merge
-    from qkvlab.train.loop import TRAIN_CONFIG
-
     if args.config and run.config_path and args.config != run.config_path:
         raise UserError(f"two config files given ({run.config_path} and --config {args.config}); give one")
     path = args.config or run.config_path
@@ -58,8 +57,6 @@ def resolve(args, run: TrainRun) -> TrainConfig:
 
 
 def run(args) -> int:
-    from qkvlab.train.loop import TrainingDiverged, train
-
     run_opts = load(TrainRun, None, args)
     cfg = resolve(args, run_opts)
     if print_config(args, cfg.to_dict()):

@@ -8,8 +8,8 @@
 The command `qkvlab compare` is this, with the settings read from the command line or --config.
 """
 
-from qkvlab.compare.execute import Outcome, preflight, run
-from qkvlab.compare.planning import CompareConfig, Plan, PlannedRun, run_state
+from qkvlab.compare.execute import run
+from qkvlab.compare.planning import CompareConfig, Plan
 from qkvlab.compare.planning import plan as plan_grid
 from qkvlab.compare.sweep import plan_sweep
 
@@ -20,4 +20,4 @@ def plan(cfg: CompareConfig) -> Plan:
     return plan_sweep(cfg.validate()) if cfg.sweep else plan_grid(cfg)
 
 
-__all__ = ["CompareConfig", "Outcome", "Plan", "PlannedRun", "plan", "preflight", "run", "run_state"]
+__all__ = ["CompareConfig", "plan", "run"]  # the Python API docs/guide.md shows; every other name from its module

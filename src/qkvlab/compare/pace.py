@@ -10,12 +10,19 @@ plan's own first run both ways, in the processes that would train, and keeps the
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import re
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
+from qkvlab.accounting import flops_per_token
+from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
-from qkvlab.units import fmt_duration  # noqa: F401  (callers' old import)
+from qkvlab.tasks import get_task
+from qkvlab.train.optim import make_optimizer
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d*)?)h)?(?:(\d+(?:\.\d*)?)m(?:in)?)?(?:(\d+(?:\.\d*)?)s?)?$")
 PROBE_STEPS = 12  # timed steps per probe (after 3 warm-up steps)
@@ -95,20 +102,12 @@ def first_run_per_point(runs) -> dict:
 
 def step_work(cfg) -> float:
     """Training FLOPs of one optimizer step of TrainConfig `cfg` (a cost proxy across sizes)."""
-    from qkvlab.accounting import flops_per_token
-
     return float(flops_per_token(cfg.model) * cfg.model.context * cfg.batch_size)
 
 
 def step_seconds(cfg, threads: int, steps: int = PROBE_STEPS) -> float:
     """Seconds per optimizer step of TrainConfig `cfg` in this process at `threads` threads, under the
     autocast the run would train with (cfg.dtype; auto as timed here, train.dtype_probe)."""
-    import torch
-
-    from qkvlab.devices import torch_dtype
-    from qkvlab.tasks import get_task
-    from qkvlab.train.optim import make_optimizer
-
     torch.set_num_threads(threads)
     task = get_task(cfg.task, **cfg.task_options)
     model = task.build_model(task.adapt_config(cfg.model))
@@ -130,9 +129,6 @@ def step_seconds(cfg, threads: int, steps: int = PROBE_STEPS) -> float:
 def probe(todo: list, cpus: int, say=print) -> Layout:
     """Time `cpus` parallel one-thread runs against one run on `cpus` threads on the first run; keep
     the faster; then time the first run of each other grid point (up to MAX_POINTS_PROBED) that way."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
     cfg = todo[0].cfg
     first = point_key(todo[0])
     others = [(k, r.cfg) for k, r in first_run_per_point(todo).items() if k != first][: MAX_POINTS_PROBED - 1]
@@ -163,10 +159,8 @@ def probe(todo: list, cpus: int, say=print) -> Layout:
 
 
 def _warm(_: int) -> None:
-    import torch  # noqa: F401
-
-    import qkvlab.model  # noqa: F401
-    import qkvlab.tasks  # noqa: F401
+    """Nothing: a spawned worker unpickling it imports this module, and with it torch, the model and
+    the tasks, before any step is timed."""
 
 
 def choose_layout(cfg, todo: list, cpus: int, jobs: int | None, threads: int | None, say=print) -> Layout:

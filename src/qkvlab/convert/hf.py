@@ -24,8 +24,10 @@ from qkvlab.convert.hf_adapter import StateDictAdapter
 from qkvlab.convert.hf_gpt2 import GPT2Adapter
 from qkvlab.convert.hf_llama import LlamaAdapter
 from qkvlab.convert.reparam import role_weights
+from qkvlab.data.text import cache_dir
 from qkvlab.errors import UserError
-from qkvlab.io import build_model_from_state, file_sha256, is_model_folder, read_json
+from qkvlab.files import atomic_dir, file_sha256, read_json
+from qkvlab.io import build_model_from_state, is_model_folder
 from qkvlab.model import GPT
 from qkvlab.spec import ROLES
 
@@ -35,7 +37,7 @@ FORMATS = tuple(ADAPTERS)
 
 def _transformers():
     try:
-        import transformers
+        import transformers  # optional: transformers
     except ImportError:
         raise UserError("Hugging Face interop needs transformers: pip install 'qkvlab[hf]'") from None
     return transformers
@@ -50,8 +52,6 @@ def quiet() -> None:
 
 # ---- reading an HF checkpoint ---------------------------------------------------------------
 def _cache_root() -> Path:
-    from qkvlab.data.text import cache_dir
-
     return cache_dir() / "gguf"
 
 
@@ -127,8 +127,6 @@ def _load_gguf(file: Path, *, cache: bool):
     plain = type(model)(config)
     plain.load_state_dict(model.state_dict())
     del model
-    from qkvlab.io import atomic_dir
-
     with atomic_dir(folder) as tmp:
         plain.save_pretrained(tmp)
         try:

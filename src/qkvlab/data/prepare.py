@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 import qkvlab
 from qkvlab.data.sources import (
@@ -64,8 +65,13 @@ from qkvlab.data.tokenizer import (
 )
 from qkvlab.errors import UserError
 from qkvlab.files import atomic_write, file_sha256
-from qkvlab.folders import LOCK
+from qkvlab.folders import LOCK, no_lock_message
 from qkvlab.settings import setting
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: the folder lock is a no-op there
+    fcntl = None
 
 FORMAT_VERSION = 2
 SPLIT_RULES = ("document", "stream")
@@ -75,7 +81,6 @@ BATCH_CHUNKS = 4  # pieces per encoding thread in one batch call, at most MAX_BA
 MAX_BATCH = 64  # bounds memory: ~16 MB of text, ids at ~36 B each while they are Python lists
 CHECKPOINT_SECONDS = 10.0  # progress.json this often (each one flushes and fsyncs the token files)
 PREPARE_COMMAND = "qkvlab prepare --data {data} --tokenizer {tokenizer}"
-__all__ = ["ENCODING_ERRORS", "PreparedData", "fixed_val_batches", "get_batch", "load_prepared", "prepare"]
 
 
 @dataclass
@@ -278,9 +283,7 @@ def _check_target(d: Path) -> None:
 @contextlib.contextmanager
 def _exclusive(d: Path) -> Iterator[None]:
     """Hold an exclusive flock on the folder's lock file (waiting for it); no-op without fcntl."""
-    try:
-        import fcntl
-    except ImportError:
+    if fcntl is None:
         yield
         return
     fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
@@ -288,8 +291,6 @@ def _exclusive(d: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:
-            from qkvlab.folders import no_lock_message
-
             raise UserError(no_lock_message("--out", d, e)) from None
         yield
     finally:
@@ -370,8 +371,6 @@ def _encode(units: list[Unit], tok, writer: TokenWriter, state: dict, d: Path, b
     progress.json every CHECKPOINT_SECONDS. bar_desc: a progress bar's label (None: no bar)."""
     bar = None
     if bar_desc is not None:
-        from tqdm.auto import tqdm
-
         total = sum(u.size for u in units) or None
         bar = tqdm(
             total=total, initial=state["bytes_done"], unit="B", unit_scale=True, desc=bar_desc, dynamic_ncols=True

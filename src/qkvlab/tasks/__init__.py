@@ -35,5 +35,3 @@ def get_task(name: str, **options: Any) -> Task:
     module = importlib.import_module(TASK_MODULES[name])
     return module.make_task(name, **options)
 
-
-__all__ = ["Task", "get_task", "TASK_MODULES", "FAMILIES"]

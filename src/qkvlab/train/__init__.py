@@ -9,13 +9,9 @@ works only because another was imported first.
 import importlib
 from typing import Any
 
-_EXPORTS = {
+_EXPORTS = {  # the Python API docs/guide.md shows; every other name from its module
     "TrainConfig": "qkvlab.train.config",
-    "load_train_config": "qkvlab.train.config",
     "train_preset": "qkvlab.train.config",
-    "TrainResult": "qkvlab.train.loop",
-    "TrainingDiverged": "qkvlab.train.loop",
-    "read_metrics": "qkvlab.train.loop",
     "train": "qkvlab.train.loop",
 }
 __all__ = sorted(_EXPORTS)

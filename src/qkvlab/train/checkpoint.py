@@ -27,19 +27,8 @@ from safetensors.torch import save_file
 
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
-from qkvlab.io import (
-    CONFIG,
-    WEIGHTS,
-    atomic_dir,
-    atomic_file,
-    atomic_write,
-    check_state,
-    config_body,
-    file_sha256,
-    json_text,
-    load_weights,
-    read_config,
-)
+from qkvlab.files import atomic_dir, atomic_file, atomic_write, file_sha256, json_text
+from qkvlab.io import CONFIG, WEIGHTS, check_state, config_body, load_weights, read_config
 from qkvlab.positions import is_legacy_key
 
 CHECKPOINT = "checkpoint"

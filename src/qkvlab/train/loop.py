@@ -30,31 +30,23 @@ import torch.nn as nn
 from qkvlab.config import ModelConfig
 from qkvlab.devices import TRAIN_DTYPES, torch_dtype
 from qkvlab.errors import UserError, as_user_error
+from qkvlab.files import atomic_write, finite_row, json_text
 from qkvlab.folders import Claim
 from qkvlab.heap import hold_freed_memory
-from qkvlab.io import (
-    METRICS,
-    atomic_write,
-    drop_aliases,
-    finite_row,
-    json_text,
-    read_metrics,
-    tied_aliases,
-    with_aliases,
-)
+from qkvlab.io import METRICS, drop_aliases, tied_aliases, with_aliases
 from qkvlab.limits import check_training
-from qkvlab.tasks import Task, get_task
+from qkvlab.tasks import get_task
+from qkvlab.tasks.base import Task
 from qkvlab.train import checkpoint as ck
 from qkvlab.train import distributed as D
 from qkvlab.train.config import TrainConfig
 from qkvlab.train.dtype_probe import Decision
 from qkvlab.train.optim import lr_at, make_optimizer
 from qkvlab.train.progress import Log
-from qkvlab.train.run_folder import TRAIN_CONFIG, Saved, claim_run_folder, read_checkpoint, write_train_config
+from qkvlab.train.run_folder import Saved, claim_run_folder, read_checkpoint, write_train_config
 
 TEST_SCORES = "test.json"  # the final weights on the task's held-out test split (Task.test)
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")  # wall-clock, excluded from exact comparisons
-__all__ = ["train", "TrainResult", "TrainingDiverged", "read_metrics", "TIMING_FIELDS", "TRAIN_CONFIG"]
 
 
 class TrainingDiverged(RuntimeError):
