@@ -5,12 +5,20 @@ names) and the printer behind --print-config. Torch-free: the bottom floor, unde
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from qkvlab.errors import UserError
 from qkvlab.files import read_user_text
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: tomli is the same parser
+    import tomli as tomllib
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -20,15 +28,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text)
         elif suffix == ".toml":
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10: tomli is the same parser
-                import tomli as tomllib
-
             data = tomllib.loads(text)
         elif suffix == ".json":
             data = json.loads(text)
@@ -50,6 +51,4 @@ def config_to_text(body: Mapping[str, Any], fmt: str = "yaml") -> str:
     """A resolved config as YAML (default) or JSON, for --print-config."""
     if fmt == "json":
         return json.dumps(body, indent=2)
-    import yaml
-
     return yaml.safe_dump(json.loads(json.dumps(body)), sort_keys=False).rstrip()

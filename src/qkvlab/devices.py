@@ -11,9 +11,13 @@ cuda:0 outside torchrun; an explicit cuda:N is refused with more than one rank).
 from __future__ import annotations
 
 import os
+import platform
 import re
 
 from qkvlab.errors import UserError
+
+# function-level imports: startup: torch is imported inside the functions that use it, so importing this
+# module stays torch-free (`qkvlab serve` checks its options before it loads torch).
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
@@ -73,8 +77,6 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
 
 def cpu_name(cpuinfo: str | None = None) -> str:
     """The CPU's model name (/proc/cpuinfo), else what platform knows."""
-    import platform
-
     for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()

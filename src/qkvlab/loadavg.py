@@ -22,6 +22,9 @@ import resource
 import time
 from dataclasses import dataclass, field
 
+from qkvlab.files import atomic_write, json_text
+from qkvlab.folders import check_file_target
+
 NOISY_LOAD_PER_CORE = 0.25  # 1-min load before the work, per core
 NOISY_OTHERS_CORES = 0.1  # other processes' CPU while the work ran, in cores
 NOISY_STEAL = 0.02  # share of the machine's CPU time stolen by the hypervisor
@@ -208,8 +211,6 @@ class ScriptRun:
         self.args, self.name = args, name
         json_path = getattr(args, "json", None)
         if json_path:
-            from qkvlab.folders import check_file_target
-
             check_file_target(json_path, "--json", same_kind=lambda p: True)
         self.watch = LoadWatch.start()
         print(f"machine before the run: {self.watch.before_summary()}", flush=True)
@@ -226,8 +227,6 @@ class ScriptRun:
         self.watch.finish()
         print(f"machine during the run: {self.watch.summary()}", flush=True)
         if getattr(self.args, "json", None):
-            from qkvlab.files import atomic_write, json_text
-
             options = {
                 k: v for k, v in vars(self.args).items() if isinstance(v, (int, float, str, bool, list, type(None)))
             }

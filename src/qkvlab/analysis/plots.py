@@ -16,8 +16,11 @@ from typing import TYPE_CHECKING
 import matplotlib
 
 matplotlib.use("Agg")
+import csv
+
 import matplotlib.pyplot as plt  # noqa: E402
 
+from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.trends import plot_gap_trajectories
 from qkvlab.errors import UserError
 from qkvlab.files import save_figure  # noqa: E402
@@ -81,8 +84,6 @@ def plot_loss_curves(res: Results, path: Path) -> Path:
 
 
 def plot_ppl_vs_cache(res: Results, path: Path, task: str = "lm") -> Path | None:
-    from qkvlab.analysis import paper_figures as pf
-
     rows = [r for r in res.rows if r.task == task and r.ppl_change]
     if not rows:
         return None
@@ -211,8 +212,6 @@ def write_plots(res: Results, out_dir: str | Path) -> list[Path]:
 def cache_vs_quality_points(compare_dir: str | Path) -> list[tuple[str, float, float]]:
     """(label, KV-cache bytes per token, validation loss) per row of a compare run's results.csv;
     the label carries the perplexity change vs Q-K-V where the CSV has one."""
-    import csv
-
     path = Path(compare_dir) / "results.csv"
     if not path.is_file():
         raise UserError(f"{compare_dir}: no results.csv (expected the output folder of qkvlab compare)")

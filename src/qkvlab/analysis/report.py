@@ -8,6 +8,7 @@ import io
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,13 @@ from qkvlab.accounting import analytic_params
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import Interval
 from qkvlab.analysis.results import Results, collect
+from qkvlab.analysis.rules import provenance_lines, rules
+from qkvlab.analysis.runs import write_manifest, write_scores
 from qkvlab.analysis.trends import trends_markdown
-from qkvlab.analysis.verdict_table import verdicts_markdown
-from qkvlab.analysis.verdicts import PERPLEXITY_METRIC
+from qkvlab.analysis.verdict_table import format_gap, verdicts_markdown
+from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, check
+from qkvlab.config import preset
+from qkvlab.files import atomic_write
 from qkvlab.units import EMPTY, human
 from qkvlab.variants import BASELINE, parse_variant
 
@@ -206,8 +211,6 @@ def family_table(res: Results, tasks: Sequence[str]) -> str:
 
 def paper_a_params_table() -> str:
     """Our analytic counts at Paper A's GPT-2 small config against the paper's figures."""
-    from qkvlab.config import preset
-
     base = preset("gpt2-124m")
     body = []
     for name, paper in pf.PAPER_A_NON_EMBEDDING_M.items():
@@ -274,8 +277,6 @@ def _run_section(res: Results) -> str:
     mach = m.get("machine", {})
     if mach:
         lines.append("- machine: " + ", ".join(f"{k} {v}" for k, v in mach.items()))
-    from qkvlab.analysis.rules import provenance_lines
-
     lines += provenance_lines(res.rules.version, m.get("trained_under_analysis"))
     if res.from_scores:
         lines.append("- re-derived from scores.json (every run's stored scores); the run folders are not on disk")
@@ -337,11 +338,6 @@ def ranking_section(res: Results) -> list[str]:
     """qkvlab's own ranking over every variant run (no paper made it): per task with three or more
     variants, the one with the worst mean and whether it is worse than each of the others (paired
     one-sided tests at 5%, no margin; Holm over them)."""
-    from dataclasses import replace
-
-    from qkvlab.analysis.verdict_table import format_gap
-    from qkvlab.analysis.verdicts import check
-
     vals, hib, metric = res.values(), res.higher_is_better, res.metric
     rules = replace(res.rules, among="run", margins="per claim")
     lines = []
@@ -441,10 +437,6 @@ def write_results(
     analysis rules of analysis_version (default: the current one); compare.json records the version.
     seconds_per_run: wall seconds per run here (parallel jobs included) for the 'seeds to decide'
     cost; default: the folder's own timing."""
-    from qkvlab.analysis.rules import rules
-    from qkvlab.analysis.runs import write_manifest, write_scores
-    from qkvlab.io import atomic_write
-
     out_dir = Path(out_dir)
     res = res or collect(out_dir, rules(analysis_version))
     res.manifest["analysis_version"] = res.rules.version
@@ -453,7 +445,7 @@ def write_results(
         write_scores(out_dir, res.runs, res.manifest)
     written: list[Path] = []
     if plots and res.rows:
-        from qkvlab.analysis.plots import write_plots
+        from qkvlab.analysis.plots import write_plots  # startup: matplotlib, when plots are drawn
 
         written = write_plots(res, out_dir)
     atomic_write(out_dir / "results.csv", to_csv(res))

@@ -18,6 +18,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+from qkvlab.analysis import paper_figures as pf
 from qkvlab.errors import UserError
 
 ANALYSIS_VERSION = 4
@@ -119,8 +120,7 @@ def change(version: int) -> Change:
 def fingerprint() -> str:
     """A short hash of everything a verdict depends on besides the data: the claims and margins, the
     constants and the current switches."""
-    from qkvlab.analysis import paper_figures as pf
-    from qkvlab.analysis.intervals import ALPHA, LEVEL
+    from qkvlab.analysis.intervals import ALPHA, LEVEL  # startup: scipy; compare imports rules at start
 
     body = {
         "rules": asdict(CURRENT),

@@ -10,6 +10,9 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from qkvlab.analysis.rules import provenance_lines
+from qkvlab.analysis.rules import rules as rules_of
+from qkvlab.analysis.runs import MANIFEST, read_manifest, write_manifest
 from qkvlab.analysis.scaling import (
     MAX_EXTRAPOLATION,
     PAPER_SIZES,
@@ -21,7 +24,9 @@ from qkvlab.analysis.scaling import (
     read_runs_csv,
     write_unit_scores,
 )
-from qkvlab.files import save_figure
+from qkvlab.errors import UserError
+from qkvlab.files import atomic_write, save_figure
+from qkvlab.units import human
 from qkvlab.variants import BASELINE
 
 CSV_COLUMNS = (
@@ -127,8 +132,6 @@ def _corpus_line(manifest: dict | None) -> list[str]:
 
 
 def _sizes_section(sc: Scaling) -> list[str]:
-    from qkvlab.units import human
-
     seeds = {s: sorted({r.seed for r in sc.runs if r.size == s}) for s in sc.sizes}
     out = [
         "## Sizes",
@@ -220,8 +223,6 @@ def to_markdown(
     manifest: dict | None = None,
     note: str = "",
 ) -> str:
-    from qkvlab.analysis.rules import provenance_lines
-
     out = ["# Scaling: gap to Q-K-V against model size", ""]
     if command:
         out += [f"Command: `{command}`", ""]
@@ -239,10 +240,11 @@ def to_markdown(
 def plot_scaling(sc: Scaling, path: str | Path, *, against: str = "params") -> Path:
     """Gap vs N (against='params') or vs compute 6ND ('compute'), log x: per variant the per-size
     mean with its interval and the fitted line with its 95% confidence band, over the sizes trained."""
+    # startup: matplotlib (0.6 s), imported when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # startup: as above
 
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
     cmap = plt.get_cmap("tab10")
@@ -305,11 +307,6 @@ def write_scaling_results(
     results.csv: the per-seed scores); write results.md, results.csv, gap_vs_params.png and
     gap_vs_compute.png into out_dir (created; only these files written), scored under the analysis
     rules of analysis_version (default: the current one)."""
-    from qkvlab.analysis.rules import rules as rules_of
-    from qkvlab.analysis.runs import MANIFEST, read_manifest
-    from qkvlab.errors import UserError
-    from qkvlab.io import atomic_write
-
     runs, unfinished, source = read_runs(runs_dir)
     note = ""
     table = Path(runs_dir) / "results.csv"
@@ -333,8 +330,6 @@ def write_scaling_results(
     atomic_write(out / "results.csv", to_csv(sc))
     write_unit_scores(out, sc.runs)
     if manifest is not None and Path(out).resolve() == Path(runs_dir).resolve():
-        from qkvlab.analysis.runs import write_manifest
-
         write_manifest(out, {**manifest, "analysis_version": sc.rules.version})
     atomic_write(out / "results.md", to_markdown(sc, [str(p) for p in written], unfinished, command, manifest, note))
     return sc

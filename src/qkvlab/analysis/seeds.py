@@ -27,6 +27,7 @@ from scipy import stats
 
 from qkvlab.analysis.intervals import ALPHA, MeanEstimate, PairedSolves, RateDifference, t_critical
 from qkvlab.analysis.verdicts import INCONCLUSIVE, TEST_LEVEL, ClaimVerdict, Gap
+from qkvlab.units import fmt_duration
 
 N_MAX = 1000  # beyond this the answer is "more than N_MAX"
 POWER = 0.80
@@ -126,6 +127,4 @@ def seeds_cell(v: ClaimVerdict, runs_per_seed: int, seconds_per_run: float | Non
         return f"> {N_MAX}"
     if not seconds_per_run:
         return str(n)
-    from qkvlab.units import fmt_duration
-
     return f"{n} (≈ {fmt_duration(decide_seconds(n, v.seeds, runs_per_seed, seconds_per_run))} here)"

@@ -19,6 +19,7 @@ from qkvlab.analysis.verdicts import (
     Region,
     pair_margin,
 )
+from qkvlab.units import fmt_duration
 
 
 def _num(x: float, unit: str) -> str:
@@ -100,8 +101,6 @@ def _commands(tested, runs_per_seed: int, seconds_per_run: float | None, command
             by_n.setdefault(n, []).append(v.claim.id)
     if not by_n:
         return []
-    from qkvlab.units import fmt_duration
-
     have = min(v.seeds for v in tested)
     lines = ["", "To decide the inconclusive claims (seeds per variant from this run's spread, docs/analysis.md):", ""]
     for n in sorted(by_n):

@@ -14,10 +14,11 @@ import json
 from qkvlab.accounting import memory_estimate, report
 from qkvlab.config import choose_model, model_config_file
 from qkvlab.info_config import InfoConfig
-from qkvlab.io import find_model_dir
+from qkvlab.io import find_model_dir, read_config
 from qkvlab.settings import add_config_options, add_options, load, print_config
 from qkvlab.spec import KNOWN_SCHEMES
 from qkvlab.units import human, nbytes
+from qkvlab.variants import parse_variant
 
 
 def add_arguments(p) -> None:
@@ -28,8 +29,6 @@ def add_arguments(p) -> None:
 def folder_config(path: str):
     """The model config saved in a model folder, or in a run folder (its final model, else its
     last checkpoint)."""
-    from qkvlab.io import read_config
-
     return read_config(find_model_dir(path))[0]
 
 
@@ -38,8 +37,6 @@ def run(args) -> int:
     base = folder_config(opts.folder) if opts.folder else model_config_file(args.config) if args.config else None
     cfg = choose_model(opts.preset, opts.model, base)
     if opts.variant:
-        from qkvlab.variants import parse_variant
-
         cfg = parse_variant(opts.variant).apply(cfg)
     if print_config(args, cfg.to_dict()):
         return 0

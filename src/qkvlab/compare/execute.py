@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import multiprocessing as mp
 import os
 import platform
 import signal
@@ -13,18 +14,28 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qkvlab.analysis.rules import ANALYSIS_VERSION
+from qkvlab.analysis.runs import MANIFEST, read_manifest, write_manifest
 from qkvlab.compare.pace import choose_layout
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
-from qkvlab.devices import cpu_name, torchrun_env
+from qkvlab.devices import cpu_name, select_device, torchrun_env
 from qkvlab.errors import UserError
 from qkvlab.folders import check_folder, claim_folder, inspect
+from qkvlab.tasks import FAMILIES, get_task
+from qkvlab.train import distributed as D
+from qkvlab.train.loop import TrainingDiverged, train
 from qkvlab.units import fmt_duration
+
+# function-level imports: startup: qkvlab.analysis.report, .results and .scaling_report import scipy
+# (about 1 s); they load when results are written, so `compare --help` and `--dry-run` start without.
 
 
 @dataclass
@@ -64,16 +75,12 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _worker_init(threads: int, parent: int | None = None) -> None:
-    import torch
-
     if parent is not None:
         _die_with_parent(parent)
     torch.set_num_threads(threads)
 
 
 def _train_one(cfg, out_dir: str, progress: bool):
-    from qkvlab.train.loop import TrainingDiverged, train
-
     t0 = time.perf_counter()
     try:
         res = train(cfg, out_dir, resume=True, progress=progress)
@@ -131,8 +138,6 @@ class Progress:
 def machine_info(jobs: int, threads: int, device: str, world: int, train_dtype: str) -> dict[str, Any]:
     """Where the runs trained; train_dtype: the autocast dtype(s) the runs' dtype setting resolved to
     here (`_train_dtype`), so a result says whether it was trained in fp32 or under bf16."""
-    import torch
-
     info = {
         "cpu": cpu_name(),
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
@@ -156,8 +161,6 @@ def _check_tasks(plan: list[PlannedRun], family_request: bool, say) -> tuple[lis
     corpus before parallel runs read it); read its metric. With a family, a task whose data is
     missing is skipped with a note, and so is a grid point a task cannot take (e.g. patch 7 on
     32-px images); a task named alone at its default point fails with its one-line error."""
-    from qkvlab.tasks import get_task
-
     metrics: dict[str, Any] = {}
     checked: dict[tuple[str, str], bool] = {}
     for run in plan:
@@ -196,8 +199,6 @@ def preflight(plan: Plan, say: Callable[..., None] = print) -> None:
     """What a dry run checks before printing the plan, as a real run would refuse it: --out (never
     a file, a run or a model), the device, and every task's options and data (tasks are built once,
     which caches a tokenized corpus)."""
-    from qkvlab.devices import select_device
-
     check_folder(plan.out, accept=("compare",), advice=COMPARE_ADVICE)
     select_device(plan.config.device)
     _check_tasks(plan.runs, _family_request(plan.config), say)
@@ -205,8 +206,6 @@ def preflight(plan: Plan, say: Callable[..., None] = print) -> None:
 
 def _family_request(cfg) -> bool:
     """A task family other than lm was asked for: a task whose data is missing is skipped, not fatal."""
-    from qkvlab.tasks import FAMILIES
-
     return cfg.task in FAMILIES and cfg.task != "lm"
 
 
@@ -219,8 +218,6 @@ def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = pr
         say = lambda *a, **k: None  # noqa: E731
     env = None
     if world > 1:  # under torchrun every rank walks the same plan; each run is one distributed train()
-        from qkvlab.train import distributed as D
-
         env = D.setup(plan.config.device)
     claim = None
     try:
@@ -235,15 +232,11 @@ def run(plan: Plan, *, command: str | None = None, say: Callable[..., None] = pr
         if claim is not None:
             claim.release()
         if env is not None:
-            from qkvlab.train import distributed as D
-
             D.teardown(env)
 
 
 def _training_record(out: Path) -> dict[str, Any] | None:
     """The machine, timing and estimate that the folder's last training invocation recorded."""
-    from qkvlab.analysis.runs import read_manifest
-
     try:
         old = read_manifest(out)
     except UserError:
@@ -265,8 +258,6 @@ def _train_dtype(
     at the workers' thread count, before any worker starts: the workers find it cached instead of
     timing while the others train. Each CPU decision is said once, with its figures, and its record
     appended to `records`."""
-    import torch
-
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -283,10 +274,6 @@ def _train_dtype(
 
 
 def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outcome:
-    from qkvlab.analysis.runs import write_manifest
-    from qkvlab.devices import select_device
-    from qkvlab.train import distributed as D
-
     cfg, out = plan.config, plan.out
     world = env.world if env is not None else 1
     main = env is None or env.main
@@ -340,8 +327,6 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
 def _runs_to_train(plan: Plan, env, say) -> tuple[list[PlannedRun], dict[str, Any], list[PlannedRun]]:
     """(the runs whose tasks load, their tasks' metrics, the runs not finished yet); under torchrun
     rank 0's view is everyone's."""
-    from qkvlab.train import distributed as D
-
     cfg, runs, metrics = plan.config, plan.runs, {}
     if env is None or env.main:
         runs, metrics = _check_tasks(runs, _family_request(cfg), say)
@@ -398,9 +383,6 @@ def _train_all(todo, progress: Progress, outcome: Outcome, parallel: bool, jobs:
         for r in todo:
             record(r, _train_one(r.cfg, str(r.dir), progress=not parallel and main))
         return
-    import multiprocessing as mp
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
     with ProcessPoolExecutor(
         jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(threads, os.getpid())
     ) as pool:
@@ -422,7 +404,6 @@ def _write(
     """The timing into compare.json, then results.md/csv and plots (the sweep's own writer for --sweep)."""
     from qkvlab.analysis.report import write_results
     from qkvlab.analysis.results import collect
-    from qkvlab.analysis.runs import write_manifest
 
     out, cfg = plan.out, plan.config
     res = collect(out)
@@ -450,8 +431,6 @@ def render(out: str | Path, analysis_version: int | None = None, *, plots: bool 
     """`qkvlab compare --render`: no planning, no training. Re-derive OUT's results.md, results.csv
     and plots from what OUT stores (its run folders, else scores.json; a sweep: its run folders, else
     its per-seed results.csv) under the analysis rules of analysis_version (default: the current)."""
-    from qkvlab.analysis.runs import MANIFEST
-
     out = Path(out)
     if not out.is_dir():
         raise UserError(f"{out}: no such folder (--render re-derives the results of a compare folder)")

@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qkvlab.analysis.paper_figures import PAPER_B_SCHEMES
 from qkvlab.analysis.runs import run_finished
-from qkvlab.compare.pace import first_run_per_point
+from qkvlab.compare.auto import PILOT_SEEDS
+from qkvlab.compare.pace import first_run_per_point, parse_duration
 from qkvlab.compare.recipes import (
     ANOMALY_GRID,
     CPU_RECIPES,
@@ -149,8 +151,6 @@ class CompareConfig:
                     "e.g. --variants Q-K-V,Q-K=V/MQA,Id-K-V/mlp"
                 )
         if self.seeds == "auto":
-            from qkvlab.compare.pace import parse_duration
-
             if self.budget is not None:
                 parse_duration(self.budget)
         elif isinstance(self.seeds, str):
@@ -331,8 +331,6 @@ def plan(cfg: CompareConfig) -> Plan:
     written). `qkvlab.compare.plan` is the entry: it sends --sweep to compare.sweep instead."""
     cfg.validate()
     if cfg.seeds == "auto":  # the plan of the pilot; compare/auto.py plans the decisive run from it
-        from qkvlab.compare.auto import PILOT_SEEDS
-
         cfg = dataclasses.replace(cfg, seeds=PILOT_SEEDS)
     if cfg.sweep:
         raise ValueError("a sweep's plan is qkvlab.compare.sweep.plan_sweep (qkvlab.compare.plan picks it)")
@@ -380,8 +378,6 @@ def run_state(run: PlannedRun) -> str:
     """'finished' (skip), 'resume' (train continues or extends it), 'new'. A finished or started
     run with another recipe is a one-line error: compare never overwrites a run. A run folder
     written by an older qkvlab (fewer config keys) is read with today's defaults for those keys."""
-    import json
-
     if run_finished(run.dir):
         saved = _saved_config(run.dir)
         if saved is not None:

@@ -19,16 +19,19 @@ validation loss). A sweep trains every size in one dtype (execute refuses an `au
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qkvlab.accounting import analytic_params
+from qkvlab.analysis.runs import run_finished
 from qkvlab.compare.planning import MAX_SEEDS, Plan, PlannedRun
 from qkvlab.compare.recipes import RECIPES, SWEEP_RECIPES
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
+from qkvlab.io import read_config, read_metrics
 from qkvlab.train.config import TrainConfig, default_weight_decay
 from qkvlab.variants import parse_variants
 
@@ -134,8 +137,6 @@ def sweep_recipe(name: str | None) -> dict:
 def apply_recipe(cfg):
     """cfg with the named sweep recipe filling what the command line left unset (dtype and device:
     their `auto`), and the recipe's extra keys (first_seed, lr_scan)."""
-    import dataclasses
-
     recipe = sweep_recipe(cfg.recipe)
     fill = {}
     for key in ("sizes", "variants", "data", "tokenizer", "tokens_per_param"):
@@ -151,9 +152,6 @@ def scan_lrs(scan_dir: str | Path) -> dict[tuple[int, int, int], dict]:
     """The lr scan's choice per shape (d_model, n_layer, n_head): the lr of the finished Q-K-V run with
     the lowest final validation loss (the fixed validation windows; the test split is never looked
     at), with every lr tried and its loss, and whether the choice lies at the edge of the grid."""
-    from qkvlab.analysis.runs import run_finished
-    from qkvlab.io import read_config, read_metrics
-
     root = Path(scan_dir)
     if not root.is_dir():
         raise UserError(f"--lr-scan {scan_dir}: no such folder (run the scan's recipe first)")

@@ -13,11 +13,14 @@ read models through `load_any`; commands that take only qkvlab folders use io.lo
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qkvlab.config import ModelConfig
+from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet
+from qkvlab.data.tokenizer import META_FILE, resolve_tokenizer
 from qkvlab.errors import UserError
 from qkvlab.io import CONFIG, is_model_folder, load_model
 from qkvlab.model import GPT
@@ -49,8 +52,6 @@ def load_any(path: str | Path, tokenizer: str | None = None) -> Loaded:
         model, cfg, body = load_model(path)
         tok, tok_dir = model_tokenizer(tokenizer, path, body)
         return Loaded(model, cfg, "qkvlab", path, body, tok, tok_dir)
-    from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet
-
     quiet()
     hf = load_hf(path)
     model, cfg = from_hf(hf)
@@ -67,8 +68,6 @@ def load_any(path: str | Path, tokenizer: str | None = None) -> Loaded:
 
 
 def is_hf_tokenizer_folder(folder: Path) -> bool:
-    from qkvlab.data.tokenizer import META_FILE
-
     return (
         folder.is_dir()
         and not (folder / META_FILE).exists()
@@ -80,8 +79,6 @@ def model_tokenizer(choice: str | None, model_dir: Path, body: dict) -> tuple[An
     """The tokenizer of a model folder and, for a transformers one, the folder it was read from:
     `choice` wins; else the folder's tokenizer/ (qkvlab's or transformers' files); else what its
     config records (data/tokenizer.py's resolve_tokenizer)."""
-    from qkvlab.data.tokenizer import resolve_tokenizer
-
     if choice is not None and is_hf_tokenizer_folder(Path(choice)):
         tok = hf_tokenizer(Path(choice))
         if tok is None:
@@ -97,8 +94,6 @@ def save_hf_tokenizer(tok, folder: Path, generation_config: Path | None = None) 
     """A transformers tokenizer's files (and the generation_config.json holding a model's end-of-turn
     ids, when there is one) into `folder`, so the model it belongs to keeps its text, special tokens
     and chat template."""
-    import shutil
-
     folder.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(folder)
     if generation_config is not None and generation_config.is_file():
@@ -108,7 +103,7 @@ def save_hf_tokenizer(tok, folder: Path, generation_config: Path | None = None) 
 def hf_tokenizer(folder: Path):
     """The transformers tokenizer saved in `folder`, or None: no tokenizer files (transformers then
     raises, or returns an empty tokenizer that encodes every text to nothing)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # optional: transformers
 
     try:
         tok = AutoTokenizer.from_pretrained(folder)

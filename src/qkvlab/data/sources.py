@@ -173,10 +173,10 @@ def _jsonl_pieces(unit: Unit, start: int) -> Iterator[Piece]:
 
 def _parquet_pieces(unit: Unit, start: int) -> Iterator[Piece]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional: pyarrow
     except ImportError:
         raise UserError(f"{unit.path}: reading .parquet needs pyarrow: pip install 'qkvlab[parquet]'") from None
-    import pyarrow as pa
+    import pyarrow as pa  # optional: pyarrow
 
     try:
         pf = pq.ParquetFile(unit.path)

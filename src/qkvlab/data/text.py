@@ -178,7 +178,7 @@ def open_hf_dataset(
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        import datasets
+        import datasets  # optional: datasets (imported after the offline switches above)
         from datasets import load_dataset
     except ImportError:
         raise UserError("Hugging Face sources need the 'datasets' package: pip install 'qkvlab[hf]'") from None

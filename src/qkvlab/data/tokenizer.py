@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
 from qkvlab.data.fetch_gpt2_vocab import GPT2_VOCAB_FILENAME, GPT2_VOCAB_SHA256
 from qkvlab.data.text import cache_dir
 from qkvlab.errors import UserError
@@ -103,9 +106,6 @@ class BPETokenizer:
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = DEFAULT_BPE_VOCAB) -> BPETokenizer:
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers, trainers
-
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -141,8 +141,6 @@ class BPETokenizer:
 
     @classmethod
     def load(cls, directory: Path, meta: dict) -> BPETokenizer:
-        from tokenizers import Tokenizer as HFTokenizer
-
         return cls(
             HFTokenizer.from_file(str(directory / meta["file"])), TokenizerSpec.parse(meta["spec"]).vocab_size or 0
         )
@@ -227,7 +225,7 @@ class GPT2Tokenizer:
 
     def __init__(self, vocab_path: Path | None = None) -> None:
         try:
-            import tiktoken
+            import tiktoken  # optional: tiktoken
             from tiktoken.load import load_tiktoken_bpe
             from tiktoken_ext.openai_public import r50k_pat_str
         except ImportError:

@@ -19,6 +19,7 @@ from qkvlab.config_file import read_config_file
 from qkvlab.devices import SHARDINGS, TRAIN_DTYPES, check_device, check_dtype, dtype_choices
 from qkvlab.errors import UserError
 from qkvlab.settings import check, resumable_fields, seed_setting, setting
+from qkvlab.tasks import TASK_MODULES
 from qkvlab.train.dtype_probe import autocast_dtype
 
 WEIGHT_DECAY = 0.1  # nanoGPT's, on weights with dim >= 2
@@ -155,8 +156,6 @@ class TrainConfig:
         check_dtype(self.dtype, TRAIN_DTYPES)
         check_device(self.device)
         self.accum_steps(1)
-        from qkvlab.tasks import TASK_MODULES
-
         if self.task not in TASK_MODULES:
             raise UserError(f"unknown task {self.task!r}; allowed: {', '.join(TASK_MODULES)}")
         return self

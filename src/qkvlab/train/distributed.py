@@ -15,8 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from qkvlab.devices import select_device, torchrun_env
+from qkvlab.positions import is_legacy_key
 
 
 @dataclass
@@ -101,8 +104,7 @@ def shard(model: nn.Module, env: Env, *, param_dtype: torch.dtype | None = None,
     are gathered in bf16, so sum(w) (its score scale) is summed from bf16-rounded values (docs/gpu.md).
     compile: each block compiled before it is sharded (torchtitan's order: no graph breaks at the
     FSDP hooks between blocks)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # startup: 0.8 s, FSDP only
 
     mesh = init_device_mesh(env.device.type, (env.world,))
     reduce = torch.float32 if param_dtype else None
@@ -135,8 +137,6 @@ def _fp32_units(block: nn.Module) -> list[nn.Module]:
 def replicate(model: nn.Module, env: Env) -> nn.Module:
     """DDP. Buffers (rotary and score-term tables) are identical on every rank by construction:
     broadcasting them every step would only cost bandwidth."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None, broadcast_buffers=False)
 
 
@@ -168,6 +168,7 @@ def full_state(
     collective: call on every rank); replicated and single-process ones take the direct route, same
     layout (tested), without DCP's import cost."""
     if sharded:
+        # startup: torch.distributed.checkpoint's imports, for sharded (FSDP) models only
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -202,6 +203,7 @@ def load_full_state(
     not read the checkpoint); each tensor is broadcast and sharded in turn."""
     weights, optim_state = _without_legacy(weights, optim_state)
     if sharded:
+        # startup: torch.distributed.checkpoint's imports, for sharded (FSDP) models only
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -226,14 +228,12 @@ def load_full_state(
 
 def _without_legacy(weights: dict, optim_state: dict | None) -> tuple[dict, dict | None]:
     """Drop positions.LEGACY_KEYS (and their optimizer state) from a checkpoint's state dicts."""
-    from qkvlab.positions import is_legacy_key as old
-
-    weights = {k: v for k, v in weights.items() if not old(k)}
+    weights = {k: v for k, v in weights.items() if not is_legacy_key(k)}
     if optim_state:  # (empty on the ranks that load from rank 0)
         optim_state = {
-            "state": {n: s for n, s in optim_state["state"].items() if not old(n)},
+            "state": {n: s for n, s in optim_state["state"].items() if not is_legacy_key(n)},
             "param_groups": [
-                {**g, "params": [n for n in g["params"] if not old(n)]} for g in optim_state["param_groups"]
+                {**g, "params": [n for n in g["params"] if not is_legacy_key(n)]} for g in optim_state["param_groups"]
             ],
         }
     return weights, optim_state

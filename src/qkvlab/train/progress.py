@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 
 @dataclass
 class Log:
@@ -19,12 +21,10 @@ class Log:
         """A bar from `step` of `max_steps` if `bar`; TensorBoard events in `tb_dir` if given."""
         writer = progress = None
         if tb_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard
 
             writer = SummaryWriter(str(tb_dir), purge_step=step or None)
         if bar:
-            from tqdm.auto import tqdm
-
             progress = tqdm(total=max_steps, initial=step, unit="step", dynamic_ncols=True, desc=desc)
         return cls(progress, writer, log_every, max_steps)
 
