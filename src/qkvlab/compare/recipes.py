@@ -131,7 +131,7 @@ SWEEP_CORPUS = "data/sweep/prepared-linux-6.12-bpe1024"
 SWEEP_CORPUS_PREPARE = dict(tokenizer="bpe:1024", split="stream", val_fraction=0.0015)
 SWEEP_CORPUS_MB = 280
 # Depth 2 and depth 4 at matched N: the depth-4 width is the depth-2 width / sqrt(2) rounded to a
-# multiple of the 4 heads (N within 2-13% of its depth-2 partner), so the arms differ in depth, not size.
+# multiple of the 4 heads (N within 1-13% of its depth-2 partner), so the arms differ in depth, not size.
 CPU_WIDTHS = {2: (48, 80, 128, 208), 4: (36, 56, 92, 148)}
 # The GPU's depth-4 arm stops at 2.8M: a 7.1M pair of blocks would not fit the lease (benchmarks/gpu_sweep.py).
 GPU_WIDTHS = {2: (128, 208, 336, 544), 4: (92, 148, 240)}
