@@ -299,7 +299,7 @@ def dry_carry(work: Path) -> Path:
     """--cpu-dry's carry: a slice of the Shakespeare plays as two .jsonl shards, prepared here, packed."""
     from qkvlab.compare.recipes import SWEEP_CORPUS_PREPARE
     from qkvlab.data.prepare import prepare
-    from qkvlab.data.sources import load_shakespeare
+    from qkvlab.data.text import load_shakespeare
     from qkvlab.data.tokenizer import bpe_cache_path
 
     corpus = work / "dry-corpus"
