@@ -219,6 +219,8 @@ def test_lr_scan_then_sweep_at_qkv_best_validation_lr(tmp_path, corpus, monkeypa
     for r in p.runs:
         assert r.cfg.lr == chosen[(r.cfg.model.d_model, 2, 2)]["lr"] and r.cfg.dtype == "fp32"
     assert {r.seed for r in p.runs} == {0, 1} and {r.variant.name for r in p.runs} == {"Q-K-V", "Q-K=V"}
+    for g in p.grid:  # compare.json records each size's lr and the scan it came from
+        assert g["lr"] == g["lr_scan"]["lr"] and g["lr_scan"]["dir"] == str(scan) and len(g["lr_scan"]["tried"]) == 2
     with pytest.raises(UserError, match="no finished Q-K-V run at d24-L2-h2"):
         plan(dataclasses.replace(sweep_cfg, sizes="d8-L2-h2-b4-s2,d24-L2-h2-b4-s2"))
     with pytest.raises(UserError, match="no such folder"):

@@ -202,6 +202,7 @@ def plan_sweep(cfg):
     sizes = parse_sizes(cfg.sizes or SWEEP_SIZES)
     if cfg.lr_scan is not None and "lr_scan" not in recipe:
         raise UserError("--lr-scan goes with a sweep recipe that takes its lr from a scan (--recipe next-L2, next-L4)")
+    chosen: dict = {}
     if "lr_scan" in recipe:
         if cfg.lr_scan is None:
             raise UserError(
@@ -233,7 +234,7 @@ def plan_sweep(cfg):
         steps = max(1, round(tpp * n / (batch * base.context)))
         seeds = cfg.seeds or size.seeds or r["seeds"]
         size_rate = size.lr if size.lr is not None else size_lr(lr, size.d_model)
-        per_size.append((batch, steps))
+        per_size.append((batch, steps, size_rate))
         for v in variants:
             model = v.apply(base)
             for seed in range(first_seed, first_seed + seeds):
@@ -262,6 +263,8 @@ def plan_sweep(cfg):
     seeds_all = sorted({r.seed for r in runs})
     grid = [
         {"label": s.label, "d_model": s.d_model, "n_layer": s.n_layer, "n_head": s.n_head, "batch_size": b, "steps": k}
-        for s, (b, k) in zip(sizes, per_size)
+        | {"lr": rate}
+        | ({"lr_scan": {"dir": str(cfg.lr_scan), **chosen[s.shape]}} if cfg.lr_scan and s.shape in chosen else {})
+        for s, (b, k, rate) in zip(sizes, per_size)
     ]
     return Plan(cfg, runs, "lm", ["lm"], variants, seeds_all, grid, out)
