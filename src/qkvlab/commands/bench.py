@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import qkvlab.bench  # qkvlab.bench.run, looked up per call (tests replace it)
 from qkvlab.bench import BenchConfig
-from qkvlab.bench import run as run_bench
 from qkvlab.errors import UserError
 from qkvlab.files import atomic_write, json_text
 from qkvlab.folders import check_file_target
@@ -39,7 +39,7 @@ def run(args) -> int:
     if cfg.json:  # before minutes of measuring
         check_file_target(cfg.json, "--json", same_kind=_is_bench_json)
     try:
-        result = run_bench(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+        result = qkvlab.bench.run(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     except NoisyMachine as e:
         print(f"qkvlab bench: {e}", file=sys.stderr)
         return e.exit_code

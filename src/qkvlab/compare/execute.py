@@ -31,7 +31,7 @@ from qkvlab.errors import UserError
 from qkvlab.folders import check_folder, claim_folder, inspect
 from qkvlab.tasks import FAMILIES, get_task
 from qkvlab.train import distributed as D
-from qkvlab.train.loop import TrainingDiverged, train
+from qkvlab.train import loop  # loop.train, looked up per run (tests wrap it)
 from qkvlab.units import fmt_duration
 
 # function-level imports: startup: qkvlab.analysis.report, .results and .scaling_report import scipy
@@ -83,8 +83,8 @@ def _worker_init(threads: int, parent: int | None = None) -> None:
 def _train_one(cfg, out_dir: str, progress: bool):
     t0 = time.perf_counter()
     try:
-        res = train(cfg, out_dir, resume=True, progress=progress)
-    except TrainingDiverged as e:
+        res = loop.train(cfg, out_dir, resume=True, progress=progress)
+    except loop.TrainingDiverged as e:
         return {"error": str(e), "seconds": time.perf_counter() - t0}
     return {
         "metrics": res.metrics,
