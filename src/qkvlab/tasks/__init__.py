@@ -34,4 +34,3 @@ def get_task(name: str, **options: Any) -> Task:
         raise UserError(f"unknown task {name!r}; allowed: {', '.join(TASK_MODULES)}")
     module = importlib.import_module(TASK_MODULES[name])
     return module.make_task(name, **options)
-
