@@ -207,6 +207,21 @@ def test_writing_files_needs_no_torch():
     assert out.strip() == "False"
 
 
+def test_the_startup_reasons_hold():
+    """What the `# startup:` comments keep out: `qkvlab --help` and devices import no torch;
+    `compare`, `bench` and `train` start (their --help, compare --dry-run) without scipy, matplotlib
+    or FSDP."""
+    import subprocess
+
+    def loaded(modules: str, heavy: tuple[str, ...]) -> list[str]:
+        code = f"import sys, {modules}; print(' '.join(m for m in {heavy!r} if m in sys.modules))"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+
+    assert loaded("qkvlab.cli, qkvlab.devices", ("torch",)) == []
+    heavy = ("scipy", "matplotlib", "torch.distributed.fsdp")
+    assert loaded("qkvlab.commands.compare, qkvlab.commands.bench, qkvlab.commands.train", heavy) == []
+
+
 def function_imports(src: Path = SRC) -> int:
     """Import statements inside functions, of any module (stdlib, optional dependencies, qkvlab)."""
     n = 0
