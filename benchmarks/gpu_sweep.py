@@ -120,6 +120,7 @@ def unpack(carry: Path, work: Path, prepared_out: Path, threads: int | None = No
     the BPE of that corpus (so nothing is trained there), then `prepare` with the packed split; the
     result must hold the very tokens packed (train.bin and val.bin sha256)."""
     from qkvlab.data.prepare import prepare
+    from qkvlab.data.sources import content_hash, corpus_units
     from qkvlab.data.tokenizer import TokenizerSpec, bpe_cache_path
 
     body = json.loads((carry / "carry.json").read_text())
@@ -135,6 +136,9 @@ def unpack(carry: Path, work: Path, prepared_out: Path, threads: int | None = No
 
     with ThreadPoolExecutor(len(body["shards"]) or 1) as pool:
         list(pool.map(one, body["shards"]))
+    sha, _ = content_hash(corpus_units(corpus))  # before prepare: a changed corpus would retrain the BPE there
+    if sha != meta["corpus_sha256"]:
+        raise RuntimeError(f"the unpacked corpus differs from the packed one in corpus_sha256: {sha[:12]}")
     spec = TokenizerSpec.parse(meta["tokenizer"])
     if spec.kind == "bpe":
         shutil.copytree(carry / "tokenizer", bpe_cache_path(meta["corpus_sha256"], spec.vocab_size), dirs_exist_ok=True)

@@ -3,6 +3,7 @@ unpacked to the same tokens, the plan of both arms, blocks in ascending N, the b
 bundle), and its results re-derived here by `qkvlab compare --render` from the bundle alone."""
 
 import json
+import lzma
 import os
 import subprocess
 import sys
@@ -85,6 +86,11 @@ def test_unpack_refuses_a_corpus_that_is_not_the_packed_one(tmp_path, monkeypatc
     (carry / "carry.json").write_text(json.dumps(body))
     with pytest.raises(RuntimeError, match="differs from the packed one in bin_sha256"):
         gpu_sweep.unpack(carry, tmp_path / "b", tmp_path / "b-prepared")
+    with lzma.open(carry / body["shards"][0], "wb") as f:  # another text: refused before any tokenizing
+        f.write(json.dumps({"text": "something else"}).encode() + b"\n")
+    with pytest.raises(RuntimeError, match="in corpus_sha256"):
+        gpu_sweep.unpack(carry, tmp_path / "c", tmp_path / "c-prepared")
+    assert not (tmp_path / "c-prepared").exists()
 
 
 def test_pace_predicts_from_the_arms_last_block_and_fixed_seconds(tmp_path, monkeypatch):
