@@ -124,7 +124,7 @@ class CompareConfig:
     )
     sizes: str | None = setting(
         None,
-        help="sweep sizes, comma-separated d<d_model>-L<layers>-h<heads>[-b<batch>][-s<seeds>] "
+        help="sweep sizes, comma-separated d<d_model>-L<layers>-h<heads>[-b<batch>][-s<seeds>][-lr<lr>] "
         "(default d48-L2-h4-b16-s6,d80-L2-h4-b16-s6,d128-L2-h4-b32-s3,d208-L2-h4-b32-s3)",
         metavar="LIST",
     )
