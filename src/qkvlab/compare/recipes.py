@@ -1,5 +1,6 @@
 """The comparison recipes: default variants, the CPU-sized recipe per task family, the papers'
-grids. Measured wall times and results: docs/results/README.md."""
+grids, and the scaling sweep's named recipes (SWEEP_RECIPES). Measured wall times and results:
+docs/results/README.md; the sweep's plan: docs/results/scaling/README.md."""
 
 from __future__ import annotations
 
