@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CARRY_FORMAT = "qkvlab sweep carry 1"
 ARMS = ("gpu-L2", "gpu-L4")
 BUDGET_S = 510.0
+CARRY_MAX_MIB = 52
 SAFETY = 1.0  # the prediction already errs long (Pace); the hard stop and the per-block bundle cover the rest
 # --cpu-dry: the same recipes on tiny shapes; the last block is sized to be skipped by the budget
 DRY_SIZES = {
@@ -337,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         body = pack(ROOT / "data/sweep/linux-6.12", ROOT / SWEEP_CORPUS, Path(args.carry))
         size = sum(f.stat().st_size for f in Path(args.carry).rglob("*") if f.is_file())
         print(f"{args.carry}: {len(body['shards'])} shards, {size / 2**20:.1f} MiB")
+        if size > CARRY_MAX_MIB * 2**20:  # the lease's 64 MiB holds the tree (~8 MiB) and this
+            print(f"the carry is over {CARRY_MAX_MIB} MiB: with the working tree it will not travel", file=sys.stderr)
+            return 1
         return 0
     start = time.monotonic()
     import torch
