@@ -253,17 +253,24 @@ def fit(
     chosen = candidates
     if cache_budget is not None:
         chosen = _within_budget(cfg, report, cache_budget, f"{dst}{'' if kv_heads is None else f'/{kv_heads}'}")
+    new, out_cfg = with_layers(model, cfg, trial, trial.cfg, chosen)
+    return FitResult(new, out_cfg, report, chosen)
+
+
+def with_layers(model: GPT, cfg: ModelConfig, fitted: GPT, fitted_cfg: ModelConfig, layers: list[int]):
+    """The original model with the given layers taken from `fitted` (their scheme, kv heads and
+    attention weights): the retrofit at any subset of the layers one fit converted."""
     table = list(cfg.layer_table())
-    for i in chosen:
-        table[i] = (dst, fits[i][3])
+    fitted_table = list(fitted_cfg.layer_table())
+    for i in layers:
+        table[i] = fitted_table[i]
     out_cfg = _config(cfg, table)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    converted = tuple(f"trunk.blocks.{i}.attn." for i in chosen)
-    for k, v in trial.state_dict().items():  # the chosen layers' fitted and refined attention
-        if k.startswith(converted):
-            state[k] = v.detach().clone()
-    new = build_model_from_state(GPT, out_cfg, state, "the fitted model")
-    return FitResult(new.eval(), out_cfg, report, chosen)
+    taken = tuple(f"trunk.blocks.{i}.attn." for i in layers)
+    for k, v in fitted.state_dict().items():
+        if k.startswith(taken):
+            state[k] = v.detach().clone().to(state[k].dtype if k in state else v.dtype)
+    return build_model_from_state(GPT, out_cfg, state, "the fitted model").eval(), out_cfg
 
 
 def _config(cfg: ModelConfig, table: list[tuple[str, int]]) -> ModelConfig:
