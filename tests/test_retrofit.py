@@ -327,3 +327,15 @@ def test_retrofit_reads_and_keeps_a_transformers_tokenizer_in_a_qkvlab_folder(tm
     assert main(argv + ["--calib-tokens", "256", "--eval-tokens", "256", "--refine-steps", "2", "--quiet"]) == 0
     kept = AutoTokenizer.from_pretrained(tmp_path / "rf" / "tokenizer")
     assert kept.encode("the lazy dog") == hf.encode("the lazy dog")
+
+
+def test_with_layers_is_the_fit_of_those_layers():
+    from qkvlab.convert.retrofit_fit import with_layers
+
+    model, cfg = model_with(n_layer=3, kv_heads=2)
+    every = fit(model, cfg, calib(), to="Q-K=V", block=32)
+    one = fit(model, cfg, calib(), to="Q-K=V", layers="1", block=32)
+    built, built_cfg = with_layers(model, cfg, every.model, every.cfg, [1])
+    assert built_cfg == one.cfg and [lc.spec.name for lc in built_cfg.layer_configs()] == ["Q-K-V", "Q-K=V", "Q-K-V"]
+    mine, theirs = built.state_dict(), one.model.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
