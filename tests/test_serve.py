@@ -32,7 +32,7 @@ from qkvlab.io import save_model  # noqa: E402
 from qkvlab.model import GPT  # noqa: E402
 from qkvlab.serve.engine import Engine, Event, Request  # noqa: E402
 from qkvlab.serve.server import ServeConfig, build, listen, make_server, pool_blocks  # noqa: E402
-from qkvlab.settings import byte_size  # noqa: E402
+from qkvlab.units import byte_size  # noqa: E402
 
 VOCAB, CONTEXT = 300, 40
 WAIT = 60.0  # seconds: a bound on waiting for the server, never a measurement

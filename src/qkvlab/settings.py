@@ -35,10 +35,6 @@ import yaml
 from qkvlab.config_file import config_to_text, read_config_file
 from qkvlab.errors import UserError
 
-# pending: serve/server.py and tests/test_serve.py (edited in parallel) import byte_size from here; its home
-# is units, and this line goes when they import it from there
-from qkvlab.units import byte_size  # noqa: F401
-
 MISSING = dataclasses.MISSING
 
 

@@ -27,9 +27,9 @@ from qkvlab.convert.load import load_any
 from qkvlab.convert.retrofit import load_source, perplexity
 from qkvlab.convert.retrofit_fit import with_layers
 from qkvlab.data.text import load_corpus
-from qkvlab.files import json_text, save_figure
+from qkvlab.files import atomic_write, json_text, save_figure
 from qkvlab.generate import Sampling, generate
-from qkvlab.io import atomic_write, load_model
+from qkvlab.io import load_model
 from qkvlab.tasks import get_task
 from qkvlab.train.config import TrainConfig
 from qkvlab.train.run_folder import TRAIN_CONFIG

@@ -15,6 +15,7 @@ Nothing is written unless every check passed.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -22,12 +23,16 @@ from pathlib import Path
 import torch
 
 from qkvlab.convert.config import ConvertConfig
-from qkvlab.convert.load import TOKENIZER_DIR
+from qkvlab.convert.gguf_export import read_vocab, write_gguf
+from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet, save_hf, to_hf
+from qkvlab.convert.load import TOKENIZER_DIR, hf_tokenizer, model_tokenizer, save_hf_tokenizer
 from qkvlab.convert.reparam import TOLERANCE, CheckFailed, check, convert, logit_diff
+from qkvlab.data.tokenizer import EOT_TOKEN
 from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
+from qkvlab.files import atomic_dir, atomic_path
 from qkvlab.folders import check_model_target
-from qkvlab.io import load_model
+from qkvlab.io import find_model_dir, load_model, read_config, write_model_files
 from qkvlab.settings import add_config_options, add_options, load, print_config
 
 
@@ -55,8 +60,6 @@ def run(args) -> int:
     else:
         check_model_target(cfg.output, overwrite=cfg.overwrite, flag="OUT")  # before any work
     if cfg.from_hf or cfg.to_hf:
-        from qkvlab.convert.hf import quiet
-
         quiet()
     try:
         return _run(cfg, src)
@@ -66,12 +69,9 @@ def run(args) -> int:
 
 
 def _run(opts: ConvertConfig, src: Path) -> int:
-    from qkvlab.io import atomic_dir, write_model_files
 
     worst = 0.0
     if opts.from_hf:
-        from qkvlab.convert.hf import from_hf, load_hf
-
         hf = load_hf(src)
         model, cfg = from_hf(hf)
         abs_d, rel_d = logit_diff(hf, model, cfg.vocab_size, cfg.context)
@@ -104,9 +104,7 @@ def _run(opts: ConvertConfig, src: Path) -> int:
         return _write_gguf(opts, model, cfg, worst)
     with atomic_dir(opts.output, replace=opts.overwrite) as tmp:
         if opts.to_hf:
-            from transformers import AutoModelForCausalLM
-
-            from qkvlab.convert.hf import save_hf, to_hf
+            from transformers import AutoModelForCausalLM  # optional: transformers
 
             save_hf(to_hf(model, cfg, opts.to_hf), tmp)
             back = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, use_safetensors=True).eval()
@@ -137,8 +135,6 @@ def _gguf_vocab(opts: ConvertConfig, src: Path) -> Path:
     elif opts.from_hf and src.suffix == ".gguf":
         found = src
     else:
-        from qkvlab.io import find_model_dir, read_config
-
         body = read_config(find_model_dir(src))[1]
         origins = [body.get(k) for k in ("retrofit_from", "converted_from")]
         found = next((Path(o) for o in origins if isinstance(o, str) and o.endswith(".gguf")), None)
@@ -149,7 +145,6 @@ def _gguf_vocab(opts: ConvertConfig, src: Path) -> Path:
             )
     if not found.is_file():
         raise UserError(f"--to-gguf: the tokenizer's GGUF {found} is not a file")
-    from qkvlab.convert.gguf_export import read_vocab
 
     read_vocab(found)  # a truncated or tokenizer-less file is refused before the model is read
     return found
@@ -157,9 +152,6 @@ def _gguf_vocab(opts: ConvertConfig, src: Path) -> Path:
 
 def _write_gguf(opts: ConvertConfig, model, cfg, worst: float) -> int:
     """OUT.gguf, read back through transformers' GGUF reader and checked against the model."""
-    from qkvlab.convert.gguf_export import write_gguf
-    from qkvlab.convert.hf import from_hf, load_hf
-    from qkvlab.files import atomic_path
 
     with atomic_path(opts.output) as tmp:  # published only once the check passed
         write_gguf(model.float(), cfg, tmp, opts.gguf_vocab, name=Path(opts.output).stem)
@@ -178,14 +170,10 @@ def _source_tokenizer(src: Path, from_hf: bool) -> tuple[str, object, Path | Non
     """(kind, tokenizer, its folder) of IN: ("hf", a transformers tokenizer, the folder with its
     files and generation_config.json), ("qkvlab", a qkvlab tokenizer, its saved folder or None),
     or None when IN has none. A GGUF's tokenizer is read by load_hf into its cache folder."""
-    from qkvlab.convert.load import model_tokenizer
 
     if from_hf:  # read once load_hf has run (a GGUF's tokenizer is written into its cache folder then)
-        from qkvlab.convert.hf import gguf_cache_folder
-
         ggufs = sorted(src.glob("*.gguf")) if src.is_dir() and not (src / "config.json").exists() else [src]
         return "hf", None, gguf_cache_folder(ggufs[0]) if ggufs and ggufs[0].suffix == ".gguf" else src
-    from qkvlab.io import find_model_dir, read_config
 
     folder = find_model_dir(src)
     tok, tok_dir = model_tokenizer(None, folder, read_config(folder)[1])
@@ -199,16 +187,13 @@ def _source_tokenizer(src: Path, from_hf: bool) -> tuple[str, object, Path | Non
 
 def _hf_of(source) -> tuple[object, Path | None] | None:
     """A transformers tokenizer for the source tokenizer (None: it has no transformers form)."""
-    from qkvlab.convert.load import hf_tokenizer
 
     kind, tok, folder = source
     if kind == "hf":
         tok = tok if tok is not None else hf_tokenizer(folder)  # a GGUF's: written when load_hf read it
         return None if tok is None else (tok, folder)
     if hasattr(tok, "_tok"):  # a qkvlab BPE is a `tokenizers` tokenizer: transformers wraps it as it is
-        from transformers import PreTrainedTokenizerFast
-
-        from qkvlab.data.tokenizer import EOT_TOKEN
+        from transformers import PreTrainedTokenizerFast  # optional: transformers
 
         return PreTrainedTokenizerFast(tokenizer_object=tok._tok, eos_token=EOT_TOKEN), None
     return None
@@ -217,9 +202,6 @@ def _hf_of(source) -> tuple[object, Path | None] | None:
 def _keep_tokenizer(source, out: Path) -> dict:
     """OUT/tokenizer/: a qkvlab tokenizer's saved folder as it is, a transformers one's files ->
     what config.json must record (a tokenizer known by name: gpt2, bytes)."""
-    import shutil
-
-    from qkvlab.convert.load import save_hf_tokenizer
 
     if source is None:
         return {}
@@ -239,7 +221,6 @@ def _keep_tokenizer(source, out: Path) -> dict:
 
 def _export_tokenizer(source, out: Path) -> None:
     """transformers' tokenizer files beside the exported weights, so AutoTokenizer reads OUT."""
-    from qkvlab.convert.load import save_hf_tokenizer
 
     if source is None:
         return

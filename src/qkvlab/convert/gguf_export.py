@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from qkvlab.config import ModelConfig
+from qkvlab.convert.hf import to_hf
 from qkvlab.errors import UserError
 from qkvlab.files import atomic_path
 from qkvlab.model import GPT
@@ -42,8 +43,6 @@ def rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def gguf_tensors(model: GPT, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """GGUF name -> float32 tensor, from the transformers Llama export of `model`."""
-    from qkvlab.convert.hf import to_hf
-
     hf = to_hf(model.float(), cfg, "llama")
     kv = hf.config.num_key_value_heads
     out: dict[str, torch.Tensor] = {}
@@ -70,7 +69,7 @@ def gguf_tensors(model: GPT, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def read_vocab(path: str | Path):
     """A GGUF reader of `path` that holds a tokenizer, or one line saying why not."""
-    import gguf
+    import gguf  # optional: gguf (the hf extra)
 
     try:
         reader = gguf.GGUFReader(Path(path))
@@ -83,7 +82,7 @@ def read_vocab(path: str | Path):
 
 def write_gguf(model: GPT, cfg: ModelConfig, path: str | Path, vocab_from: str | Path, name: str = "qkvlab") -> None:
     """`path` (written atomically): the model in F32 with the tokenizer fields of the GGUF `vocab_from`."""
-    import gguf
+    import gguf  # optional: gguf (the hf extra)
 
     if cfg.bias:
         raise UserError("GGUF export: a model with biases has no llama.cpp llama layout here (bias=False only)")

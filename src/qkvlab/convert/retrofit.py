@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save
 
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
@@ -42,15 +43,19 @@ from qkvlab.convert.retrofit_fit import (
     fit_layer,
 )
 from qkvlab.convert.retrofit_refine import RefineOptions
+from qkvlab.data.text import load_corpus
 from qkvlab.data.tokenizer import load_tokenizer
 from qkvlab.devices import DEVICE_HELP, TRAIN_DTYPES, check_device, check_dtype, dtype_choices, select_device
 from qkvlab.errors import UserError
-from qkvlab.files import atomic_dir
-from qkvlab.io import atomic_write, json_text, load_model, write_model_files
+from qkvlab.files import atomic_dir, atomic_write, json_text
+from qkvlab.folders import claimed, inspect
+from qkvlab.io import is_model_folder, load_model, read_config, write_model_files
 from qkvlab.model import GPT
 from qkvlab.settings import check, seed_setting, setting
 from qkvlab.spec import select_layers
 from qkvlab.tasks.distill import check_loss_weights
+from qkvlab.train.config import TrainConfig
+from qkvlab.train.loop import train
 
 # The fit's names, for `from qkvlab.convert.retrofit import ...` (the library entry point).
 __all__ = [
@@ -117,8 +122,6 @@ def load_source(path: str | Path) -> Source:
 # ---- text: calibration/training tokens and held-out tokens ----------------------------------------
 def corpus_tokens(src: Source, data: Any = None, heldout_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """Every document's first (1 - f) tokens train (and calibrate), its last f are held out."""
-    from qkvlab.data.text import load_corpus
-
     train: list[int] = []
     held: list[int] = []
     eot = [] if src.eot_id is None else [src.eot_id]
@@ -136,8 +139,6 @@ def corpus_tokens(src: Source, data: Any = None, heldout_fraction: float = 0.1) 
 
 def write_tokens(path: Path, train: torch.Tensor, held: torch.Tensor) -> None:
     """Atomically (qkvlab.io): a resumed retrofit must never read a half-written file."""
-    from safetensors.torch import save
-
     atomic_write(path, save({"train": train.contiguous(), "val": held.contiguous()}))
 
 
@@ -249,8 +250,6 @@ def check_layers(shape: tuple[int, int] | None, opts: RetrofitOptions) -> None:
 def source_shape(path: str | Path) -> tuple[int, int] | None:
     """(n_layer, n_head) from the source's config alone; None where only the weights say (.gguf)."""
     path = Path(path)
-    from qkvlab.io import is_model_folder, read_config
-
     if is_model_folder(path):
         cfg = read_config(path)[0]
         return cfg.n_layer, cfg.n_head
@@ -293,8 +292,6 @@ def retrofit(
     """Fit, uptrain and report into OUT (the final model folder). Returns the report dict.
     OUT is claimed and locked for the run (qkvlab.folders): missing, empty, or with resume=True a
     folder an earlier retrofit wrote; anything else is refused before writing."""
-    from qkvlab.folders import claimed, inspect
-
     opts.validate()
     check_layers(source_shape(source), opts)
     out = Path(out)
@@ -395,9 +392,6 @@ def _reuse_fit(folder: Path, opts: RetrofitOptions) -> FitResult | None:
 
 def _uptrain(source, out: Path, opts: RetrofitOptions, cfg: ModelConfig, block: int, layers, *, resume, progress):
     """Distil the source into out/fit with the training engine, into out/uptrain (resumable)."""
-    from qkvlab.train.config import TrainConfig
-    from qkvlab.train.loop import train
-
     tc = TrainConfig(
         task="distill",
         task_options={

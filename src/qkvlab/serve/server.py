@@ -28,8 +28,8 @@ from typing import Any
 
 from qkvlab.devices import DEVICE_HELP, INFERENCE_DTYPES, check_device, dtype_choices, dtype_name
 from qkvlab.errors import UserError
-from qkvlab.settings import byte_size, check, setting
-from qkvlab.units import nbytes
+from qkvlab.settings import check, setting
+from qkvlab.units import byte_size, nbytes
 
 
 @dataclass
