@@ -12,16 +12,7 @@
 # gpt2-124m MFU, FSDP2 + DCP on one rank, CUDA-graph decode), then the command line end to end.
 # Exit status: 0 when no check failed, 1 otherwise. docs/gpu.md says what each check means.
 set -u
-DRY=""
-[ "${1:-}" = "--cpu-dry" ] && DRY="--cpu-dry"
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QKVLAB_CACHE="$WORK/cache"
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/lease_prologue.sh"
 LOG="$OUT/log.txt"
 : >"$LOG"
 START=$SECONDS

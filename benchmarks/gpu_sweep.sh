@@ -11,16 +11,8 @@
 # keeps the call inside its lease even if a block overruns its prediction.
 # Exit status: 0 when no step failed, 1 otherwise.
 set -u
-DRY=""
-[ "${1:-}" = "--cpu-dry" ] && DRY="--cpu-dry"
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QKVLAB_CACHE="$WORK/cache" QKVLAB_SWEEP_WORK="$WORK"
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/lease_prologue.sh"
+export QKVLAB_SWEEP_WORK="$WORK"
 BUDGET=${BUDGET_S:-510}
 [ -n "$DRY" ] && BUDGET=${BUDGET_S:-150}
 set -o pipefail

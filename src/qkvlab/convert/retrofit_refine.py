@@ -3,7 +3,7 @@
 The closed-form fit (retrofit_fit.py) matches value activations, but what the rest of the network
 reads is the attention *output* (out_proj's, added to the residual stream), and a value fit that
 is good in R² can still move that output by more than its own norm (SmolLM2's layer 23: relative
-output error 1.65 after the fit). Refinement takes Adam steps on the converted layer's own weights
+output error 2.05 after the fit). Refinement takes Adam steps on the converted layer's own weights
 (query rows, shared key/value rows, out_proj) to minimise
 
     ||attn_new(x) - attn_old(x)||² / ||attn_old(x)||²

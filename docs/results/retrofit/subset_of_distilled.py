@@ -1,0 +1,61 @@
+"""The cheapest layers of a distilled all-layer retrofit, alone: the original model with the K lowest-
+output-error layers taken from the distilled model (no further training), scored like curves.py.
+
+Run: python docs/results/retrofit/subset_of_distilled.py SOURCE RUN OUT.json K [K ...] [--text NAME=PATH ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from qkvlab.accounting import kv_cache_bytes_per_token
+from qkvlab.convert.load import load_any
+from qkvlab.convert.retrofit import load_source, perplexity
+from qkvlab.convert.retrofit_fit import with_layers
+from qkvlab.data.text import load_corpus
+from qkvlab.files import atomic_write, json_text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("source")
+    ap.add_argument("run", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("ks", type=int, nargs="+")
+    ap.add_argument("--text", action="append", default=[], metavar="NAME=PATH")
+    ap.add_argument("--eval-tokens", type=int, default=8192)
+    args = ap.parse_args()
+    if args.out.exists():
+        raise SystemExit(f"{args.out} exists; choose another OUT")
+    report = json.loads((args.run / "retrofit.json").read_text())
+    src = load_source(args.source)
+    model, cfg = src.model.float().eval(), src.cfg
+    distilled = load_any(args.run)
+    block = report["options"]["block_size"] or min(cfg.context, 256)
+    texts = {"heldout": load_file(str(args.run / "tokens.safetensors"))["val"]}
+    for item in args.text:
+        name, _, path = item.partition("=")
+        ids: list[int] = []
+        for doc in load_corpus(path):
+            ids += src.encode(doc.text) + ([] if src.eot_id is None else [src.eot_id])
+        texts[name] = torch.tensor(ids, dtype=torch.long)
+    by_cost = [lf["layer"] for lf in sorted(report["layers"], key=lambda lf: (lf["error"], lf["layer"]))]
+    rows = []
+    for k in args.ks:
+        layers = sorted(by_cost[:k])
+        m, m_cfg = with_layers(model, cfg, distilled.model.float(), distilled.cfg, layers)
+        row = {"layers_converted": k, "layers": layers}
+        row["cache_fraction"] = kv_cache_bytes_per_token(m_cfg) / kv_cache_bytes_per_token(cfg)
+        row.update({n: perplexity(m, t, block=block, max_tokens=args.eval_tokens) for n, t in texts.items()})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    atomic_write(args.out, json_text({"source": args.source, "run": str(args.run), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
