@@ -10,14 +10,13 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
+from curves import text_tokens  # beside this script (run as a file, its folder is on sys.path)
 from safetensors.torch import load_file
 
 from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.convert.load import load_any
 from qkvlab.convert.retrofit import load_source, perplexity
 from qkvlab.convert.retrofit_fit import with_layers
-from qkvlab.data.text import load_corpus
 from qkvlab.files import atomic_write, json_text
 
 
@@ -40,10 +39,7 @@ def main() -> None:
     texts = {"heldout": load_file(str(args.run / "tokens.safetensors"))["val"]}
     for item in args.text:
         name, _, path = item.partition("=")
-        ids: list[int] = []
-        for doc in load_corpus(path):
-            ids += src.encode(doc.text) + ([] if src.eot_id is None else [src.eot_id])
-        texts[name] = torch.tensor(ids, dtype=torch.long)
+        texts[name] = text_tokens(src.encode, path, src.eot_id)
     by_cost = [lf["layer"] for lf in sorted(report["layers"], key=lambda lf: (lf["error"], lf["layer"]))]
     rows = []
     for k in args.ks:

@@ -153,10 +153,11 @@ def _gguf_vocab(opts: ConvertConfig, src: Path) -> Path:
 def _write_gguf(opts: ConvertConfig, model, cfg, worst: float) -> int:
     """OUT.gguf, read back through transformers' GGUF reader and checked against the model."""
 
+    model = model.float()  # GGUF F32
     with atomic_path(opts.output) as tmp:  # published only once the check passed
-        write_gguf(model.float(), cfg, tmp, opts.gguf_vocab, name=Path(opts.output).stem)
+        write_gguf(model, cfg, tmp, opts.gguf_vocab, name=Path(opts.output).stem)
         back, _ = from_hf(load_hf(tmp, cache=False))
-        abs_d, rel_d = logit_diff(model.float(), back, cfg.vocab_size, min(cfg.context, 64))
+        abs_d, rel_d = logit_diff(model, back, cfg.vocab_size, min(cfg.context, 64))
         if not rel_d <= 1e-5:
             raise CheckFailed(f"the written GGUF differs: max_rel_logit_diff={rel_d:.3g} > 1e-05")
     worst = max(worst, _step(f"export {cfg.scheme_label} -> GGUF llama F32 (read back by transformers)", abs_d, rel_d))

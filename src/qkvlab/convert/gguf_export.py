@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from qkvlab.config import ModelConfig
-from qkvlab.convert.hf import to_hf
+from qkvlab.convert.hf import ADAPTERS, to_hf
 from qkvlab.errors import UserError
 from qkvlab.files import atomic_path
 from qkvlab.model import GPT
@@ -44,7 +44,7 @@ def rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 def gguf_tensors(model: GPT, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """GGUF name -> float32 tensor, from the transformers Llama export of `model`."""
     hf = to_hf(model.float(), cfg, "llama")
-    kv = hf.config.num_key_value_heads
+    kv = ADAPTERS["llama"].export_kv_heads(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, t in hf.state_dict().items():
         t = t.detach().float().contiguous()
@@ -99,7 +99,7 @@ def write_gguf(model: GPT, cfg: ModelConfig, path: str | Path, vocab_from: str |
         w.add_block_count(cfg.n_layer)
         w.add_feed_forward_length(cfg.hidden)
         w.add_head_count(cfg.n_head)
-        w.add_head_count_kv(int(tensors["blk.0.attn_k.weight"].shape[0] // cfg.head_dim))
+        w.add_head_count_kv(ADAPTERS["llama"].export_kv_heads(cfg))
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
         w.add_rope_dimension_count(cfg.head_dim)

@@ -51,7 +51,7 @@ from qkvlab.files import atomic_dir, atomic_write, json_text
 from qkvlab.folders import claimed, inspect
 from qkvlab.io import is_model_folder, load_model, read_config, write_model_files
 from qkvlab.model import GPT
-from qkvlab.settings import check, seed_setting, setting
+from qkvlab.settings import check, resumable_fields, seed_setting, setting
 from qkvlab.spec import select_layers
 from qkvlab.tasks.distill import check_loss_weights
 from qkvlab.train.config import TrainConfig
@@ -74,11 +74,6 @@ __all__ = [
     "retrofit",
     "summary_line",
 ]
-# What the fit depends on: a resumed run with other values fits again; the rest (steps, lr, ...) may change.
-FIT_OPTIONS = (
-    "to", "kv_heads", "layers", "cache_budget", "pool", "start", "refine_steps", "refine_lr", "data",
-    "heldout_fraction", "calib_tokens", "block_size", "seed",
-)  # fmt: skip
 TOKENS_FILE = "tokens.safetensors"
 REPORT = "retrofit.json"
 
@@ -163,6 +158,8 @@ def perplexity(model: GPT, tokens: torch.Tensor, *, block: int, max_tokens: int,
 # ---- the whole procedure ------------------------------------------------------------------------------
 @dataclass
 class RetrofitOptions:
+    # resumable=True: a field the fit does not read, so --resume reuses OUT/fit when only those differ (the
+    # uptraining's own run folder still refuses what its training loop cannot resume)
     to: str = setting("Q-K=V", help="target scheme: Q-K=V, or Q-K-V with --kv-heads (plain GQA/MQA)", metavar="SCHEME")
     kv_heads: int | None = setting(
         None, help="key/value heads after pooling (GQA; 1: MQA; default: unchanged)", minimum=1
@@ -198,27 +195,35 @@ class RetrofitOptions:
     calib_tokens: int = setting(
         8192, help="calibration tokens for the fit and refinement (random windows of the training text)", minimum=1
     )
-    eval_tokens: int = setting(8192, help="held-out tokens scored for perplexity", minimum=1)
+    eval_tokens: int = setting(8192, help="held-out tokens scored for perplexity", minimum=1, resumable=True)
     block_size: int | None = setting(None, help="window length (default min(context, 256))", metavar="T", minimum=1)
-    steps: int = setting(200, help="uptraining steps (0: fit only)", minimum=0)
-    batch_size: int = setting(8, help="uptraining sequences per step", minimum=1)
-    lr: float = setting(3e-4, help="uptraining peak learning rate (cosine to lr/10)", positive=True)
-    warmup_steps: int = setting(20, help="uptraining warmup steps", minimum=0)
-    kl_weight: float = setting(1.0, help="weight of KL(teacher || student) on logits, temperature 1", minimum=0)
-    lm_weight: float = setting(1.0, help="weight of the LM loss (0: pure distillation)", minimum=0)
+    steps: int = setting(200, help="uptraining steps (0: fit only)", minimum=0, resumable=True)
+    batch_size: int = setting(8, help="uptraining sequences per step", minimum=1, resumable=True)
+    lr: float = setting(3e-4, help="uptraining peak learning rate (cosine to lr/10)", positive=True, resumable=True)
+    warmup_steps: int = setting(20, help="uptraining warmup steps", minimum=0, resumable=True)
+    kl_weight: float = setting(
+        1.0, help="weight of KL(teacher || student) on logits, temperature 1", minimum=0, resumable=True
+    )
+    lm_weight: float = setting(1.0, help="weight of the LM loss (0: pure distillation)", minimum=0, resumable=True)
     train: str = setting(
         "converted",
         help="what uptraining trains: the converted layers' attention weights, or every weight",
         choices=("converted", "all"),
+        resumable=True,
     )
-    eval_every: int = setting(50, help="uptraining steps between evaluations and checkpoints", minimum=1)
-    eval_batches: int = setting(10, help="validation batches per uptraining evaluation", minimum=1)
-    seed: int = seed_setting(0, help="uptraining batch order")
-    device: str = setting("auto", help=f"device for calibration and uptraining: {DEVICE_HELP}", metavar="DEVICE")
+    eval_every: int = setting(
+        50, help="uptraining steps between evaluations and checkpoints", minimum=1, resumable=True
+    )
+    eval_batches: int = setting(10, help="validation batches per uptraining evaluation", minimum=1, resumable=True)
+    seed: int = seed_setting(0, help="calibration windows, refinement and uptraining batch order")
+    device: str = setting(
+        "auto", help=f"device for calibration and uptraining: {DEVICE_HELP}", metavar="DEVICE", resumable=True
+    )
     dtype: str = setting(
         "auto",
-        help="uptraining autocast dtype (auto: bf16 on CUDA, fp32 elsewhere)",
+        help="uptraining autocast dtype (auto: bf16 on CUDA; on the CPU as the timing probe decides)",
         choices=dtype_choices(TRAIN_DTYPES),
+        resumable=True,
     )
 
     def validate(self) -> RetrofitOptions:
@@ -384,8 +389,8 @@ def _reuse_fit(folder: Path, opts: RetrofitOptions) -> FitResult | None:
     if not (folder / "config.json").is_file():
         return None
     model, cfg, body = load_model(folder, dtype=torch.float32)
-    made = body.get("retrofit") or {}
-    if "fit_layers" not in body or any(made.get(k) != v for k, v in asdict(opts).items() if k in FIT_OPTIONS):
+    made, free = body.get("retrofit") or {}, resumable_fields(RetrofitOptions)  # the rest is what the fit read
+    if "fit_layers" not in body or any(made.get(k) != v for k, v in asdict(opts).items() if k not in free):
         return None
     return FitResult(model, cfg, [LayerFit(**lf) for lf in body["fit_layers"]], body["converted_layers"])
 

@@ -265,11 +265,12 @@ def with_layers(model: GPT, cfg: ModelConfig, fitted: GPT, fitted_cfg: ModelConf
     for i in layers:
         table[i] = fitted_table[i]
     out_cfg = _config(cfg, table)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # the result shares no tensor
+    dtype = next(model.parameters()).dtype
     taken = tuple(f"trunk.blocks.{i}.attn." for i in layers)
     for k, v in fitted.state_dict().items():
         if k.startswith(taken):
-            state[k] = v.detach().clone().to(state[k].dtype if k in state else v.dtype)
+            state[k] = v.detach().to(dtype, copy=True)
     return build_model_from_state(GPT, out_cfg, state, "the fitted model").eval(), out_cfg
 
 

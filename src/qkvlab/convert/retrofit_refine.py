@@ -63,7 +63,7 @@ def refine_layer(new: nn.Module, old: nn.Module, xs: torch.Tensor, rotary, opts:
     before = output_error(new, check, y_check, rotary)
     if opts.steps == 0:
         return before, before
-    params = [p for p in new.parameters()]
+    params = list(new.parameters())
     was = [p.requires_grad for p in params]
     start = [p.detach().clone() for p in params]
     for p in params:
