@@ -132,6 +132,29 @@ def test_text_files_recursive_sorted(tmp_path):
     assert load_corpus(str(root)) == docs
 
 
+def test_sources_joined_by_plus_read_in_order(tmp_path):
+    from qkvlab.data.sources import corpus_units
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.txt").write_text("aa")
+    (tmp_path / "two.txt").write_text("bb")
+    (tmp_path / "x+y.txt").write_text("plus")  # a path that exists is one source, '+' and all
+    joined = f"{tmp_path / 'two.txt'}+{tmp_path / 'one'}"
+    assert [d.text for d in load_corpus(joined)] == ["bb", "aa"]
+    plays = load_corpus("shakespeare:histories")
+    both = load_corpus(f"shakespeare:histories + {tmp_path / 'two.txt'}")
+    assert both[: len(plays)] == plays and [d.text for d in both[len(plays) :]] == ["bb"]
+    assert [d.text for d in load_corpus(str(tmp_path / "x+y.txt"))] == ["plus"]
+    assert [u.name for u in corpus_units(joined)] == [str(tmp_path / "two.txt"), "a.txt"]  # prepare's reader agrees
+    for bad in (f"{tmp_path / 'two.txt'}+", f"+{tmp_path / 'two.txt'}"):
+        with pytest.raises(UserError) as e:
+            load_corpus(bad)
+        assert "empty part" in _one_line_user_error(e)
+    with pytest.raises(UserError) as e:
+        load_corpus(f"{tmp_path / 'two.txt'}+{tmp_path / 'gone'}")
+    assert "gone" in _one_line_user_error(e)
+
+
 def test_missing_paths_are_user_errors(tmp_path):
     missing = tmp_path / "nope" / "corpus.txt"
     with pytest.raises(UserError) as e:

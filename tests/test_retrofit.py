@@ -303,6 +303,17 @@ def test_retrofit_refuses_bad_target_and_layers_before_any_work(trained, capsys,
     assert not (trained / "bad").exists()
 
 
+def test_retrofit_refuses_a_corpus_smaller_than_the_calibration(trained, capsys):
+    small = trained / "small.txt"
+    small.write_text((trained / "plays.txt").read_text()[:3000])
+    out = trained / "too_small"
+    argv = ["retrofit", str(trained / "teacher"), str(out), "--data", str(small), "--steps", "0", "--quiet"]
+    assert main(argv + ["--calib-tokens", "4096"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "training tokens, fewer than --calib-tokens 4,096" in err and len(err.splitlines()) == 1
+    assert not out.exists()  # nothing half-written
+
+
 def test_retrofit_reads_and_keeps_a_transformers_tokenizer_in_a_qkvlab_folder(tmp_path, capsys):
     """A qkvlab folder whose tokenizer/ holds transformers' files (what `convert --from-hf` writes)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

@@ -43,7 +43,7 @@ from qkvlab.convert.retrofit_fit import (
     fit_layer,
 )
 from qkvlab.convert.retrofit_refine import RefineOptions
-from qkvlab.data.text import load_corpus
+from qkvlab.data.text import describe_source, load_corpus
 from qkvlab.data.tokenizer import load_tokenizer
 from qkvlab.devices import DEVICE_HELP, TRAIN_DTYPES, check_device, check_dtype, dtype_choices, select_device
 from qkvlab.errors import UserError
@@ -171,7 +171,7 @@ class RetrofitOptions:
     )
     cache_budget: float | None = setting(
         None,
-        help="convert the best-fitting layers (R^2) until the KV cache is at most this fraction",
+        help="convert the layers with the lowest output error after the fit until the KV cache is at most this fraction",
         metavar="F",
         positive=True,
         maximum=1,
@@ -187,7 +187,9 @@ class RetrofitOptions:
     )
     refine_lr: float = setting(1e-3, help="refinement peak learning rate (cosine to 0)", positive=True)
     data: str | None = setting(
-        None, help="text: a path, 'shakespeare[:genres]', 'hf:NAME?split=..' (default Shakespeare)", metavar="SOURCE"
+        None,
+        help="text: a path, 'shakespeare[:genres]', 'hf:NAME?split=..', or several joined by '+' (default Shakespeare)",
+        metavar="SOURCE",
     )
     heldout_fraction: float = setting(
         0.1, help="last fraction of every document held out for perplexity, in (0, 1)", positive=True
@@ -322,6 +324,11 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     candidate_layers(cfg, opts.layers, opts.kv_heads, opts.to)  # refused before any text is read or scored
     block = opts.block_size or min(cfg.context, 256)
     train_ids, held_ids = corpus_tokens(src, opts.data, opts.heldout_fraction)
+    if len(train_ids) - 1 < opts.calib_tokens:  # calibration windows are distinct: a smaller corpus would repeat none
+        raise UserError(
+            f"corpus {describe_source(opts.data)!r} has {len(train_ids):,} training tokens, fewer than "
+            f"--calib-tokens {opts.calib_tokens:,}; give more text or a smaller --calib-tokens"
+        )
     write_tokens(out / TOKENS_FILE, train_ids, held_ids)
     claim.keep = True  # from here OUT is a retrofit folder that --resume continues
     say = print if progress else (lambda *a, **k: None)

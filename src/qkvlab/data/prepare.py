@@ -162,8 +162,8 @@ class PrepareConfig:
 
     data: str | None = setting(
         None,
-        help="a text file or folder, .jsonl/.parquet ('text' per row), 'shakespeare[:genres]' or "
-        "'hf:NAME?split=..&text_field=..' (default: the Shakespeare plays)",
+        help="a text file or folder, .jsonl/.parquet ('text' per row), 'shakespeare[:genres]', "
+        "'hf:NAME?split=..&text_field=..', or several joined by '+' (default: the Shakespeare plays)",
         metavar="SOURCE",
     )
     tokenizer: str = setting(DEFAULT_TOKENIZER, help="bpe:N, char or gpt2", metavar="SPEC")

