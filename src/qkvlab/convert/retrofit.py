@@ -324,7 +324,7 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     candidate_layers(cfg, opts.layers, opts.kv_heads, opts.to)  # refused before any text is read or scored
     block = opts.block_size or min(cfg.context, 256)
     train_ids, held_ids = corpus_tokens(src, opts.data, opts.heldout_fraction)
-    if len(train_ids) - 1 < opts.calib_tokens:  # calibration windows are distinct: a smaller corpus would repeat none
+    if len(train_ids) - 1 < opts.calib_tokens:  # calibration_windows would quietly take fewer windows than asked
         raise UserError(
             f"corpus {describe_source(opts.data)!r} has {len(train_ids):,} training tokens, fewer than "
             f"--calib-tokens {opts.calib_tokens:,}; give more text or a smaller --calib-tokens"
