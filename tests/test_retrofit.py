@@ -127,6 +127,30 @@ def test_output_error_and_refinement():
     assert refined.cfg.spec.name == "Q-K=V"
 
 
+def test_refinement_on_the_converted_models_own_inputs():
+    """inputs="converted": the stream is the converted model's own, float64-exact where no converted
+    layer is upstream (layer 0's inputs are the original's, so its error there is the first pass's);
+    a later layer reads another stream; the pass never ends a layer worse than it found it."""
+    from qkvlab.convert.retrofit_refine import RefineOptions, refine_in_sequence
+
+    model, cfg = model_with(n_layer=3, kv_heads=2)
+    toks = calib(2048, seed=5)
+    xs = attention_inputs(model, toks, 2048, 32)
+    windows = calibration_windows(toks, 2048, 32)
+    first = fit(model, cfg, toks, to="Q-K=V", layers="0,2", block=32, inputs=xs, refine=RefineOptions(20, 3e-3))
+    looked = refine_in_sequence(first.model, model, [0, 2], windows, xs, RefineOptions(steps=0))
+    error = {lf.layer: lf.error for lf in first.layers}
+    assert looked[0] == pytest.approx((error[0], error[0]), rel=1e-12)
+    assert abs(looked[2][0] - error[2]) > 1e-6 * error[2]  # layer 2 reads what converted layer 0 passes on
+    opts = RefineOptions(steps=20, lr=3e-3, inputs="converted")
+    both = fit(model, cfg, toks, to="Q-K=V", layers="0,2", block=32, inputs=xs, calib_tokens=2048, refine=opts)
+    in_model = {lf.layer: lf.error_in_model for lf in both.layers}
+    assert in_model[0] <= looked[0][0] + 1e-15  # the same start, and steps that end worse are undone
+    assert in_model[2] is not None and in_model[2] >= 0
+    assert both.converted == [0, 2] and both.cfg.layer_config(1).spec.name == "Q-K-V"
+    assert both.cfg.layer_config(2).spec.name == "Q-K=V"
+
+
 def test_calibration_windows_cover_the_corpus_and_mean_start():
     toks = torch.arange(10_000)
     w = calibration_windows(toks, 32 * 20, 32, seed=0)

@@ -178,17 +178,21 @@ class GPT(nn.Module):
             else:
                 positions = torch.arange(T, device=idx.device)[None].expand(B, T)
         mask = cache.begin(positions, token_mask) if cache is not None else None
-        x = self.tok_emb(idx)  # (B, T, C)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
-        elif self.pos_fixed is not None:
-            x = x + self.pos_fixed(positions)
-        x = self.trunk(self.drop(x), positions, cache, mask)
+        x = self.trunk(self.embed(idx, positions), positions, cache, mask)
         logits = self.lm_head(x)  # (B, T, vocab)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) -> the residual stream the first block reads (B, T, C)."""
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        elif self.pos_fixed is not None:
+            x = x + self.pos_fixed(positions)
+        return self.drop(x)
 
 
 # ---- encoder ----------------------------------------------------------------------------------

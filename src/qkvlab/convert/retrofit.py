@@ -42,7 +42,7 @@ from qkvlab.convert.retrofit_fit import (
     fit,
     fit_layer,
 )
-from qkvlab.convert.retrofit_refine import RefineOptions
+from qkvlab.convert.retrofit_refine import REFINE_INPUTS, RefineOptions
 from qkvlab.data.text import describe_source, load_corpus
 from qkvlab.data.tokenizer import load_tokenizer
 from qkvlab.devices import DEVICE_HELP, TRAIN_DTYPES, check_device, check_dtype, dtype_choices, select_device
@@ -186,6 +186,12 @@ class RetrofitOptions:
         150, help="Adam steps per converted layer on the original layer's attention output (0: none)", minimum=0
     )
     refine_lr: float = setting(1e-3, help="refinement peak learning rate (cosine to 0)", positive=True)
+    refine_inputs: str = setting(
+        "original",
+        help="refine each layer on the original model's inputs, or then again, in order, on the inputs it reads in "
+        "the converted model",
+        choices=REFINE_INPUTS,
+    )
     data: str | None = setting(
         None,
         help="text: a path, 'shakespeare[:genres]', 'hf:NAME?split=..', or several joined by '+' (default Shakespeare)",
@@ -349,7 +355,7 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
             cache_budget=opts.cache_budget,
             pool=opts.pool,
             start=opts.start,
-            refine=RefineOptions(steps=opts.refine_steps, lr=opts.refine_lr, seed=opts.seed),
+            refine=RefineOptions(opts.refine_steps, opts.refine_lr, seed=opts.seed, inputs=opts.refine_inputs),
             calib_tokens=opts.calib_tokens,
             block=block,
             seed=opts.seed,
@@ -397,7 +403,8 @@ def _reuse_fit(folder: Path, opts: RetrofitOptions) -> FitResult | None:
         return None
     model, cfg, body = load_model(folder, dtype=torch.float32)
     made, free = body.get("retrofit") or {}, resumable_fields(RetrofitOptions)  # the rest is what the fit read
-    if "fit_layers" not in body or any(made.get(k) != v for k, v in asdict(opts).items() if k not in free):
+    default = asdict(RetrofitOptions())  # an option added since that fit was made: it had the default's effect
+    if "fit_layers" not in body or any(made.get(k, default[k]) != v for k, v in asdict(opts).items() if k not in free):
         return None
     return FitResult(model, cfg, [LayerFit(**lf) for lf in body["fit_layers"]], body["converted_layers"])
 

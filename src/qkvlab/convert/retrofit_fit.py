@@ -13,7 +13,9 @@ Per converted layer (any selection of layers; the result is a per-layer model, d
 - then each converted layer is refined against the original layer's attention output
   (retrofit_refine.py), and its relative output error on held calibration windows is the layer's
   cost: with a cache budget the layers with the lowest error are converted first until the KV
-  cache is at most that fraction of the original's.
+  cache is at most that fraction of the original's;
+- with refine inputs="converted", the chosen layers are then refined again in order, each on the
+  inputs it reads in the converted model (retrofit_refine.refine_in_sequence).
 
 start="mean" instead starts the shared tensor from the average of the key and value projections
 (Paper B's authors' best start for their distillation); the keys are then no longer exact and the
@@ -30,7 +32,7 @@ import torch
 from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import role_weights
-from qkvlab.convert.retrofit_refine import RefineOptions, refine_layer
+from qkvlab.convert.retrofit_refine import RefineOptions, refine_in_sequence, refine_layer
 from qkvlab.errors import UserError
 from qkvlab.io import build_model_from_state
 from qkvlab.model import GPT
@@ -50,6 +52,8 @@ class LayerFit:
     cache_bytes_after: int
     error_fit: float = 0.0  # relative attention-output error on held calibration windows, after the fit
     error: float = 0.0  # the same after refinement (= error_fit without it): the layer's cost
+    # refine inputs="converted": the error on the inputs the layer reads in the converted model, after that pass
+    error_in_model: float | None = None
 
 
 def calibration_windows(tokens: torch.Tensor, n_tokens: int, block: int, seed: int = 0) -> torch.Tensor:
@@ -254,6 +258,16 @@ def fit(
     if cache_budget is not None:
         chosen = _within_budget(cfg, report, cache_budget, f"{dst}{'' if kv_heads is None else f'/{kv_heads}'}")
     new, out_cfg = with_layers(model, cfg, trial, trial.cfg, chosen)
+    if refine.inputs == "converted" and refine.steps > 0:
+        windows = calibration_windows(calib, calib_tokens, block, seed)  # the windows xs were read from
+        in_sequence = refine_in_sequence(new, model, chosen, windows, xs, refine)
+        for lf in report:
+            if lf.layer in in_sequence:
+                lf.error_in_model = in_sequence[lf.layer][1]
+                if say:
+                    say(
+                        f"layer {lf.layer}: in the converted model, output error {in_sequence[lf.layer][0]:.4f} -> {lf.error_in_model:.4f}"
+                    )
     return FitResult(new, out_cfg, report, chosen)
 
 

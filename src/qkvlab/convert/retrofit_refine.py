@@ -12,6 +12,12 @@ over windows x of the layer's real inputs (the original model's, after its norm)
 time, so a step costs one attention layer on a few windows, not the model: it is the cheap local
 part before any end-to-end distillation. The error is measured on calibration windows the steps
 never saw, and it is what `--cache-budget` ranks layers by (sensitivity by output, not by R²).
+
+With inputs="converted" the chosen layers are refined once more, in order, each on the inputs it
+gets inside the converted model (the layers before it converted and refined), toward the original
+layer's output on the original's inputs: attn_new(x') ≈ attn_old(x). Refined on the original's
+inputs alone, every layer is fitted to a stream the converted model never produces, and the
+errors of 30 layers add up; this pass lets each layer absorb part of the error upstream of it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ class RefineOptions:
     lr: float = 1e-3  # peak learning rate, cosine to 0
     batch: int = 4  # windows per step
     seed: int = 0  # batch order
+    inputs: str = "original"  # "converted": a second pass on the converted model's own inputs (module doc)
+
+
+REFINE_INPUTS = ("original", "converted")
 
 
 def _run(attn: nn.Module, x: torch.Tensor, rotary) -> torch.Tensor:
@@ -53,13 +63,18 @@ def output_error(attn: nn.Module, xs: torch.Tensor, ys: torch.Tensor, rotary, ch
     return num / den if den > 0 else 0.0
 
 
-def refine_layer(new: nn.Module, old: nn.Module, xs: torch.Tensor, rotary, opts: RefineOptions) -> tuple[float, float]:
-    """Fit `new` (in place) to `old`'s outputs on xs (n, T, C); returns the relative output error
-    (before, after) on the held windows (the last n // 8, at least one, never stepped on). Steps
-    that end worse on those windows than the start are undone."""
+def refine_layer(
+    new: nn.Module, old: nn.Module, xs: torch.Tensor, rotary, opts: RefineOptions, new_xs: torch.Tensor | None = None
+) -> tuple[float, float]:
+    """Fit `new` (in place) to `old`'s outputs on xs (n, T, C), reading new_xs (the same windows as
+    the converted model sees them; default xs); returns the relative output error (before, after)
+    on the held windows (the last n // 8, at least one, never stepped on). Steps that end worse on
+    those windows than the start are undone."""
+    new_xs = xs if new_xs is None else new_xs
     n_check = max(1, len(xs) // 8) if len(xs) > 1 else 0
-    train, check = (xs[:-n_check], xs[-n_check:]) if n_check else (xs, xs)
-    y_train, y_check = targets(old, train, rotary), targets(old, check, rotary)
+    split = lambda t: (t[:-n_check], t[-n_check:]) if n_check else (t, t)  # noqa: E731
+    (old_train, old_check), (train, check) = split(xs), split(new_xs)
+    y_train, y_check = targets(old, old_train, rotary), targets(old, old_check, rotary)
     before = output_error(new, check, y_check, rotary)
     if opts.steps == 0:
         return before, before
@@ -90,3 +105,39 @@ def refine_layer(new: nn.Module, old: nn.Module, xs: torch.Tensor, rotary, opts:
                 p.copy_(w)
         return before, before
     return before, after
+
+
+def _capture_attention_input(block: nn.Module, run) -> torch.Tensor:
+    """What block.attn reads when run() runs the block: its input after the block's own norm."""
+    seen: list[torch.Tensor] = []
+    hook = block.attn.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    try:
+        run()
+    finally:
+        hook.remove()
+    return torch.cat(seen)
+
+
+@torch.no_grad()
+def refine_in_sequence(
+    new, old, layers: list[int], windows: torch.Tensor, xs: list[torch.Tensor], opts: RefineOptions, chunk: int = 8
+) -> dict[int, tuple[float, float]]:
+    """The second pass of inputs="converted" (module doc): every layer of `layers`, first to last, refined
+    in place in the model `new` on the inputs it reads there, toward `old`'s layer output on xs[i]
+    (the original's inputs of the same calibration windows (n, T)). Returns {layer: (before, after)}."""
+    p = next(new.parameters())
+    rows = windows.to(p.device).split(chunk)
+    pos = [torch.arange(r.shape[1], device=p.device)[None].expand(r.shape) for r in rows]
+    rotary = new.trunk.rotary
+    rope = [None if rotary is None else rotary.cos_sin(q, p.dtype) for q in pos]
+    stream = [new.embed(r, q) for r, q in zip(rows, pos)]  # the residual stream, chunk by chunk
+    errors = {}
+    for i in range(new.cfg.n_layer):
+        block = new.trunk.layer(i)
+        step = lambda: [block(h, q_pos=q, rope=c) for h, q, c in zip(stream, pos, rope)]  # noqa: E731
+        if i in layers:
+            seen = _capture_attention_input(block, step)
+            old_attn = old.trunk.layer(i).attn
+            errors[i] = refine_layer(block.attn, old_attn, xs[i].to(p.device), old.trunk.rotary, opts, seen)
+        stream = step()
+    return errors
