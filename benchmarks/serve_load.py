@@ -354,19 +354,10 @@ def client_for(url: str, args) -> httpx.AsyncClient:
 
 
 def first_model(root: str) -> str | None:
-    """The first of the server's /v1/models (the --endpoint's label when none is given)."""
+    """The first of the server's /v1/models (None if it has none): the name requests carry and an
+    --endpoint's label, where --model does not say."""
     try:
         return httpx.get(f"{root}/v1/models", timeout=30, trust_env=False).json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError):
-        return None
-
-
-async def model_name(client: httpx.AsyncClient, given: str | None) -> str | None:
-    """--model, else the first of the server's /v1/models (as vLLM's bench), else None (not sent)."""
-    if given:
-        return given
-    try:
-        return (await client.get("/v1/models")).json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError):
         return None
 
@@ -375,7 +366,7 @@ async def tokenize(client: httpx.AsyncClient, text: str) -> list[int]:
     """Token ids of `text` without special tokens: vLLM's and qkvlab's /tokenize, else llama.cpp's."""
     for body in ({"prompt": text, "add_special_tokens": False}, {"content": text, "add_special": False}):
         r = await client.post("/tokenize", json=body)
-        if r.status_code == 200 and isinstance(r.json().get("tokens"), list):
+        if r.status_code == 200 and r.json().get("tokens"):  # llama.cpp answers [] to vLLM's shape
             return [t if isinstance(t, int) else t["id"] for t in r.json()["tokens"]]
     raise UserError(f"{client.base_url}/tokenize answered {r.status_code}: text prompts need it (or --prompts ids)")
 
@@ -483,7 +474,7 @@ async def server_health(client: httpx.AsyncClient) -> dict:
 async def measure(url: str, args, workload: dict, rate: float, prompts_cache: dict, label: str) -> dict:
     """One run against the server at `url`: prompts (once per scheme), a warm-up request, the load."""
     async with client_for(url, args) as client:
-        model = await model_name(client, args.model)
+        model = args.model or first_model(url)  # as vLLM's bench: the server's first model
         if label not in prompts_cache:
             lengths = workload["prompt_tokens"]
             prompts_cache[label] = (
@@ -569,8 +560,10 @@ def one_run(target: Target, args, workload: dict, rate: float, cache_bytes: int 
         "model": run["model"],
         "requests_sent": len(run["records"]),
         **run["metrics"],
-        "peak_sequences": health.get("peak_active"),
-        "capacity_sequences": health.get("capacity_sequences"),
+        # an --endpoint's peak is over its whole life, not this run's: left out
+        "peak_sequences": health.get("peak_active") if server else None,
+        "capacity_sequences": health.get("capacity_sequences"),  # whole --max-model-len contexts
+        "capacity_tokens": health.get("capacity_tokens"),  # short requests share these: the peak can exceed the above
         "cache_bytes_per_token": health.get("cache_bytes_per_token", target.cache_bytes_per_token),
         "load_start": load_start,
         "load_end": load_average(),
@@ -613,7 +606,14 @@ def fmt_row(r: dict) -> str:
 
 
 def scheme_table(rows: list[dict]) -> list[str]:
-    head = ["offered req/s", "done/sent", "req/s", "out tok/s", "goodput req/s", "peak/capacity seqs"]
+    head = [
+        "offered req/s",
+        "done/sent",
+        "req/s",
+        "out tok/s",
+        "goodput req/s",
+        "peak seqs (capacity: contexts, tokens)",
+    ]
     head += [f"{m.upper()} ms mean / p50 / p90 / p99" for m in LATENCIES] + ["load start→end"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -623,7 +623,7 @@ def scheme_table(rows: list[dict]) -> list[str]:
             fmt(r["request_throughput"], ".2f"),
             fmt(r["output_throughput"], ".0f"),
             fmt(r["request_goodput"], ".2f"),
-            f"{fmt(r['peak_sequences'], '')}/{fmt(r['capacity_sequences'], '')}",
+            f"{fmt(r['peak_sequences'], '')} ({fmt(r['capacity_sequences'], ',')}, {fmt(r['capacity_tokens'], ',')})",
             *(ms(r[f"{m}_s"]) for m in LATENCIES),
             f"{r['load_start']}→{r['load_end']}",
         ]
@@ -675,6 +675,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set(xlabel="output throughput (tokens/s)", ylabel=f"{q} {name} (ms)", title=f"{q} {name} vs throughput")
         ax.grid(alpha=0.3)
         ax.legend()
+    fig.suptitle("one line per scheme; points labelled with the offered requests/s")
     fig.tight_layout()
     with atomic_file(path, "wb") as f:
         fig.savefig(f, format="png", dpi=120)
