@@ -80,6 +80,7 @@ import numpy as np
 
 from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
+from qkvlab.data.text import load_shakespeare
 from qkvlab.errors import UserError
 from qkvlab.files import atomic_file, atomic_write, json_text
 from qkvlab.io import save_model
@@ -294,7 +295,7 @@ def loopback_root(endpoint: str) -> str:
 
 def write_models(args, folder: Path) -> list[Target]:
     """One random model per variant, identical shape (the default mode)."""
-    import torch
+    import torch  # the default mode alone builds models
 
     from qkvlab.model import GPT
 
@@ -382,8 +383,6 @@ async def detokenize(client: httpx.AsyncClient, ids: list[int]) -> str:
 
 async def text_prompts(client: httpx.AsyncClient, lengths: list[int], seed: int) -> list[str]:
     """Slices of the packaged Shakespeare, each of its drawn length in the server's own tokens."""
-    from qkvlab.data.text import load_shakespeare
-
     corpus = "\n".join(d.text for d in load_shakespeare())[:CORPUS_CHARS]
     ids = await tokenize(client, corpus)
     if len(ids) <= max(lengths):
@@ -657,7 +656,7 @@ def markdown(rows: list[dict], args, workload: dict, cache_bytes: int | None, me
 
 def plot(rows: list[dict], path: Path) -> None:
     """Output throughput against p50 and p99 TTFT and TPOT: one line per scheme, one point per rate."""
-    import matplotlib
+    import matplotlib  # startup: only when the results are written
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
