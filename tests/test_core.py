@@ -72,7 +72,7 @@ def test_bad_configs_one_line(changes, needle):
 def test_unknown_preset_and_key():
     with pytest.raises(UserError, match="unknown preset 'gpt5'"):
         preset("gpt5")
-    with pytest.raises(UserError, match="unknown model config key 'nlayer'"):
+    with pytest.raises(UserError, match="unknown model setting 'nlayer'"):
         ModelConfig.from_dict({"nlayer": 3})
 
 

@@ -13,7 +13,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 from qkvlab.model import GPT, Encoder, TokenInput
 from qkvlab.positions import ScoreTerm2D, encoding_2d
-from qkvlab.train.config import train_preset
+from qkvlab.train.config import TrainConfig
 from qkvlab.train.optim import lr_at
 
 
@@ -136,15 +136,17 @@ def test_mlp_heads():
 
 # ---- Paper A's schedule -------------------------------------------------------------------------
 def test_gpt2_lr_horizon():
-    cfg = train_preset("gpt2-124m")
+    cfg = TrainConfig.from_dict({"preset": "gpt2-124m"})
     assert (cfg.max_steps, cfg.lr_decay_steps, cfg.decay_steps, cfg.warmup_steps) == (105_001, 600_000, 600_000, 2000)
     kw = dict(lr=cfg.lr, min_lr=cfg.final_lr, warmup=cfg.warmup_steps, total=cfg.decay_steps)
     last = lr_at(cfg.max_steps - 1, **kw)
     assert last == pytest.approx(5.6e-4, abs=0.05e-4)
     assert lr_at(600_000, **kw) == pytest.approx(6e-5)
-    assert train_preset("tiny").decay_steps == train_preset("tiny").max_steps  # None: the horizon is max_steps
+    assert (
+        TrainConfig.from_dict({"preset": "tiny"}).decay_steps == TrainConfig.from_dict({"preset": "tiny"}).max_steps
+    )  # None: the horizon is max_steps
     with pytest.raises(UserError, match="lr_decay_steps"):
-        train_preset("tiny", lr_decay_steps=0)
+        TrainConfig.from_dict({"preset": "tiny", "lr_decay_steps": 0})
 
 
 # ---- similarity as Paper B measures it: linear CKA of projection outputs ----------------------
@@ -238,7 +240,7 @@ def test_synthetic_paper_recipe_builds_a_config():
     from qkvlab.tasks.synthetic import paper_recipe
 
     over = paper_recipe("reverse", {"d_model": 64})
-    cfg = train_preset("tiny", task="reverse", task_options={"length": 16}, **over)
+    cfg = TrainConfig.from_dict({"preset": "tiny", "task": "reverse", "task_options": {"length": 16}, **over})
     m = cfg.model
     assert (m.norm_position, m.pos, m.mlp, m.hidden, m.dropout, m.head) == (
         "post",
@@ -257,7 +259,7 @@ def test_vision_paper_recipe_and_grid():
     from qkvlab.tasks.vision import DEFAULT_PATCH, PAPER_GRID, paper_recipe
 
     over = paper_recipe("cifar10", {"d_model": 256, "lr": 1e-4})
-    cfg = train_preset("tiny", task="digits", **over)
+    cfg = TrainConfig.from_dict({"preset": "tiny", "task": "digits", **over})
     assert (cfg.model.hidden, cfg.model.head, cfg.model.norm_position, cfg.model.mlp) == (256, "mlp", "pre", "gelu")
     assert cfg.model.scale == pytest.approx(1 / 16)  # d_model^-1/2, not d_head^-1/2
     assert (cfg.max_steps, cfg.batch_size, cfg.lr, cfg.final_lr, cfg.weight_decay) == (40 * 351, 128, 1e-4, 1e-4, 0.01)
@@ -267,7 +269,7 @@ def test_vision_paper_recipe_and_grid():
     assert paper_recipe("tinyimagenet", {"d_model": 64, "lr": 1e-3, "n_train": 12_800})["max_steps"] == 50 * 100
     from qkvlab.tasks import anomaly
 
-    a = train_preset("tiny", **{**anomaly.paper_recipe(), "task": "anomaly", "task_options": {}})
+    a = TrainConfig.from_dict({"preset": "tiny", **anomaly.paper_recipe(), "task": "anomaly", "task_options": {}})
     assert (a.max_steps, a.batch_size, a.lr, a.warmup_steps, a.grad_clip) == (100 * 703, 64, 5e-4, 100, 2.0)
     assert (a.model.d_model, a.model.hidden, a.model.norm_position, a.model.head) == (256, 512, "post", "norm_mlp")
     # the grid's patches: 4 and the image's own (None -> DEFAULT_PATCH: 7 on 28 px, 8 on 32 px)

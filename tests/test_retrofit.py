@@ -265,7 +265,7 @@ def test_kl_and_distill_options():
     assert kl_teacher_student(t, t).item() == pytest.approx(0.0, abs=1e-6)
     ref = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1).mean()
     assert kl_teacher_student(t, s).item() == pytest.approx(ref.item(), rel=1e-5)
-    with pytest.raises(UserError, match="unknown distill task option 'temp'"):
+    with pytest.raises(UserError, match="unknown distill option 'temp'"):
         get_task("distill", teacher="a", student="b", tokens="c", temp=2)
     with pytest.raises(UserError, match="both 0"):
         get_task("distill", teacher="a", student="b", tokens="c", kl_weight=0, lm_weight=0)

@@ -24,7 +24,7 @@ from qkvlab.folders import check_model_target, claim_folder, inspect
 from qkvlab.io import load_model, read_metrics, save_model
 from qkvlab.model import GPT
 from qkvlab.train import checkpoint as ck
-from qkvlab.train.config import train_preset
+from qkvlab.train.config import TrainConfig
 from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, train
 
 TINY = ["--preset", "tiny", "--tokenizer", "char", "--block-size", "32", "--batch-size", "8", "--eval-batches", "2"]
@@ -64,7 +64,7 @@ def tiny_cfg(plays_file, **over):
         max_steps=6,
         eval_every=3,
     )
-    return train_preset("tiny", **{**base, **over})
+    return TrainConfig.from_dict({"preset": "tiny", **base, **over})
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,9 @@ import torch
 from qkvlab.config import ModelConfig
 from qkvlab.data.images import FASHION_MNIST_DIR
 from qkvlab.errors import UserError
-from qkvlab.tasks import get_task
-from qkvlab.tasks.arrays import EpochSampler, parse_options
+from qkvlab.settings import parse_key_values
+from qkvlab.tasks import get_task, resolve_task_options
+from qkvlab.tasks.arrays import EpochSampler
 from qkvlab.tasks.synthetic import SyntheticOptions
 
 SMALL = {  # one small task per family, fast to build
@@ -225,10 +226,10 @@ def test_digits_anomaly_segmentation_learn():
     "name, options, match",
     [
         ("nope", {}, "unknown task"),
-        ("copy", {"lenght": 8}, "no option 'lenght'"),
+        ("copy", {"lenght": 8}, "unknown synthetic option 'lenght'"),
         ("copy", {"length": 0}, "length=0"),
-        ("copy", {"length": "abc"}, "not a valid int"),
-        ("copy", {"length": 2.5}, "not a valid int"),
+        ("copy", {"length": "abc"}, "length='abc' must be an integer"),
+        ("copy", {"length": 2.5}, "length=2.5 must be an integer"),
         ("digits", {"pool": "max"}, "pool='max'"),
         ("digits", {"patch": 3}, "patch=3 must divide"),
         ("digits", {"label": "fine"}, "cifar100 only"),
@@ -254,9 +255,9 @@ def test_module_refuses_names_it_does_not_serve():
 
 
 def test_options_from_cli_strings():
-    o = parse_options(SyntheticOptions, "copy", {"length": "64", "n_train": 10, "plus_channels": "none"})
-    assert (o.length, o.n_train, o.plus_channels) == (64, 10, None)
-    with pytest.raises(UserError, match="cannot be None"):
-        parse_options(SyntheticOptions, "copy", {"length": None})
+    o = resolve_task_options("copy", parse_key_values(["length=64", "n_train=10", "plus_channels=none"]))
+    assert isinstance(o, SyntheticOptions) and (o.length, o.n_train, o.plus_channels) == (64, 10, None)
+    with pytest.raises(UserError, match="task 'copy': length=None must be an integer"):
+        resolve_task_options("copy", {"length": None})
     with pytest.raises(UserError, match="no split 'train2'"):
         task("copy").evaluate(model_for(task("copy")), batch_size=8, split="train2")

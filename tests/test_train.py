@@ -19,10 +19,12 @@ from safetensors.torch import load_file
 
 from qkvlab import cli
 from qkvlab.cli import main
+from qkvlab.config_file import read_config_file
 from qkvlab.errors import UserError
 from qkvlab.io import load_model, read_metrics
+from qkvlab.settings import resolve
 from qkvlab.train import checkpoint as ck
-from qkvlab.train.config import TrainConfig, load_train_config, train_preset
+from qkvlab.train.config import TrainConfig
 from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, train
 from qkvlab.train.optim import lr_at, param_groups
 
@@ -35,7 +37,7 @@ def tiny(plays_file, **over) -> TrainConfig:
         log_tensorboard=False,
         dtype="fp32",  # exact comparisons: "auto" is bf16 autocast on CPUs with native bf16
     )
-    return train_preset("tiny", **{**base, **over})
+    return TrainConfig.from_dict({"preset": "tiny", **base, **over})
 
 
 CLI_BASE = [
@@ -392,7 +394,9 @@ def test_config_files_and_overrides(tmp_path):
     (tmp_path / "r.yaml").write_text(
         "preset: tiny\nlr: 0.002\nmodel:\n  attn: Id-K-V\ntask_options:\n  tokenizer: char\n"
     )
-    cfg = load_train_config(tmp_path / "r.yaml", {"weight_decay": 2**-5, "model": {"kv_heads": 1}})
+    # preset -> file -> command line, as `qkvlab train r.yaml --weight-decay 0.03125 --kv-heads 1` resolves it
+    file = read_config_file(tmp_path / "r.yaml")
+    cfg = resolve(TrainConfig, {"preset": "small"}, file, {"weight_decay": 2**-5, "model": {"kv_heads": 1}})
     assert (cfg.lr, cfg.weight_decay, cfg.model.attn, cfg.model.kv_heads, cfg.model.n_layer) == (
         0.002,
         0.03125,
@@ -402,14 +406,14 @@ def test_config_files_and_overrides(tmp_path):
     )
     assert cfg.task_options == {"tokenizer": "char"} and cfg.max_steps == 300
     (tmp_path / "r.toml").write_text('max_steps = 7\nbetas = [0.8, 0.9]\n[model]\npreset = "small"\nattn = "Q-K=V"\n')
-    cfg2 = load_train_config(tmp_path / "r.toml", default_preset="tiny")
+    cfg2 = resolve(TrainConfig, {"preset": "tiny"}, read_config_file(tmp_path / "r.toml"))
     assert cfg2.max_steps == 7 and cfg2.betas == (0.8, 0.9) and cfg2.model.d_model == 128 and cfg2.model.attn == "Q-K=V"
     assert TrainConfig.from_dict(cfg2.to_dict()) == cfg2
-    a = train_preset("gpt2-124m")
+    a = TrainConfig.from_dict({"preset": "gpt2-124m"})
     assert a.batch_size * a.model.context == 491_520 and a.accum_steps(1) == 40 and a.accum_steps(8) == 5
-    b = train_preset("paperB-300m")
+    b = TrainConfig.from_dict({"preset": "paperB-300m"})
     assert b.batch_size * b.model.context == 2_359_296 and (b.lr, b.final_lr, b.warmup_steps) == (2e-4, 2e-5, 500)
-    c = train_preset("paperB-1.2b")
+    c = TrainConfig.from_dict({"preset": "paperB-1.2b"})
     assert c.batch_size * c.model.context == 1_179_648 and c.sharding == "fsdp" and c.final_lr == 6e-6
 
 
@@ -503,9 +507,11 @@ def test_resume_with_nothing_to_resume_says_it_starts_anew(plays_file, tmp_path,
 def test_a_preset_with_another_task_leaves_its_corpus_options_behind(tmp_path, capsys):
     """README's `qkvlab train --task reverse --preset tiny` failed: the preset's lm options (its
     tokenizer) were handed to the reverse task, which has no such option."""
-    assert train_preset("tiny").task_options == {"tokenizer": "bpe:512"}
-    assert train_preset("tiny", task="reverse").task_options == {}
-    assert train_preset("tiny", task="reverse", task_options={"length": 8}).task_options == {"length": 8}
+    assert TrainConfig.from_dict({"preset": "tiny"}).task_options == {"tokenizer": "bpe:512"}
+    assert TrainConfig.from_dict({"preset": "tiny", "task": "reverse"}).task_options == {}
+    assert TrainConfig.from_dict({"preset": "tiny", "task": "reverse", "task_options": {"length": 8}}).task_options == {
+        "length": 8
+    }
     argv = ["train", "--out", str(tmp_path / "rev"), "--task", "reverse", "--preset", "tiny", "--attn", "(Q=K=V)+"]
     assert main([*argv, "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1", "--quiet"]) == 0
     assert (tmp_path / "rev" / "model.safetensors").is_file()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from qkvlab.accounting import matched_mlp_hidden
 from qkvlab.config_file import read_config_file
 from qkvlab.errors import UserError
 from qkvlab.positions import PLUS_ENCODINGS
-from qkvlab.settings import check, seed_setting, setting
+from qkvlab.settings import check, resolve, seed_setting, setting
 from qkvlab.spec import ProjectionSpec, parse_layers, parse_scheme, validate_heads
 
 NORMS = ("layernorm", "rmsnorm", "none")
@@ -20,9 +20,28 @@ MLPS = ("gelu", "gelu_tanh", "relu", "swiglu")
 NORM_POSITIONS = ("pre", "post")
 OUTPUT_HEADS = ("linear", "mlp", "norm_mlp")
 
+# ---- presets --------------------------------------------------------------------------------
+# Papers' models: figures in papers.md. Small ones are sized for 2 CPU cores.
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2-124m": dict(  # Paper A (nanoGPT GPT-2 small)
+        n_layer=12, n_head=12, d_model=768, vocab_size=50304, context=1024, bias=False, pos="learned"
+    ),
+    "paperB-300m": dict(
+        n_layer=20, n_head=16, d_model=1024, mlp_hidden=4096, vocab_size=50304, context=2048, bias=True
+    ),
+    "paperB-1.2b": dict(
+        n_layer=22, n_head=32, d_model=2048, mlp_hidden=8192, vocab_size=50304, context=2048, bias=True
+    ),
+    "tiny": dict(n_layer=2, n_head=4, d_model=64, vocab_size=512, context=64),
+    "small": dict(n_layer=4, n_head=4, d_model=128, vocab_size=2048, context=128),
+}
+DEFAULT_PRESET = "small"  # what a command builds when neither a preset nor a model folder is named
+
 
 @dataclass
 class ModelConfig:
+    presets: ClassVar[dict[str, dict[str, Any]]] = PRESETS  # what a `preset` key names (settings.resolve)
+
     attn: str = setting("Q-K-V", help="projection scheme, e.g. Q-K-V, Id-K-V, Q-K=V, '(Q=K-V)+'", metavar="SCHEME")
     n_layer: int = setting(4, help="transformer blocks", minimum=1)
     n_head: int = setting(4, help="query heads", minimum=1)
@@ -173,68 +192,25 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """Validated config from a mapping; keys an older file lacks take the defaults."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise UserError(f"unknown model config key {unknown[0]!r}; allowed: {', '.join(sorted(names))}")
-        return cls(**data).validate()
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        """Validated config from a mapping (optionally with a `preset`); keys an older file lacks
+        take the defaults."""
+        return resolve(cls, data)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-# ---- presets --------------------------------------------------------------------------------
-# Papers' models: figures in papers.md. Small ones are sized for 2 CPU cores.
-PRESETS: dict[str, dict[str, Any]] = {
-    "gpt2-124m": dict(  # Paper A (nanoGPT GPT-2 small)
-        n_layer=12, n_head=12, d_model=768, vocab_size=50304, context=1024, bias=False, pos="learned"
-    ),
-    "paperB-300m": dict(
-        n_layer=20, n_head=16, d_model=1024, mlp_hidden=4096, vocab_size=50304, context=2048, bias=True
-    ),
-    "paperB-1.2b": dict(
-        n_layer=22, n_head=32, d_model=2048, mlp_hidden=8192, vocab_size=50304, context=2048, bias=True
-    ),
-    "tiny": dict(n_layer=2, n_head=4, d_model=64, vocab_size=512, context=64),
-    "small": dict(n_layer=4, n_head=4, d_model=128, vocab_size=2048, context=128),
-}
-
-
 def preset(name: str, **overrides: Any) -> ModelConfig:
-    if name not in PRESETS:
-        raise UserError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
-    fields = dict(PRESETS[name])
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    return ModelConfig.from_dict(fields)
+    """Model preset `name` with the overrides that are not None."""
+    return resolve(ModelConfig, {"preset": name}, {k: v for k, v in overrides.items() if v is not None})
 
 
-DEFAULT_PRESET = "small"  # what a command builds when neither a preset nor a model folder is named
-
-
-def model_from_mapping(model: Mapping[str, Any], base: ModelConfig | None = None) -> ModelConfig:
-    """ModelConfig keys, optionally with a `preset` to start from (else `base`, else the defaults)."""
-    model = dict(model)
-    name = model.pop("preset", None)
-    if name is not None:
-        return preset(name, **model)
-    return ModelConfig.from_dict({**(base.to_dict() if base else {}), **model})
-
-
-def model_config_file(path: str) -> ModelConfig:
-    """A model config file: ModelConfig keys (optionally a `preset`), or a mapping with a `model`
-    section (a training config or a saved config.json)."""
+def model_file_settings(path: str) -> dict[str, Any]:
+    """A model config file's settings: ModelConfig keys (optionally a `preset`), or the `model`
+    section of a training config or a saved config.json."""
     body = read_config_file(path)
-    return model_from_mapping(body["model"] if isinstance(body.get("model"), dict) else body)
-
-
-def choose_model(name: str | None, overrides: Mapping[str, Any], base: ModelConfig | None = None) -> ModelConfig:
-    """The model a command describes: preset `name` with the overrides; without a preset, `base`
-    (a model folder's or a file's config) with them; else the default preset with them."""
-    if base is not None and name is None:
-        return ModelConfig.from_dict({**base.to_dict(), **overrides})
-    return preset(name or DEFAULT_PRESET, **overrides)
+    return body["model"] if isinstance(body.get("model"), dict) else body
 
 
 @dataclass

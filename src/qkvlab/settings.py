@@ -9,8 +9,10 @@ gathers that class's options (e.g. the model options) into a mapping.
 
 - `add_options(parser, cls)`: one argparse option per field; every default is None, so only what the
   user typed overrides a config file or preset.
-- `load(cls, file, args)`: config file (qkvlab.config_file reads it), then the command line over
-  it, unknown keys refused, then the class's `validate()` (`check`, then the rules across fields).
+- `resolve(cls, *layers)`: the one way settings become a config: layers (a preset, a file's
+  mapping, the command line's, a whole config) over each other, nested configs (a training
+  config's model) resolved the same way, unknown keys refused, then the class's `validate()`
+  (`check`, then the rules across fields). `load(cls, file, args)` is its file + command line.
 - `check(obj)`: types, choices and bounds of every field, from its annotation and metadata.
 
 A short generator over `dataclasses.fields` rather than tyro or jsonargparse: the configs are flat
@@ -55,10 +57,12 @@ def setting(
     positive: bool = False,
     const: Any = None,
     group: type | None = None,
+    follows: str | None = None,
 ) -> Any:
     """A dataclass field with its command-line description (see the module doc). No default: the
     value is required. `positional`: an argument without a flag; `const`: the value of the bare
-    flag (`--compile` = `--compile default`); bounds apply to numbers and to each item of a tuple."""
+    flag (`--compile` = `--compile default`); bounds apply to numbers and to each item of a tuple; `follows`: the name of the field these values
+    belong to (task options follow the task: `resolve` drops a base's when the task changes)."""
     meta = {
         "help": help,
         "choices": tuple(choices) if choices is not None else None,
@@ -74,6 +78,7 @@ def setting(
         "positive": positive,
         "const": const,
         "group": group,
+        "follows": follows,
     }
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
@@ -340,24 +345,96 @@ def print_config(args: argparse.Namespace, body: Mapping[str, Any]) -> bool:
 
 
 def load(cls: type, file: str | Path | None = None, args: argparse.Namespace | None = None, **fixed: Any):
-    """`cls` from a config file, the command line over it and `fixed` over both; mappings (the model
-    options, task options) merge key by key. An unknown key is one line naming the allowed ones;
-    the result is validated (`validate()` if the class has one, else `check`)."""
-    body = read_config_file(file) if file else {}
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(body) - set(names))
-    if unknown:
-        what = cls.__name__.removesuffix("Config").removesuffix("Options").lower()
-        raise UserError(f"{file}: unknown {what} setting {unknown[0]!r}; allowed: {', '.join(sorted(names))}")
-    for source in (options_from_args(args, cls) if args is not None else {}, fixed):
-        for k, v in source.items():
-            merge = isinstance(v, Mapping) and isinstance(body.get(k), Mapping)
-            body[k] = {**body[k], **v} if merge else v
+    """`cls` from a config file, the command line over it and `fixed` over both (`resolve`'s layers)."""
+    body = read_config_file(file) if file else None
+    over = options_from_args(args, cls) if args is not None else None
+    return resolve(cls, body, over, fixed, origin=file)
+
+
+def resolve(cls: type, *layers: Any, origin: str | Path | None = None) -> Any:
+    """The one way settings become a config: a validated `cls` from `layers`, lowest first.
+
+    A layer is None (skipped), a `cls` (a whole config), or a mapping of field names; a mapping's
+    `preset` names one of `cls.presets`. The base is the highest whole config or named preset (else
+    the declared defaults), and every mapping applies over it in order: preset -> file -> command
+    line, whichever layer named the preset. Fields typed as a settings dataclass (a TrainConfig's
+    `model`) are resolved the same way from their own layers; mappings (task options) merge key by
+    key; a field declared `follows=NAME` keeps the base's value only while NAME keeps the base's (a
+    preset's lm options never reach another task). An unknown key or a bad value is one line naming
+    it (`origin`, a file, heads an unknown key's)."""
+    layers = tuple(layer for layer in layers if layer is not None)
+    for layer in layers:
+        if not isinstance(layer, (cls, Mapping)):
+            raise UserError(f"{_what(cls)} settings must be a mapping of keys, got {type(layer).__name__}")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    presets = getattr(cls, "presets", None) or {}
+    bases = [x for x in layers if isinstance(x, cls) or (presets and x.get("preset") is not None)]
+    base = _base_values(cls, bases[-1], presets) if bases else {}
+    body: dict[str, Any] = dict(base)
+    nested: dict[str, list[Any]] = {k: [base[k]] for k in base if _nested_class(cls, k)}
+    allowed = sorted([*names, *(["preset"] if presets else [])])
+    for layer in layers:
+        if isinstance(layer, cls):
+            continue
+        unknown = sorted(set(layer) - set(allowed))
+        if unknown:
+            where = f"{origin}: " if origin else ""
+            raise UserError(f"{where}unknown {_what(cls)} {unknown[0]!r}; allowed: {', '.join(allowed)}")
+        for k, v in layer.items():
+            if k == "preset" and presets:
+                continue
+            if _nested_class(cls, k):
+                nested.setdefault(k, []).append(v)
+            elif isinstance(v, Mapping) and isinstance(body.get(k), Mapping):
+                body[k] = {**body[k], **v}
+            else:
+                body[k] = dict(v) if isinstance(v, Mapping) else v
+    for k, f in names.items():
+        leader = names.get(f.metadata.get("follows") or "")
+        if leader is not None and k in base and _value(base, leader) != _value(body, leader):
+            # the base's values were for its own `leader` (a preset's lm options): only the layers' stay
+            body[k] = {}
+            for layer in layers:
+                if isinstance(layer, Mapping) and isinstance(layer.get(k), Mapping):
+                    body[k].update(layer[k])
+    for k, sub in nested.items():
+        body[k] = resolve(_nested_class(cls, k), *sub)
     try:
         obj = cls(**_coerce(cls, body))
     except TypeError as e:
         raise UserError(f"bad {cls.__name__} settings: {e}") from None
     return obj.validate() if hasattr(obj, "validate") else check(obj)
+
+
+def _what(cls: type) -> str:
+    """What a class's keys are called in messages: 'model setting', 'synthetic option'."""
+    name = cls.__name__
+    if name.endswith("Options"):
+        return name.removesuffix("Options").lower() + " option"
+    return name.removesuffix("Config").lower() + " setting"
+
+
+def _value(values: Mapping[str, Any], field: dataclasses.Field) -> Any:
+    return values.get(field.name, field.default if field.default is not MISSING else None)
+
+
+def _base_values(cls: type, base: Any, presets: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The field values a base starts from (a whole config's, or a named preset's); mappings copied,
+    so a config never shares one with a preset or another config."""
+    if isinstance(base, cls):
+        values = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}
+    elif base["preset"] in presets:
+        values = dict(presets[base["preset"]])
+    else:
+        raise UserError(f"unknown preset {base['preset']!r}; allowed: {', '.join(presets)}")
+    return {k: dict(v) if isinstance(v, Mapping) else v for k, v in values.items()}
+
+
+def _nested_class(cls: type, name: str) -> type | None:
+    """The settings dataclass a field holds (resolved from its own layers), or None."""
+    hint = _hints(cls).get(name)
+    kind = _base_type(hint)[0] if hint is not None else None
+    return kind if dataclasses.is_dataclass(kind) else None
 
 
 def _coerce(cls: type, body: dict[str, Any]) -> dict[str, Any]:
@@ -426,8 +503,8 @@ def check(obj: Any) -> Any:
 
 
 def parse_key_values(items: Iterable[str], flag: str = "--task-option") -> dict[str, Any]:
-    """KEY=VALUE strings -> mapping; VALUE read as YAML (numbers, true/false, null, [lists]), and a
-    number YAML leaves as text (1e-3) becomes a float."""
+    """KEY=VALUE strings -> mapping; VALUE read as YAML (numbers, true/false, null, [lists]), a
+    number YAML leaves as text (1e-3) becomes a float, and none (Python's spelling) is null."""
     out: dict[str, Any] = {}
     for item in items:
         key, eq, text = item.partition("=")
@@ -437,7 +514,9 @@ def parse_key_values(items: Iterable[str], flag: str = "--task-option") -> dict[
             value = yaml.safe_load(text.strip()) if text.strip() else ""
         except yaml.YAMLError:
             value = text.strip()
-        if isinstance(value, str):
+        if isinstance(value, str) and value.lower() == "none":
+            value = None
+        elif isinstance(value, str):
             try:
                 value = float(value) if math.isfinite(float(value)) else value
             except ValueError:

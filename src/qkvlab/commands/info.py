@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 
 from qkvlab.accounting import memory_estimate, report
-from qkvlab.config import choose_model, model_config_file
+from qkvlab.config import DEFAULT_PRESET, ModelConfig, model_file_settings
 from qkvlab.info_config import InfoConfig
 from qkvlab.io import find_model_dir, read_config
-from qkvlab.settings import add_config_options, add_options, load, print_config
+from qkvlab.settings import add_config_options, add_options, load, print_config, resolve
 from qkvlab.spec import KNOWN_SCHEMES
 from qkvlab.units import human, nbytes
 from qkvlab.variants import parse_variant
@@ -34,8 +34,12 @@ def folder_config(path: str):
 
 def run(args) -> int:
     opts = load(InfoConfig, None, args)
-    base = folder_config(opts.folder) if opts.folder else model_config_file(args.config) if args.config else None
-    cfg = choose_model(opts.preset, opts.model, base)
+    saved = folder_config(opts.folder) if opts.folder else model_file_settings(args.config) if args.config else None
+    # the folder's config or the file (else the default preset), the command line over it; a --preset
+    # replaces a folder's whole config, and a file's keys apply over it
+    cfg = resolve(
+        ModelConfig, saved if saved is not None else {"preset": DEFAULT_PRESET}, {"preset": opts.preset, **opts.model}
+    )
     if opts.variant:
         cfg = parse_variant(opts.variant).apply(cfg)
     if print_config(args, cfg.to_dict()):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from qkvlab.config import InitConfig, choose_model, model_config_file
+from qkvlab.config import DEFAULT_PRESET, InitConfig, ModelConfig, model_file_settings
 from qkvlab.folders import check_model_target
 from qkvlab.io import save_model
 from qkvlab.limits import check_model
 from qkvlab.model import GPT
-from qkvlab.settings import add_config_options, add_options, load, print_config
+from qkvlab.settings import add_config_options, add_options, load, print_config, resolve
 
 
 def add_arguments(p) -> None:
@@ -21,7 +21,10 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     opts = load(InitConfig, None, args)
-    cfg = choose_model(opts.preset, opts.model, model_config_file(args.config) if args.config else None)
+    saved = model_file_settings(args.config) if args.config else None
+    cfg = resolve(
+        ModelConfig, saved if saved is not None else {"preset": DEFAULT_PRESET}, {"preset": opts.preset, **opts.model}
+    )
     if print_config(args, cfg.to_dict()):
         return 0
     check_model_target(opts.out, overwrite=opts.overwrite)  # before any work

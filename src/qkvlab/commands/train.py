@@ -17,11 +17,12 @@ import sys
 from pathlib import Path
 
 from qkvlab.config import DEFAULT_PRESET
+from qkvlab.config_file import read_config_file
 from qkvlab.devices import torchrun_env
 from qkvlab.errors import UserError
 from qkvlab.folders import inspect
-from qkvlab.settings import add_config_options, add_options, load, options_from_args, print_config
-from qkvlab.train.config import TrainConfig, TrainRun, load_train_config, merge
+from qkvlab.settings import add_config_options, add_options, load, options_from_args, print_config, resolve
+from qkvlab.train.config import TrainConfig, TrainRun
 from qkvlab.train.loop import TrainingDiverged, train
 from qkvlab.train.run_folder import TRAIN_CONFIG
 
@@ -32,33 +33,24 @@ def add_arguments(p) -> None:
     add_options(p, TrainConfig, title="training options (default: the preset's)", defaults_in_help=False)
 
 
-def overrides_from_args(args, run: TrainRun) -> dict:
-    """What the command line sets over the config file or preset."""
-    over: dict = options_from_args(args, TrainConfig)
-    if run.preset is not None:
-        over["preset"] = run.preset
-    task_options = {**run.task_options(), **over.get("task_options", {})}
-    if task_options:
-        over["task_options"] = task_options
-    return over
-
-
-def resolve(args, run: TrainRun) -> TrainConfig:
-    """The TrainConfig the command line describes."""
+def train_config(args, run: TrainRun) -> TrainConfig:
+    """The TrainConfig the command line describes: preset -> file -> command line (the lm shortcuts
+    --data, --tokenizer, --block-size under --task-option), one `settings.resolve`."""
     if args.config and run.config_path and args.config != run.config_path:
         raise UserError(f"two config files given ({run.config_path} and --config {args.config}); give one")
     path = args.config or run.config_path
-    overrides = overrides_from_args(args, run)
+    command_line = [{"task_options": run.task_options()}, options_from_args(args, TrainConfig)]
     saved = Path(run.out) / TRAIN_CONFIG if run.out else None
-    if run.resume and path is None and "preset" not in overrides and saved is not None and saved.is_file():
+    if run.resume and path is None and run.preset is None and saved is not None and saved.is_file():
         # `qkvlab train --out DIR --resume` alone continues DIR's run with the config it started with
-        return TrainConfig.from_dict(merge(json.loads(saved.read_text()), overrides))
-    return load_train_config(path, overrides, default_preset=DEFAULT_PRESET)
+        return resolve(TrainConfig, json.loads(saved.read_text()), *command_line)
+    file = read_config_file(path) if path else None
+    return resolve(TrainConfig, {"preset": DEFAULT_PRESET}, file, {"preset": run.preset}, *command_line, origin=path)
 
 
 def run(args) -> int:
     run_opts = load(TrainRun, None, args)
-    cfg = resolve(args, run_opts)
+    cfg = train_config(args, run_opts)
     if print_config(args, cfg.to_dict()):
         return 0
     if run_opts.out is None:

@@ -168,7 +168,7 @@ def _check_tasks(plan: list[PlannedRun], family_request: bool, say) -> tuple[lis
         if key in checked:
             continue
         try:
-            t = get_task(run.task, **run.cfg.task_options)
+            t = get_task(run.task, run.cfg.task_options)
             t.adapt_config(run.cfg.model)
         except UserError as e:
             if run.task == "lm" or not (family_request or run.point):

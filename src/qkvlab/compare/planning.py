@@ -26,11 +26,10 @@ from qkvlab.compare.recipes import (
     recipe_name,
 )
 from qkvlab.config import PRESETS, ModelConfig
-from qkvlab.config import preset as model_preset
 from qkvlab.devices import TRAIN_DTYPES, check_device, dtype_choices
 from qkvlab.errors import UserError
 from qkvlab.io import read_config
-from qkvlab.settings import check, setting
+from qkvlab.settings import check, resolve, setting
 from qkvlab.tasks import FAMILIES, TASK_MODULES
 from qkvlab.train.config import TRAIN_PRESETS, TrainConfig, changed_fields, default_weight_decay
 from qkvlab.train.run_folder import first_difference
@@ -284,46 +283,35 @@ def base_train_config(cfg: CompareConfig, family: str, task: str, point: dict[st
     recipe = CPU_RECIPES[family]
     if cfg.preset is None and recipe_name(cfg.recipe, cfg.full_grid, family) == "paper":
         recipe = paper_recipe(family, task, point)  # the paper's own optimiser, schedule, model and steps
-    name = cfg.preset or recipe["preset"]
-    body = dict(TRAIN_PRESETS[name])
-    model_name = body.pop("model")
-    preset_task_options = body.pop("task_options", {})
-    if cfg.preset is None:
-        body.update(recipe["train"])
+    own = cfg.preset is None  # the recipe's own train, model and task settings (a named preset has its own)
     g_model, g_train, g_task = split_overrides(point)
-    body.update(g_train)
-    if cfg.full_grid and cfg.max_steps is None and "max_steps" not in g_train and "max_steps" not in recipe["train"]:
-        body["max_steps"] = FULL_GRID_STEPS.get(family, body["max_steps"])
-    for key in ("max_steps", "batch_size", "lr", "eval_every"):
-        if getattr(cfg, key) is not None:
-            body[key] = getattr(cfg, key)
-    if cfg.lr is not None and "min_lr" in body:
-        body["min_lr"] = cfg.lr / 10
-    if body.get("warmup_steps", 0) >= body["max_steps"]:
-        body["warmup_steps"] = max(0, body["max_steps"] // 10)
-    body["eval_every"] = min(body["eval_every"], body["max_steps"])
-
-    task_options = dict(preset_task_options) if task == "lm" else {}
-    if cfg.preset is None:
-        task_options.update(recipe["task_options"])
-    task_options.update(g_task)
+    task_options = {**(recipe["task_options"] if own else {}), **g_task}
     if task == "lm":
-        if cfg.data is not None:
-            task_options["data"] = cfg.data
-        if cfg.tokenizer is not None:
-            task_options["tokenizer"] = cfg.tokenizer
+        task_options.update({k: v for k, v in (("data", cfg.data), ("tokenizer", cfg.tokenizer)) if v is not None})
     elif cfg.data is not None or cfg.tokenizer is not None:
         raise UserError(f"--data and --tokenizer are lm options; task {task} takes --task-option KEY=VALUE")
-    task_options.update(cfg.task_options)
+    layers = [
+        {"preset": cfg.preset or recipe["preset"], "task": task},
+        {**recipe["train"], "model": recipe["model"]} if own else None,
+        {**g_train, "model": g_model},
+        {k: getattr(cfg, k) for k in ("max_steps", "batch_size", "lr", "eval_every") if getattr(cfg, k) is not None},
+        {"min_lr": cfg.lr / 10} if cfg.lr is not None else None,
+        {"task_options": {**task_options, **cfg.task_options}, "model": cfg.model},
+        {"device": cfg.device, "dtype": cfg.dtype, "log_tensorboard": False},
+    ]
+    if cfg.full_grid and cfg.max_steps is None and "max_steps" not in g_train and "max_steps" not in recipe["train"]:
+        layers.append({"max_steps": FULL_GRID_STEPS.get(family, _top(layers, "max_steps"))})
+    steps = _top(layers, "max_steps")  # a recipe's warmup and evaluations fit within its steps
+    if _top(layers, "warmup_steps") >= steps:
+        layers.append({"warmup_steps": max(0, steps // 10)})
+    layers.append({"eval_every": min(_top(layers, "eval_every"), steps)})
+    fixed_decay = any(x and x.get("weight_decay") is not None for x in layers)
+    return resolve(TrainConfig, *layers), fixed_decay
 
-    overrides = dict(recipe["model"]) if cfg.preset is None else {}
-    overrides.update(g_model)
-    overrides.update(cfg.model)
-    model = model_preset(model_name, **overrides)
-    body.update(
-        task=task, task_options=task_options, model=model, device=cfg.device, dtype=cfg.dtype, log_tensorboard=False
-    )
-    return TrainConfig.from_dict(body), body.get("weight_decay") is not None
+
+def _top(layers: list[dict[str, Any] | None], key: str) -> Any:
+    """`key`'s value in the highest of `layers` that sets it, else in the preset the first names."""
+    return next((x[key] for x in reversed(layers) if x and key in x), TRAIN_PRESETS[layers[0]["preset"]].get(key))
 
 
 def plan(cfg: CompareConfig) -> Plan:

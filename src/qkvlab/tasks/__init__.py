@@ -1,11 +1,15 @@
-"""Task registry: name -> module with `make_task(name, **options) -> Task`; families for compare."""
+"""Task registry: name -> module with `OPTIONS_CLASS` (its options, `setting()` fields) and
+`make_task(name, options) -> Task`; families for compare."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 from qkvlab.errors import UserError
+from qkvlab.settings import resolve
 from qkvlab.tasks.base import Task
 
 TASK_MODULES: dict[str, str] = {
@@ -29,8 +33,22 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 }
 
 
-def get_task(name: str, **options: Any) -> Task:
+def _module(name: str) -> ModuleType:
     if name not in TASK_MODULES:
         raise UserError(f"unknown task {name!r}; allowed: {', '.join(TASK_MODULES)}")
-    module = importlib.import_module(TASK_MODULES[name])
-    return module.make_task(name, **options)
+    return importlib.import_module(TASK_MODULES[name])
+
+
+def resolve_task_options(name: str, *layers: Mapping[str, Any] | Any) -> Any:
+    """Task `name`'s options (its module's OPTIONS_CLASS) from layers of options, through
+    `settings.resolve` (the one checker): an unknown option or a bad value is one line."""
+    options_class = _module(name).OPTIONS_CLASS
+    try:
+        return resolve(options_class, *layers)
+    except UserError as e:
+        raise UserError(f"task {name!r}: {e}") from None
+
+
+def get_task(name: str, options: Mapping[str, Any] | Any = None, **more: Any) -> Task:
+    """Task `name` built from its options (a mapping, its OPTIONS_CLASS, or keywords over either)."""
+    return _module(name).make_task(name, resolve_task_options(name, options, more))

@@ -36,7 +36,8 @@ from qkvlab.data.sets import ODD_SLOTS, anomaly_set_indices
 from qkvlab.errors import UserError
 from qkvlab.files import file_sha256
 from qkvlab.model import Encoder, SetInput
-from qkvlab.tasks.arrays import ArrayTask, check, check_common, parse_options
+from qkvlab.settings import seed_setting, setting
+from qkvlab.tasks.arrays import ArrayTask, check, check_plus_channels
 from qkvlab.tasks.vision import load_splits, standardizer
 
 # Paper B's reference setup (papers.md): CIFAR-100 ResNet34 features, d 256, 4 heads, 4 layers.
@@ -83,20 +84,29 @@ def paper_recipe(task: str = "anomaly", point: dict[str, Any] | None = None) -> 
 
 @dataclass
 class AnomalyOptions:
-    dataset: str = "digits"  # any image dataset of qkvlab.data.images
-    root: str | None = None
-    set_size: int = 10
-    n_train: int = 20_000  # sets (drawn once from data_seed; images are shared between sets)
-    n_val: int = 1_000
-    n_test: int = 2_000
-    data_seed: int = 0
-    val_fraction: float = 0.2  # images held out of train for the validation sets
-    label: str | None = None  # cifar100: "fine" (default) or "coarse"
-    plus_channels: int | None = 50  # the paper's vision m; None leaves the model config's
-    features: str = "encoder"  # encoder (offline default), resnet34 (the paper's), pixels
-    weights: str | None = None  # features=resnet34: a local torchvision resnet34 weights file
-    encoder_steps: int = 400  # features=encoder: training steps of the small CNN (batch 128)
-    odd_slot: str = "random"  # random (uniform per set) or last (the reference's fixed slot: leaks to "+")
+    dataset: str = setting("digits", help="any image dataset of qkvlab.data.images")
+    root: str | None = setting(None, help="the dataset's folder")
+    set_size: int = setting(10, help="images per set (>= 3)")
+    n_train: int = setting(20_000, help="training sets (drawn once from data_seed; images are shared)", minimum=1)
+    n_val: int = setting(1_000, help="validation sets", minimum=1)
+    n_test: int = setting(2_000, help="test sets", minimum=1)
+    data_seed: int = seed_setting(0, help="which sets")
+    val_fraction: float = setting(0.2, help="images held out of train for the validation sets")
+    label: str | None = setting(None, help='cifar100: "fine" (default) or "coarse"')
+    plus_channels: int | None = setting(
+        50, help="the '+' term's m (the paper's vision m); None leaves the model config's"
+    )
+    features: str = setting(
+        "encoder", help="encoder (offline default), resnet34 (the paper's), pixels", choices=F.FEATURES
+    )
+    weights: str | None = setting(None, help="features=resnet34: a local torchvision resnet34 weights file")
+    encoder_steps: int = setting(400, help="features=encoder: training steps of the small CNN (batch 128)", minimum=1)
+    odd_slot: str = setting(
+        "random", help='random (uniform per set) or last (the reference\'s fixed slot: leaks to "+")', choices=ODD_SLOTS
+    )
+
+
+OPTIONS_CLASS = AnomalyOptions  # the class `qkvlab.tasks.resolve_task_options` builds
 
 
 class AnomalyTask(ArrayTask):
@@ -107,11 +117,8 @@ class AnomalyTask(ArrayTask):
         o = options
         check(o.dataset in DATASETS, name, f"unknown image dataset {o.dataset!r}; allowed: {', '.join(DATASETS)}")
         check(o.set_size >= 3, name, f"set_size={o.set_size} must be >= 3")
-        check(o.features in F.FEATURES, name, f"features={o.features!r} is not allowed; use {', '.join(F.FEATURES)}")
         check((o.weights is not None) == (o.features == "resnet34"), name, "option weights goes with features=resnet34")
-        check(o.encoder_steps >= 1, name, f"encoder_steps={o.encoder_steps} must be >= 1")
-        check(o.odd_slot in ODD_SLOTS, name, f"odd_slot={o.odd_slot!r} is not allowed; use {' or '.join(ODD_SLOTS)}")
-        check_common(name, o)
+        check_plus_channels(name, o)
         if o.weights is not None and not Path(o.weights).is_file():
             raise UserError(
                 f"task {name!r}: weights={o.weights}: no such file (a torchvision resnet34 .pth/.safetensors)"
@@ -194,7 +201,7 @@ class AnomalyTask(ArrayTask):
         }
 
 
-def make_task(name: str, **options) -> AnomalyTask:
+def make_task(name: str, options: AnomalyOptions | None = None) -> AnomalyTask:
     if name != "anomaly":
         raise UserError(f"unknown anomaly task {name!r}; allowed: anomaly")
-    return AnomalyTask(name, parse_options(AnomalyOptions, name, options))
+    return AnomalyTask(name, options or AnomalyOptions())

@@ -22,49 +22,14 @@ import torch.nn.functional as F
 from qkvlab.errors import UserError
 from qkvlab.tasks.base import Task
 
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
-
-
-def parse_options(cls: type, task: str, options: dict[str, Any]) -> Any:
-    """Build the options dataclass `cls` from keyword options (values may be CLI strings):
-    unknown names and values of the wrong type are one-line UserErrors."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - set(fields))
-    if unknown:
-        raise UserError(f"task {task!r} has no option {unknown[0]!r}; allowed: {', '.join(fields)}")
-    values = {}
-    for name, value in options.items():
-        t = fields[name].type  # a string under `from __future__ import annotations`
-        kinds = [k.strip() for k in (t if isinstance(t, str) else getattr(t, "__name__", str(t))).split("|")]
-        if value is None or (isinstance(value, str) and value.lower() == "none"):
-            if "None" not in kinds:
-                raise UserError(f"task {task!r}: option {name} cannot be None")
-            values[name] = None
-            continue
-        kind = _TYPES[kinds[0]]
-        try:
-            if kind is bool and isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                value = value.lower() in ("true", "1")
-            elif kind is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
-                raise ValueError
-            values[name] = kind(value)
-        except (TypeError, ValueError):
-            raise UserError(f"task {task!r}: option {name}={value!r} is not a valid {kinds[0]}") from None
-    return cls(**values)
-
 
 def check(ok: bool, task: str, message: str) -> None:
     if not ok:
         raise UserError(f"task {task!r}: {message}")
 
 
-def check_common(task: str, o: Any, *, splits: bool = True) -> None:
-    """Checks every array task's options share: split sizes, data seed, the '+' term's channels."""
-    if splits:
-        check(min(o.n_train, o.n_val, o.n_test) >= 1, task, "n_train, n_val and n_test must be >= 1")
-        check(o.data_seed >= 0, task, f"data_seed={o.data_seed} must be >= 0")
+def check_plus_channels(task: str, o: Any) -> None:
+    """The '+' term's channels an array task's options set: an even number >= 2 (or None)."""
     check(
         o.plus_channels is None or (o.plus_channels >= 2 and o.plus_channels % 2 == 0),
         task,

@@ -15,6 +15,7 @@ backward pass skips the embedding's and the MLPs' weight gradients).
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,29 @@ from qkvlab.convert.hf import from_hf, load_hf, quiet
 from qkvlab.data.prepare import fixed_val_batches, get_batch
 from qkvlab.errors import UserError
 from qkvlab.io import is_model_folder, load_model, read_config
+from qkvlab.settings import setting
 from qkvlab.tasks.base import Task
 from qkvlab.tasks.lm import VAL_SEED, step_generator
 
-OPTIONS = ("teacher", "student", "tokens", "kl_weight", "lm_weight", "block_size", "train_layers")
 DEFAULT_BLOCK = 256
+
+
+@dataclass
+class DistillOptions:
+    teacher: str | None = setting(None, help="the teacher: a qkvlab model folder, a Hugging Face folder or a .gguf")
+    student: str | None = setting(None, help="the student's model folder (its weights are the start)")
+    tokens: str | None = setting(None, help="token file (safetensors, int64 tensors train and val)")
+    kl_weight: float = setting(1.0, help="weight of KL(teacher || student)", minimum=0)
+    lm_weight: float = setting(1.0, help="weight of the LM cross-entropy (0: pure distillation)", minimum=0)
+    block_size: int | None = setting(
+        None, help=f"training window (default: the student's context, at most {DEFAULT_BLOCK})", minimum=1
+    )
+    train_layers: tuple[int, ...] | None = setting(
+        None, help="layers whose attention weights train (default: every weight)", minimum=0
+    )
+
+
+OPTIONS_CLASS = DistillOptions  # the class `qkvlab.tasks.resolve_task_options` builds
 
 
 def kl_teacher_student(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
@@ -157,8 +176,5 @@ class DistillTask(Task):
         }
 
 
-def make_task(name: str = "distill", **options: Any) -> DistillTask:
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise UserError(f"unknown distill task option {unknown[0]!r}; allowed: {', '.join(OPTIONS)}")
-    return DistillTask(**options)
+def make_task(name: str = "distill", options: DistillOptions | None = None) -> DistillTask:
+    return DistillTask(**asdict(options or DistillOptions()))

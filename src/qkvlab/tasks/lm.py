@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,26 @@ from qkvlab.data.tokenizer import DEFAULT_TOKENIZER
 from qkvlab.devices import torchrun_env
 from qkvlab.errors import UserError
 from qkvlab.model import GPT
+from qkvlab.settings import setting
 from qkvlab.tasks.base import Task
 
-OPTIONS = ("data", "tokenizer", "block_size", "val_fraction")
 VAL_SEED = 1234  # the same validation windows for every run, whatever its training seed
 VOCAB_MULTIPLE = 64  # pad the embedding like nanoGPT (50257 -> 50304): faster matmuls, unused rows
+
+
+@dataclass
+class LMOptions:
+    data: str | None = setting(
+        None,
+        help="corpus: a path, 'shakespeare[:genres]', 'hf:NAME?split=..', or several joined by '+' "
+        "(default: the Shakespeare plays shipped with qkvlab)",
+    )
+    tokenizer: str = setting(DEFAULT_TOKENIZER, help="bpe:N, char or gpt2")
+    block_size: int | None = setting(None, help="training window (default: the model context)", minimum=1)
+    val_fraction: float = setting(0.1, help="the held-out tail of every document (validation, then test)")
+
+
+OPTIONS_CLASS = LMOptions  # the class `qkvlab.tasks.resolve_task_options` builds
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -172,8 +188,5 @@ class LMTask(Task):
         }
 
 
-def make_task(name: str = "lm", **options: Any) -> LMTask:
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise UserError(f"unknown lm task option {unknown[0]!r}; allowed: {', '.join(OPTIONS)}")
-    return LMTask(**options)
+def make_task(name: str = "lm", options: LMOptions | None = None) -> LMTask:
+    return LMTask(**asdict(options or LMOptions()))

@@ -20,24 +20,32 @@ from qkvlab.data.images import DATASETS
 from qkvlab.data.segmentation import make_segmentation, mean_iou, patch_labels
 from qkvlab.errors import UserError
 from qkvlab.model import Encoder, PatchInput
-from qkvlab.tasks.arrays import ArrayTask, check, check_common, parse_options
+from qkvlab.settings import seed_setting, setting
+from qkvlab.tasks.arrays import ArrayTask, check, check_plus_channels
 from qkvlab.tasks.vision import load_splits
 
 
 @dataclass
 class SegmentationOptions:
-    dataset: str = "digits"  # single-channel image dataset the digits come from
-    root: str | None = None
-    canvas: int = 16  # px; 16 px of 8 px digits: 18% ink pixels (32 px: 5%). 28 px digits: 56
-    patch: int = 2  # 16 / 2 = 8x8 = 64 patches, 13% of them foreground (patch 4 on 32 px: 3%)
-    min_digits: int = 1
-    max_digits: int = 3
-    n_train: int = 5_000  # canvases
-    n_val: int = 500
-    n_test: int = 1_000
-    data_seed: int = 0
-    val_fraction: float = 0.1
-    plus_channels: int | None = 50  # the paper's vision m; None leaves the model config's
+    dataset: str = setting("digits", help="single-channel image dataset the digits come from")
+    root: str | None = setting(None, help="the dataset's folder")
+    # 16 px of 8 px digits: 18% ink pixels (32 px: 5%); patch 2: 8x8 = 64 patches, 13% of them
+    # foreground (patch 4 on 32 px: 3%)
+    canvas: int = setting(16, help="canvas side in px (28 px digits: 56)", minimum=1)
+    patch: int = setting(2, help="patch side in px; divides the canvas", minimum=1)
+    min_digits: int = setting(1, help="fewest digits on a canvas", minimum=1)
+    max_digits: int = setting(3, help="most digits on a canvas", minimum=1)
+    n_train: int = setting(5_000, help="training canvases", minimum=1)
+    n_val: int = setting(500, help="validation canvases", minimum=1)
+    n_test: int = setting(1_000, help="test canvases", minimum=1)
+    data_seed: int = seed_setting(0, help="which canvases")
+    val_fraction: float = setting(0.1, help="training images held out for the validation canvases", positive=True)
+    plus_channels: int | None = setting(
+        50, help="the '+' term's m (the paper's vision m); None leaves the model config's"
+    )
+
+
+OPTIONS_CLASS = SegmentationOptions  # the class `qkvlab.tasks.resolve_task_options` builds
 
 
 class SegmentationTask(ArrayTask):
@@ -48,8 +56,8 @@ class SegmentationTask(ArrayTask):
     def __init__(self, name: str, options: SegmentationOptions):
         o = options
         check(o.dataset in DATASETS, name, f"unknown image dataset {o.dataset!r}; allowed: {', '.join(DATASETS)}")
-        check(o.patch >= 1 and o.canvas % o.patch == 0, name, f"patch={o.patch} must divide canvas={o.canvas}")
-        check_common(name, o)
+        check(o.canvas % o.patch == 0, name, f"patch={o.patch} must divide canvas={o.canvas}")
+        check_plus_channels(name, o)
         self.name, self.options = name, o
         images = load_splits(name, o.dataset, o.root, o.val_fraction, None)
         n = {"train": o.n_train, "val": o.n_val, "test": o.n_test}
@@ -86,7 +94,7 @@ class SegmentationTask(ArrayTask):
         }
 
 
-def make_task(name: str, **options) -> SegmentationTask:
+def make_task(name: str, options: SegmentationOptions | None = None) -> SegmentationTask:
     if name != "segmentation":
         raise UserError(f"unknown segmentation task {name!r}; allowed: segmentation")
-    return SegmentationTask(name, parse_options(SegmentationOptions, name, options))
+    return SegmentationTask(name, options or SegmentationOptions())

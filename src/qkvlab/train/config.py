@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from qkvlab.config import ModelConfig, model_from_mapping, preset
-from qkvlab.config_file import read_config_file
+from qkvlab.config import ModelConfig
 from qkvlab.devices import SHARDINGS, TRAIN_DTYPES, check_device, check_dtype, dtype_choices
 from qkvlab.errors import UserError
-from qkvlab.settings import check, resumable_fields, seed_setting, setting
-from qkvlab.tasks import TASK_MODULES
+from qkvlab.settings import check, resolve, resumable_fields, seed_setting, setting
+from qkvlab.tasks import resolve_task_options
 from qkvlab.train.dtype_probe import autocast_dtype
 
 WEIGHT_DECAY = 0.1  # nanoGPT's, on weights with dim >= 2
@@ -31,14 +30,100 @@ def default_weight_decay(model: ModelConfig) -> float:
     return IDENTITY_WEIGHT_DECAY if model.spec.identity_role else WEIGHT_DECAY
 
 
+# ---- presets -----------------------------------------------------------------------------------
+# Each names a model preset of qkvlab.config plus the optimisation recipe; its task options are the
+# lm task's (settings.resolve drops them when the run's task is another). The papers' figures are
+# in papers.md; their corpora need the network (or a local copy passed with --data).
+TRAIN_PRESETS: dict[str, dict[str, Any]] = {
+    # a few hundred steps in well under a minute on 2 CPU cores (tests and scripts use it)
+    "tiny": dict(
+        model={"preset": "tiny"},
+        task_options={"tokenizer": "bpe:512"},
+        max_steps=300,
+        batch_size=16,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=30,
+        eval_every=50,
+        eval_batches=4,
+    ),
+    # a few minutes on 2 CPU cores
+    "small": dict(
+        model={"preset": "small"},
+        task_options={"tokenizer": "bpe:2048"},
+        max_steps=1000,
+        batch_size=32,
+        lr=2e-3,
+        min_lr=2e-4,
+        warmup_steps=100,
+        eval_every=100,
+        eval_batches=8,
+    ),
+    # Paper A (nanoGPT GPT-2 small on OpenWebText): 480 x 1024 = 491,520 tokens/step. The reference stops
+    # at max_iters 105,001 of a cosine whose horizon is lr_decay_iters 600,000: the lr ends near 5.6e-4.
+    "gpt2-124m": dict(
+        model={"preset": "gpt2-124m"},
+        task_options={"data": "hf:Skylion007/openwebtext", "tokenizer": "gpt2"},
+        max_steps=105_001,
+        lr_decay_steps=600_000,
+        batch_size=480,
+        micro_batch_size=12,
+        lr=6e-4,
+        min_lr=6e-5,
+        warmup_steps=2000,
+        betas=(0.9, 0.95),
+        grad_clip=1.0,
+        eval_every=1000,
+        eval_batches=200,
+        compile=True,
+    ),
+    # Paper B 300M on 10B SlimPajama tokens: 1152 x 2048 = 2,359,296 tokens/step, 4,239 steps
+    "paperB-300m": dict(
+        model={"preset": "paperB-300m"},
+        task_options={"data": "hf:cerebras/SlimPajama-627B", "tokenizer": "gpt2"},
+        max_steps=4239,
+        batch_size=1152,
+        micro_batch_size=8,
+        lr=2e-4,
+        min_lr=2e-5,
+        warmup_steps=500,
+        betas=(0.9, 0.95),
+        grad_clip=1.0,
+        eval_every=250,
+        eval_batches=100,
+        compile=True,
+    ),
+    # Paper B 1.2B: 576 x 2048 = 1,179,648 tokens/step, 8,478 steps; optimizer state sharded
+    "paperB-1.2b": dict(
+        model={"preset": "paperB-1.2b"},
+        task_options={"data": "hf:cerebras/SlimPajama-627B", "tokenizer": "gpt2"},
+        max_steps=8478,
+        batch_size=576,
+        micro_batch_size=4,
+        lr=6e-5,
+        min_lr=6e-6,
+        warmup_steps=1000,
+        betas=(0.9, 0.95),
+        grad_clip=1.0,
+        eval_every=500,
+        eval_batches=100,
+        compile=True,
+        sharding="fsdp",
+    ),
+}
+
+
 @dataclass
 class TrainConfig:
+    presets: ClassVar[dict[str, dict[str, Any]]] = TRAIN_PRESETS  # what a `preset` key names (settings.resolve)
+
     task: str = setting("lm", help="task name (lm, reverse, mnist5k, ...)", metavar="NAME")
     task_options: dict[str, Any] = setting(
         help="a task option (repeatable; VALUE read as YAML), e.g. length=64",
         default_factory=dict,
         flag="--task-option",
         metavar="KEY=VALUE",
+        follows="task",
     )
     model: ModelConfig = setting(help="model options", default_factory=ModelConfig, group=ModelConfig)
     seed: int = seed_setting(0, help="seed of the initial weights and the data order")
@@ -156,8 +241,9 @@ class TrainConfig:
         check_dtype(self.dtype, TRAIN_DTYPES)
         check_device(self.device)
         self.accum_steps(1)
-        if self.task not in TASK_MODULES:
-            raise UserError(f"unknown task {self.task!r}; allowed: {', '.join(TASK_MODULES)}")
+        resolve_task_options(
+            self.task, self.task_options
+        )  # the task's own settings check them, before any data is read
         return self
 
     # ---- serialisation -----------------------------------------------------------------------
@@ -172,25 +258,10 @@ class TrainConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
         """Keys of TrainConfig, plus `preset` (a training preset to start from); `model` may be a
         ModelConfig or a mapping of model keys (with an optional model `preset`)."""
-        if not isinstance(data, Mapping):
-            raise UserError(f"a training config must be a mapping of keys, got {type(data).__name__}")
-        data = dict(data)
-        base = data.pop("preset", None)
-        if base is not None:
-            return train_preset(base, **data)
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            raise UserError(f"unknown training config key {unknown[0]!r}; allowed: preset, {', '.join(names)}")
-        model = data.get("model")
-        if model is None:
-            data["model"] = ModelConfig()
-        elif isinstance(model, Mapping):
-            data["model"] = model_from_mapping(model)
-        return cls(**data).validate()
+        return resolve(cls, data)
 
     def replace(self, **changes: Any) -> TrainConfig:
-        return TrainConfig.from_dict(merge(self.to_dict(), changes))
+        return resolve(TrainConfig, self, changes)
 
 
 # changing these between a run and its resume keeps the replay exact (or only extends it)
@@ -208,142 +279,12 @@ def changed_fields(saved: Mapping[str, Any], now: TrainConfig) -> list[str]:
     return [k for k in sorted(set(old) | set(new)) if k not in RESUMABLE_FIELDS and old.get(k) != new.get(k)]
 
 
-def merge(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
-    """`changes` over `base`; the `model` and `task_options` mappings merge key by key."""
-    out = dict(base)
-    for k, v in changes.items():
-        if k in ("model", "task_options") and isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            if k == "model" and "preset" in v:  # a new model preset replaces the base model whole
-                out[k] = dict(v)
-            else:
-                out[k] = {**out[k], **v}
-        elif k == "model" and isinstance(v, ModelConfig):
-            out[k] = v.to_dict()
-        else:
-            out[k] = v
-    return out
-
-
-# ---- presets -----------------------------------------------------------------------------------
-# Each names a model preset of qkvlab.config plus the optimisation recipe. The papers' figures are
-# in papers.md; their corpora need the network (or a local copy passed with --data).
-TRAIN_PRESETS: dict[str, dict[str, Any]] = {
-    # a few hundred steps in well under a minute on 2 CPU cores (tests and scripts use it)
-    "tiny": dict(
-        model="tiny",
-        task_options={"tokenizer": "bpe:512"},
-        max_steps=300,
-        batch_size=16,
-        lr=3e-3,
-        min_lr=3e-4,
-        warmup_steps=30,
-        eval_every=50,
-        eval_batches=4,
-    ),
-    # a few minutes on 2 CPU cores
-    "small": dict(
-        model="small",
-        task_options={"tokenizer": "bpe:2048"},
-        max_steps=1000,
-        batch_size=32,
-        lr=2e-3,
-        min_lr=2e-4,
-        warmup_steps=100,
-        eval_every=100,
-        eval_batches=8,
-    ),
-    # Paper A (nanoGPT GPT-2 small on OpenWebText): 480 x 1024 = 491,520 tokens/step. The reference stops
-    # at max_iters 105,001 of a cosine whose horizon is lr_decay_iters 600,000: the lr ends near 5.6e-4.
-    "gpt2-124m": dict(
-        model="gpt2-124m",
-        task_options={"data": "hf:Skylion007/openwebtext", "tokenizer": "gpt2"},
-        max_steps=105_001,
-        lr_decay_steps=600_000,
-        batch_size=480,
-        micro_batch_size=12,
-        lr=6e-4,
-        min_lr=6e-5,
-        warmup_steps=2000,
-        betas=(0.9, 0.95),
-        grad_clip=1.0,
-        eval_every=1000,
-        eval_batches=200,
-        compile=True,
-    ),
-    # Paper B 300M on 10B SlimPajama tokens: 1152 x 2048 = 2,359,296 tokens/step, 4,239 steps
-    "paperB-300m": dict(
-        model="paperB-300m",
-        task_options={"data": "hf:cerebras/SlimPajama-627B", "tokenizer": "gpt2"},
-        max_steps=4239,
-        batch_size=1152,
-        micro_batch_size=8,
-        lr=2e-4,
-        min_lr=2e-5,
-        warmup_steps=500,
-        betas=(0.9, 0.95),
-        grad_clip=1.0,
-        eval_every=250,
-        eval_batches=100,
-        compile=True,
-    ),
-    # Paper B 1.2B: 576 x 2048 = 1,179,648 tokens/step, 8,478 steps; optimizer state sharded
-    "paperB-1.2b": dict(
-        model="paperB-1.2b",
-        task_options={"data": "hf:cerebras/SlimPajama-627B", "tokenizer": "gpt2"},
-        max_steps=8478,
-        batch_size=576,
-        micro_batch_size=4,
-        lr=6e-5,
-        min_lr=6e-6,
-        warmup_steps=1000,
-        betas=(0.9, 0.95),
-        grad_clip=1.0,
-        eval_every=500,
-        eval_batches=100,
-        compile=True,
-        sharding="fsdp",
-    ),
-}
-
-
 def train_preset(name: str, **overrides: Any) -> TrainConfig:
-    """A training preset with overrides (TrainConfig keys; `model` a ModelConfig or a mapping of
-    model keys applied over the preset's model; `task_options` merged key by key)."""
-    if name not in TRAIN_PRESETS:
-        raise UserError(f"unknown training preset {name!r}; allowed: {', '.join(TRAIN_PRESETS)}")
-    recipe = dict(TRAIN_PRESETS[name])
-    model_name = recipe.pop("model")
-    model_over = overrides.pop("model", None)
-    if isinstance(model_over, ModelConfig):
-        model = model_over
-    elif isinstance(model_over, Mapping):
-        model_over = dict(model_over)
-        model = model_from_mapping({"preset": model_over.pop("preset", model_name), **model_over})
-    elif model_over is None:
-        model = preset(model_name)
-    else:
-        raise UserError(f"model must be a mapping of model config keys, got {model_over!r}")
-    task = overrides.get("task", recipe.get("task", "lm"))
-    lm_options = recipe.get("task_options", {}) if task == "lm" else {}  # a preset's options name its corpus
-    body = merge({**recipe, "task_options": dict(lm_options)}, overrides)
-    body["model"] = model
-    return TrainConfig.from_dict(body)
-
-
-def load_train_config(
-    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None, default_preset: str | None = "small"
-) -> TrainConfig:
-    """File (optional) + overrides. The base is the `preset` named in overrides, else in the file,
-    else `default_preset` (None: TrainConfig's defaults)."""
-    body = read_config_file(path) if path is not None else {}
-    overrides = dict(overrides or {})
-    name = overrides.pop("preset", None) or body.pop("preset", None) or default_preset
-    body.pop("preset", None)
-    merged = merge(body, overrides)
-    try:
-        return train_preset(name, **merged) if name is not None else TrainConfig.from_dict(merged)
-    except TypeError as e:  # a wrong-typed field the checks above did not reach
-        raise UserError(f"bad training config: {e}") from None
+    """Deprecated: `TrainConfig.from_dict({"preset": name, **overrides})`, the one resolver."""
+    warnings.warn(
+        'train_preset is deprecated; use TrainConfig.from_dict({"preset": name, ...})', DeprecationWarning, stacklevel=2
+    )
+    return resolve(TrainConfig, {"preset": name}, overrides)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from qkvlab.folders import Claim
 from qkvlab.heap import hold_freed_memory
 from qkvlab.io import METRICS, drop_aliases, tied_aliases, with_aliases
 from qkvlab.limits import check_training
+from qkvlab.settings import resolve
 from qkvlab.tasks import get_task
 from qkvlab.tasks.base import Task
 from qkvlab.train import checkpoint as ck
@@ -112,7 +113,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progre
     complete checkpoint, start fresh if there is none, return at once if it is already finished.
     OUT is locked while this runs (qkvlab.folders); a refusal leaves it as it was. Under torchrun
     the process group is set up (and torn down) here."""
-    cfg = TrainConfig.from_dict(cfg.to_dict())  # validated private copy
+    cfg = resolve(TrainConfig, cfg)  # validated private copy
     if cfg.log_tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("log_tensorboard needs TensorBoard: pip install 'qkvlab[tb]'")
     out = Path(out_dir)
@@ -212,7 +213,7 @@ def _resolve_dtype(cfg: TrainConfig, env: D.Env, saved_state: dict[str, Any] | N
 
 def _setup(cfg: TrainConfig, out: Path, env: D.Env, saved_state: dict[str, Any] | None = None) -> Run:
     """Task (ranks never tokenize: `qkvlab prepare` did), model, optimizer, wrappers."""
-    task = get_task(cfg.task, **cfg.task_options)
+    task = get_task(cfg.task, cfg.task_options)
     model_cfg = task.adapt_config(cfg.model)
     _check_memory(cfg, model_cfg, env, with_vocab=True)
     if env.device.type == "cpu":

@@ -24,7 +24,7 @@ def rescore(run_dir: str | Path, batch_size: int | None = None) -> dict | None:
     if not train.get("finished"):
         raise UserError(f"{run_dir}: not a finished run (config.json's train.finished)")
     cfg = TrainConfig.from_dict(train["config"])
-    task = get_task(cfg.task, **cfg.task_options)
+    task = get_task(cfg.task, cfg.task_options)
     torch.manual_seed(cfg.seed)
     model = task.build_model(task.adapt_config(cfg.model))
     state = load_weights(run_dir / "model.safetensors")
