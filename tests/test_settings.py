@@ -82,6 +82,31 @@ def test_load_merges_file_and_command_line_and_refuses_unknown_keys(tmp_path):
         settings.load(BenchConfig, tmp_path / "t.yaml")
 
 
+def test_resolve_layers_a_preset_a_file_and_the_command_line():
+    """The one resolver: the highest named preset (or whole config) is the base, every mapping
+    applies over it in order, whichever layer named the preset."""
+    from qkvlab.config import preset
+
+    file = {"preset": "tiny", "lr": 0.002, "model": {"attn": "Id-K-V"}}
+    cfg = settings.resolve(TrainConfig, {"preset": "small"}, file, {"preset": "small", "model": {"kv_heads": 1}})
+    assert (cfg.model.d_model, cfg.lr, cfg.model.attn, cfg.model.kv_heads, cfg.max_steps) == (
+        128,
+        0.002,
+        "Id-K-V",
+        1,
+        1000,
+    )
+    assert cfg.replace(model={"preset": "tiny"}).model == preset("tiny")  # a model preset replaces the model whole
+    assert cfg.replace(lr=0.1).model == cfg.model and cfg.replace(lr=0.1).lr == 0.1
+    # a preset's options are the lm task's: another task starts from its own, the layers' stay
+    rev = settings.resolve(TrainConfig, {"preset": "tiny"}, {"task": "reverse", "task_options": {"length": 8}})
+    assert rev.task_options == {"length": 8}
+    with pytest.raises(UserError, match="r.yaml: unknown train setting 'lrr'; allowed: batch_size"):
+        settings.resolve(TrainConfig, {"preset": "tiny"}, {"lrr": 1}, origin="r.yaml")
+    with pytest.raises(UserError, match="task 'reverse': n_train=0 must be a positive integer"):
+        settings.resolve(TrainConfig, rev, {"task_options": {"n_train": 0}})
+
+
 @pytest.mark.parametrize(
     "make,needle",
     [

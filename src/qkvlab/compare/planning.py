@@ -369,9 +369,8 @@ def run_state(run: PlannedRun) -> str:
     if run_finished(run.dir):
         saved = _saved_config(run.dir)
         if saved is not None:
-            diff = changed_fields(saved, run.cfg)
-            if diff:
-                name, old, _ = first_difference(diff[0], saved.get(diff[0]), run.cfg.to_dict().get(diff[0]))
+            for key, (old, new) in changed_fields(saved, run.cfg).items():
+                name, old, _ = first_difference(key, old, new)
                 raise UserError(
                     f"{run.dir} was trained with another {name} ({json.dumps(old)}); "
                     "use another --out or the same settings"

@@ -86,7 +86,7 @@ def paper_recipe(task: str = "anomaly", point: dict[str, Any] | None = None) -> 
 class AnomalyOptions:
     dataset: str = setting("digits", help="any image dataset of qkvlab.data.images")
     root: str | None = setting(None, help="the dataset's folder")
-    set_size: int = setting(10, help="images per set (>= 3)")
+    set_size: int = setting(10, help="images per set: the odd one and at least two of one class", minimum=3)
     n_train: int = setting(20_000, help="training sets (drawn once from data_seed; images are shared)", minimum=1)
     n_val: int = setting(1_000, help="validation sets", minimum=1)
     n_test: int = setting(2_000, help="test sets", minimum=1)
@@ -116,7 +116,6 @@ class AnomalyTask(ArrayTask):
     def __init__(self, name: str, options: AnomalyOptions):
         o = options
         check(o.dataset in DATASETS, name, f"unknown image dataset {o.dataset!r}; allowed: {', '.join(DATASETS)}")
-        check(o.set_size >= 3, name, f"set_size={o.set_size} must be >= 3")
         check((o.weights is not None) == (o.features == "resnet34"), name, "option weights goes with features=resnet34")
         check_plus_channels(name, o)
         if o.weights is not None and not Path(o.weights).is_file():

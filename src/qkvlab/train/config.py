@@ -268,15 +268,17 @@ class TrainConfig:
 RESUMABLE_FIELDS = resumable_fields(TrainConfig)
 
 
-def changed_fields(saved: Mapping[str, Any], now: TrainConfig) -> list[str]:
-    """Fields (not resumable) whose saved value differs from `now`'s. The saved config is read
-    through TrainConfig first, so keys an older qkvlab did not write take today's defaults."""
+def changed_fields(saved: Mapping[str, Any], now: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Fields (not resumable) whose saved value differs from `now`'s: name -> (saved, now's), in
+    name order. The saved config is read through TrainConfig first, so keys an older qkvlab did not
+    write take today's defaults."""
     try:
         old = TrainConfig.from_dict(saved).to_dict()
     except (UserError, TypeError):
         old = dict(saved)
     new = now.to_dict()
-    return [k for k in sorted(set(old) | set(new)) if k not in RESUMABLE_FIELDS and old.get(k) != new.get(k)]
+    keys = sorted(set(old) | set(new))
+    return {k: (old.get(k), new.get(k)) for k in keys if k not in RESUMABLE_FIELDS and old.get(k) != new.get(k)}
 
 
 def train_preset(name: str, **overrides: Any) -> TrainConfig:

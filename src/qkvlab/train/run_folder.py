@@ -94,13 +94,8 @@ def first_difference(key: str, old: Any, new: Any) -> tuple[str, Any, Any]:
 
 
 def check_resumable(saved: dict[str, Any], cfg: TrainConfig, where: Path) -> None:
-    now = cfg.to_dict()
-    try:  # keys an older qkvlab did not write take today's defaults, as in changed_fields
-        saved = TrainConfig.from_dict(saved).to_dict()
-    except (UserError, TypeError):
-        pass
-    for key in changed_fields(saved, cfg):  # RESUMABLE_FIELDS (train/config.py) may change
-        name, old, new = first_difference(key, saved.get(key), now.get(key))
+    for key, (old, new) in changed_fields(saved, cfg).items():  # RESUMABLE_FIELDS (train/config.py) may change
+        name, old, new = first_difference(key, old, new)
         raise UserError(
             f"{where} was trained with {name}={json.dumps(old)}, not {json.dumps(new)}; "
             f"resume with the same {name} or use another --out"
