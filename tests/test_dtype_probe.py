@@ -119,3 +119,44 @@ def test_the_cpu_flags_describe_the_machine_and_decide_nothing():
     epyc = "processor : 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx avx2 fma\n"
     assert cpu_has_bf16(sapphire) and not cpu_has_bf16(epyc)
     assert cpu_name(epyc) == "AMD EPYC"
+
+
+def test_inference_auto_times_a_decode_step_per_batch_and_caches_each(tmp_path):
+    """generate/serve's `auto` on the CPU: bf16 weights when they win at one batch beyond the noise
+    and lose at none; each batch's figures cached apart from training's under decode keys."""
+    cache, calls = tmp_path / "probe.json", []
+    cfg = ModelConfig(attn="Q-K-V", kv_heads=2, d_model=64, n_head=4, vocab_size=256, context=64, mlp="swiglu")
+    timings = {1: (0.010, 0.010), 16: (0.040, 0.020)}  # a tie at batch 1, bf16 2x at 16
+
+    def measure(shape):
+        calls.append(shape)
+        fp32, bf16 = timings[shape.batch]
+        return [fp32] * 5, [bf16] * 5
+
+    both = dtype_probe.cpu_decode_dtype(cfg, (1, 16), measure=measure, cache=cache)
+    assert both.dtype == "bf16" and both.step == "decode" and both.source == "measured now"
+    assert both.shape.startswith("decode-Q-K-V-d64-h4-kv2-swiglu") and both.shape.endswith("-b1+16")
+    assert "decode step" in both.describe() and "bf16 weights" in both.describe()
+    assert both.record()["step"] == "decode"
+    assert [s.batch for s in calls] == [1, 16]
+    assert dtype_probe.cpu_decode_dtype(cfg, (1,), measure=measure, cache=cache).dtype == "fp32"  # a tie: fp32
+    again = dtype_probe.cpu_decode_dtype(cfg, (16, 1), measure=measure, cache=cache)
+    assert again.source == "cached" and again.dtype == "bf16" and len(calls) == 2  # never measured again
+    timings[1] = (0.010, 0.020)  # bf16 loses at batch 1: fp32, whatever it gains at 16
+    assert dtype_probe.cpu_decode_dtype(cfg, (1, 16), measure=measure, cache=tmp_path / "b.json").dtype == "fp32"
+    saved = json.loads(cache.read_text())
+    assert all(k.startswith("decode-") for shapes in saved.values() for k in shapes)
+    # a training decision's record is as it always was (no "step")
+    train = cpu_autocast(cfg, 512, measure=fake(0.2, 0.1), cache=cache)
+    assert "step" not in train.record() and "training step" in train.describe()
+    assert dtype_probe.inference_dtype("fp32", "cpu", cfg, (1,)) == ("fp32", None)
+    assert dtype_probe.inference_dtype("auto", "cuda", cfg, (1,)) == ("bf16", None)
+
+
+def test_the_decode_probe_times_a_real_step_and_stays_small():
+    """The real timer on a tiny model: a few rounds each way, positive times; the probe's depth is capped."""
+    cfg = ModelConfig(d_model=32, n_head=4, vocab_size=128, context=256, n_layer=12, pos="rope")
+    shape = dtype_probe.DecodeShape.of(cfg, 2)
+    assert shape.layers == dtype_probe.DECODE_LAYERS and shape.batch == 2
+    fp32, bf16 = dtype_probe.time_decode_rounds(shape, cfg, rounds=2)
+    assert len(fp32) == len(bf16) == 2 and min(fp32) > 0 and min(bf16) > 0

@@ -19,6 +19,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 from qkvlab.generate import (
     FINISHED,
+    DecodeLayout,
     Sampling,
     compiled_step,
     decode_layout,
@@ -202,6 +203,23 @@ def test_decode_layout_holds_linear_weights_transposed_and_puts_them_back():
     assert got == generate(model, [[1, 2, 3]], 5, Sampling(temperature=0), static=True)
     with decode_layout(model, 16):  # a batch of rows: nothing changes
         assert all(p.data_ptr() == before[n][1] for n, p in model.named_parameters())
+
+
+def test_decode_layout_leaves_bf16_weights_row_major_and_holds_once():
+    """bf16's matrix-vector product is the faster row-major (generate.LAYOUT_DTYPES); holding twice copies once."""
+    model = make_model(cfg_for("Q-K-V"), dtype=torch.bfloat16)
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with decode_layout(model, 1):
+        assert all(p.data_ptr() == ptrs[n] and p.is_contiguous() for n, p in model.named_parameters())
+    model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
+    layout = DecodeLayout(model)
+    layout.hold()
+    held = {n: p.data_ptr() for n, p in model.named_parameters()}
+    layout.hold()
+    assert layout.held and {n: p.data_ptr() for n, p in model.named_parameters()} == held
+    assert not model.lm_head.weight.is_contiguous()
+    layout.release()
+    assert not layout.held and all(p.is_contiguous() for p in model.parameters())
 
 
 def test_prefill_updates_next_pos_in_place():

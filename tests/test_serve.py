@@ -112,6 +112,38 @@ def test_full_mixed_batch_gives_each_request_its_tokens_alone(scheme, pos, kv):
     assert len({len(r.prompt) for r in requests}) > 5  # neighbours of many lengths
 
 
+def test_the_engine_holds_the_decode_layout_at_small_batches_only_and_gives_it_back():
+    """generate's decode layout (Linear weights held transposed, CPU fp32/fp64) while the running batch
+    stays at most LAYOUT_MAX_BATCH, released after LAYOUT_SWITCH_STEPS steps above it and at stop;
+    the tokens are each request's alone either way."""
+    from qkvlab.generate import LAYOUT_MAX_BATCH
+    from qkvlab.serve.engine import LAYOUT_SWITCH_STEPS
+
+    model = tiny_model("Q-K-V", "rope", 2, dtype=torch.float32)
+    rows = LAYOUT_MAX_BATCH + 2
+    engine = Engine(model, rows=rows)
+    events = {i: [] for i in range(rows)}
+    first = Request((1, 2, 3), 4 + 2 * LAYOUT_SWITCH_STEPS)
+    engine.submit(first, events[0].append)
+    engine.step()
+    assert engine.layout.held and not model.lm_head.weight.is_contiguous()  # one stream: held at once
+    rest = [Request((i + 4,) * (i + 2), 2 * LAYOUT_SWITCH_STEPS) for i in range(1, rows)]
+    for i, r in enumerate(rest, 1):
+        engine.submit(r, events[i].append)
+    for _ in range(LAYOUT_SWITCH_STEPS - 1):
+        engine.step()
+    assert engine.layout.held  # not yet: a burst does not copy the weights back and forth
+    engine.step()
+    engine.step()
+    assert not engine.layout.held and all(p.is_contiguous() for p in model.parameters())
+    while not engine.idle():
+        engine.step()
+    engine.stop()
+    assert all(p.is_contiguous() for p in model.parameters())
+    for r, ev in zip([first, *rest], events.values()):
+        assert tokens(ev) == generate(model, [list(r.prompt)], r.max_tokens, Sampling(temperature=0.0))[0]
+
+
 def test_cancel_frees_the_blocks_at_the_next_step_and_neighbours_are_unchanged():
     model = tiny_model("Q-K=V", "rope", 1)
     prompts = [(1, 2, 3), tuple(range(5, 25)), (9,) * 7]

@@ -187,33 +187,68 @@ def warm_up(step: Callable, model, cache: KVCache, calls: int = 3) -> float:
     return time.perf_counter() - t0
 
 
-@contextlib.contextmanager
-def decode_layout(model, batch_size: int) -> Iterator[None]:
-    """While eager decoding on the CPU at small batch, every Linear weight with more outputs than
-    inputs (the fused projection, the MLP's up, the output head) is held transposed in memory
-    (column-major: the same shape and values, only the strides differ), and put back afterwards.
+LAYOUT_DTYPES = (torch.float32, torch.float64)  # bf16's matrix-vector product is the faster row-major
+
+
+class DecodeLayout:
+    """Every Linear weight of `model` with more outputs than inputs (the fused projection, the MLP's
+    gate and up, the output head) held transposed in memory (column-major: the same shape and values,
+    only the strides differ) between `hold()` and `release()`, on the CPU in fp32/fp64.
 
     Why: a one-token step is a chain of matrix-vector products bound by memory, and the CPU BLAS
     streams a matrix near the copy rate when its contiguous rows are long, at ~60% of it when they
     are short (measured at d 384, 2 threads: 17 vs 10 GB/s for 1152 x 384, either way round), so the
     longer dimension is made the contiguous one (transformers' Conv1D layout for these matrices).
-    Costs one copy of those weights per call (in the prefill's time) and that much memory while
-    decoding. Elsewhere (CUDA, batches above LAYOUT_MAX_BATCH) it does nothing."""
-    p = next(model.parameters())
-    if p.device.type != "cpu" or batch_size > LAYOUT_MAX_BATCH:
-        yield
-        return
-    originals: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(m, nn.Linear) and id(w) not in originals and w.is_contiguous() and w.shape[0] > w.shape[1]:
-            originals[id(w)] = (w, w.data)
-            w.data = w.data.t().contiguous().t()
+    SmolLM2's 49,152 x 576 head at batch 1, 1 thread: 8.0 vs 14.5 ms a product. Not for bf16
+    weights: there the row-major product is the faster (7.2 vs 16 ms for that head), nor for batches of
+    rows (LAYOUT_MAX_BATCH). Costs one copy of those weights per hold and that much memory while
+    held; values never change, so outputs are those of the row-major weights to rounding (fp64 tests
+    hold them within 1e-10)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.originals: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+
+    @staticmethod
+    def applies(model) -> bool:
+        p = next(model.parameters())
+        return p.device.type == "cpu" and p.dtype in LAYOUT_DTYPES
+
+    @property
+    def held(self) -> bool:
+        return bool(self.originals)
+
+    def hold(self) -> None:
+        if self.held or not self.applies(self.model):
+            return
+        for m in self.model.modules():
+            w = getattr(m, "weight", None)
+            if (
+                isinstance(m, nn.Linear)
+                and id(w) not in self.originals
+                and w.is_contiguous()
+                and w.shape[0] > w.shape[1]
+            ):
+                self.originals[id(w)] = (w, w.data)
+                w.data = w.data.t().contiguous().t()
+
+    def release(self) -> None:
+        for w, data in self.originals.values():
+            w.data = data
+        self.originals.clear()
+
+
+@contextlib.contextmanager
+def decode_layout(model, batch_size: int) -> Iterator[None]:
+    """`DecodeLayout` held while eager decoding `batch_size` rows, and put back afterwards; at batches
+    above LAYOUT_MAX_BATCH, on CUDA and for bf16 weights it does nothing."""
+    layout = DecodeLayout(model)
+    if batch_size <= LAYOUT_MAX_BATCH:
+        layout.hold()
     try:
         yield
     finally:
-        for w, data in originals.values():
-            w.data = data
+        layout.release()
 
 
 def eager_static(device: torch.device) -> bool:

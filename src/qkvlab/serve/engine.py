@@ -10,7 +10,10 @@ One step (`Engine.step`), on the engine's own thread, never on the HTTP event lo
    recently admitted sequence is preempted (vLLM's recompute): its blocks are given back and it
    goes back to the front of the queue with its tokens so far, which are prefilled again when it
    is readmitted; nothing admitted is lost, and it continues exactly where it was;
-4. decode: one token for every running sequence in one forward pass (paged.py).
+4. decode: one token for every running sequence in one forward pass (paged.py). On the CPU in fp32,
+   while the running batch stays small the model's long Linear weights are held transposed, as
+   `generate` holds them (generate.DecodeLayout; switched after LAYOUT_SWITCH_STEPS steps on the other
+   side of LAYOUT_MAX_BATCH, at once for a server that never ran more; given back at `stop`).
 
 Each sequence computes exactly what `qkvlab.generate` computes for it alone: the same prefill, the
 same cached keys and values, each attending to its own tokens only; so greedy tokens match.
@@ -44,10 +47,20 @@ from dataclasses import dataclass
 import torch
 
 from qkvlab.errors import UserError
-from qkvlab.generate import Sampling, decode_step, left_pad, new_cache, next_token, prefill
+from qkvlab.generate import (
+    LAYOUT_MAX_BATCH,
+    DecodeLayout,
+    Sampling,
+    decode_step,
+    left_pad,
+    new_cache,
+    next_token,
+    prefill,
+)
 from qkvlab.serve.paged import BLOCK_SIZE, BlockPool, blocks_for
 
 PREFILL_TOKENS = 4096  # padded prompt tokens prefilled in one step (at least one whole prompt): bounds a step
+LAYOUT_SWITCH_STEPS = 16  # decode steps in a row on the other side of LAYOUT_MAX_BATCH before the layout follows
 
 
 class Draining(Exception):
@@ -174,6 +187,12 @@ class Engine:
         self.peak_blocks = 0
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        # generate's small-batch weight layout (generate.DecodeLayout; CPU, fp32): held while the running
+        # batch stays at most LAYOUT_MAX_BATCH, released while it stays above, each switch after
+        # LAYOUT_SWITCH_STEPS steps on the other side (a switch copies the long weights once)
+        self.layout = DecodeLayout(model)
+        self._layout_applies = DecodeLayout.applies(model)
+        self._layout_votes = 0
 
     @property
     def capacity_sequences(self) -> int:
@@ -286,6 +305,21 @@ class Engine:
             self.cv.notify_all()
         if self._thread is not None:
             self._thread.join()
+        self.layout.release()  # the model's own weights, as they were
+
+    def _follow_layout(self, batch: int) -> None:
+        """Hold or release the decode layout for a running batch of `batch` rows (see __init__)."""
+        if not self._layout_applies or self.layout.held == (batch <= LAYOUT_MAX_BATCH):
+            self._layout_votes = 0
+            return
+        self._layout_votes += 1
+        if self.layout.held:
+            if self._layout_votes >= LAYOUT_SWITCH_STEPS:
+                self.layout.release()
+                self._layout_votes = 0
+        elif self._layout_votes >= LAYOUT_SWITCH_STEPS or not self.waiting and self.peak_active <= LAYOUT_MAX_BATCH:
+            self.layout.hold()
+            self._layout_votes = 0
 
     def _loop(self) -> None:
         while True:
@@ -436,6 +470,7 @@ class Engine:
         return chosen, [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
     def _decode(self) -> None:
+        self._follow_layout(len(self.running))
         tokens = torch.tensor([s.pending for s in self.running], device=self.device)
         positions = [s.position for s in self.running]
         step = self.pool.step([s.table for s in self.running], positions)

@@ -97,9 +97,10 @@ class PagedStep:
         table = torch.tensor(padded, dtype=torch.long, device=dev)  # (n, width)
         cols = torch.arange(S, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)  # (n,)
-        self.pool = pool
+        self.pool, self.shape = pool, (n, S)
         self.read = table[:, cols // B] * B + cols % B  # (n, S): the slot of each column
         self.write = self.read[torch.arange(n, device=dev), pos]  # (n,): the new token's slot
+        self.flat = self.read.flatten()  # index_select's index: ~14x faster than buf[read] (n 16, CPU)
         self.mask = (cols[None, :] <= pos[:, None])[:, None, None, :]  # (n, 1, 1, S)
         self.kpos = cols.expand(n, S)  # column c holds position c
 
@@ -120,9 +121,12 @@ class PagedStep:
 
         def update(self, source: int, new: torch.Tensor) -> torch.Tensor:
             """new (n, kvh, 1, hd) -> what attention reads: (n, kvh, S, hd)."""
-            buf = self.store[source]
-            buf[self.step.write] = new[:, :, 0]  # each sequence into its own slot: (n, kvh, hd)
-            return buf[self.step.read].transpose(1, 2)  # (n, S, kvh, hd) -> (n, kvh, S, hd)
+            buf, step = self.store[source], self.step
+            buf.index_copy_(0, step.write, new[:, :, 0])  # each sequence into its own slot: (n, kvh, hd)
+            # one row gather (index_select, not buf[read]: advanced indexing's generic kernel took
+            # 16% of a 16-row SmolLM2 step, benchmarks/decode_smollm2.py)
+            rows = buf.index_select(0, step.flat).view(*step.shape, *buf.shape[1:])  # (n, S, kvh, hd)
+            return rows.transpose(1, 2)  # (n, kvh, S, hd)
 
         def key_positions(self) -> torch.Tensor:
             return self.step.key_positions()

@@ -10,10 +10,21 @@ rounds, best of each, and takes bf16 only if it is faster by more than the round
 widths). The figures are cached per machine (CPU, torch, threads) and shape class in
 `cache_dir()/dtype_probe.json`, so a machine measures a shape once; the decision and its figures
 go into the run's record.
+
+Inference's `auto` on the CPU is decided the same way (`cpu_decode_dtype`, `inference_dtype`): a
+greedy decode step of the model's own block shape (scheme, heads, MLP) and head, `DECODE_LAYERS`
+deep (so the weights leave the CPU's caches, as a real model's do), at the batch sizes it will run,
+with fp32 weights (in generate's decode layout) against bf16 weights, alternating rounds, the same
+`decide` rule, the same cache file under "decode-..." keys. A decode step is not a training step: at
+batch 1 it reads every weight once (bf16 halves the bytes), at 16 rows its products are small
+matrix products (bf16 dot products can pay without AMX); on a 2-core AMD EPYC with AVX512-BF16 it
+measured bf16 ~1x fp32 at batch 1 and ~1.8x at 16 rows for SmolLM2-135M
+(benchmarks/decode_smollm2.py), so only the measurement can say.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -29,6 +40,7 @@ from qkvlab.data.text import cache_dir
 from qkvlab.devices import cpu_name, dtype_name
 from qkvlab.errors import UserError
 from qkvlab.files import atomic_write, json_text
+from qkvlab.generate import decode_layout, decode_step, left_pad, new_cache, prefill
 from qkvlab.model import GPT
 
 PROBE_FILE = "dtype_probe.json"
@@ -85,6 +97,7 @@ class Decision:
     shape: str
     machine: str
     source: str = "measured now"  # or "cached", or "kept from the checkpoint" (a resumed run)
+    step: str = "training"  # what was timed: a training step (autocast) or a decode step (weights)
 
     @property
     def speedup(self) -> float:
@@ -92,13 +105,17 @@ class Decision:
         return self.fp32_ms / self.bf16_ms if self.bf16_ms > 0 else 0.0
 
     def describe(self) -> str:
+        what = "bf16 autocast" if self.step == "training" else "bf16 weights"
         return (
-            f"dtype auto -> {self.dtype}: bf16 autocast {self.speedup:.2f}x fp32 on a training step of {self.shape} "
+            f"dtype auto -> {self.dtype}: {what} {self.speedup:.2f}x fp32 on a {self.step} step of {self.shape} "
             f"({self.bf16_ms:.2f} vs {self.fp32_ms:.2f} ms, noise {self.noise:.0%}; {self.source})"
         )
 
     def record(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "source"}
+        out = {k: v for k, v in asdict(self).items() if k != "source"}
+        if self.step == "training":
+            out.pop("step")  # the record training runs have always written
+        return out
 
 
 def decide(fp32_s: list[float], bf16_s: list[float], min_noise: float = MIN_NOISE) -> tuple[str, float]:
@@ -139,6 +156,90 @@ def time_rounds(
     return fp32, bf16
 
 
+DECODE_LAYERS = 8  # blocks in the decode probe's model: with its head, more bytes than a CPU's caches hold
+DECODE_FILL = 64  # cached tokens per row before the probe's steps run
+DECODE_STEPS = 4  # steps a round (the rounds continue one prefilled cache per dtype)
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """What the decode probe times: `layers` blocks of the model's first layer's shape (scheme, kv
+    heads, MLP kind and width) and its head and vocabulary, one greedy token for each of `batch`
+    rows at a cache fill of DECODE_FILL."""
+
+    attn: str
+    d_model: int
+    n_head: int
+    kv_heads: int
+    mlp: str
+    hidden: int
+    vocab: int
+    layers: int
+    batch: int
+
+    @classmethod
+    def of(cls, model_cfg, batch: int) -> DecodeShape:
+        c = model_cfg.layer_config(0)
+        layers = min(model_cfg.n_layer, DECODE_LAYERS)
+        return cls(c.attn, c.d_model, c.n_head, c.n_kv_heads, c.mlp, c.hidden, c.vocab_size or 1, layers, batch)
+
+    @property
+    def key(self) -> str:
+        return (
+            f"decode-{self.attn}-d{self.d_model}-h{self.n_head}-kv{self.kv_heads}-{self.mlp}{self.hidden}"
+            f"-v{self.vocab}-L{self.layers}-b{self.batch}"
+        )
+
+    def config(self, base, rounds: int = ROUNDS) -> ModelConfig:
+        """`base` (the served model's config) cut to the probe's depth and one scheme."""
+        c = base.layer_config(0)
+        return c.replace(n_layer=self.layers, context=DECODE_FILL + (rounds + 1) * DECODE_STEPS, dropout=0.0)
+
+
+def time_decode_rounds(
+    shape: DecodeShape, base, rounds: int = ROUNDS, clock: Callable[[], float] = time.perf_counter
+) -> tuple[list[float], list[float]]:
+    """Seconds per greedy decode step (all rows), fp32 weights in generate's decode layout against
+    bf16 weights, `rounds` each in alternating order after a warm-up round each."""
+    torch.manual_seed(0)
+    with torch.device("meta"):  # GPT's own init of a 49k vocabulary takes seconds; timing needs no init
+        fp32 = GPT(shape.config(base, rounds))
+    fp32 = fp32.to_empty(device="cpu").eval()
+    for p in fp32.parameters():
+        p.detach().normal_(0.0, 0.02)
+    for m in fp32.modules():
+        if hasattr(m, "build_tables"):  # rotary and position tables
+            m.build_tables()
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    prompts = left_pad(torch.randint(0, shape.vocab, (shape.batch, DECODE_FILL)).tolist())
+    state = {}
+
+    @torch.inference_mode()
+    def timed(model) -> float:
+        if model not in state:  # its cache, prefilled once; every round continues it
+            cache = new_cache(model, shape.batch, DECODE_FILL + (rounds + 1) * DECODE_STEPS)
+            with decode_layout(model, shape.batch):
+                tok = prefill(model, cache, prompts).argmax(-1)
+            state[model] = (cache, tok, prompts.lengths.clone())
+        cache, tok, pos = state[model]
+        with decode_layout(model, shape.batch):
+            t0 = clock()
+            for _ in range(DECODE_STEPS):
+                tok = decode_step(model, cache, tok, pos).argmax(-1)
+                pos += 1
+            seconds = (clock() - t0) / DECODE_STEPS
+        state[model] = (cache, tok, pos)
+        return seconds
+
+    timed(fp32)  # warm-up rounds: first-call allocations
+    timed(bf16)
+    out32, out16 = [], []
+    for r in range(rounds):
+        for use_bf16 in (r % 2 == 1, r % 2 == 0):
+            (out16 if use_bf16 else out32).append(timed(bf16 if use_bf16 else fp32))
+    return out32, out16
+
+
 def machine_key() -> str:
     """What the figures depend on besides the shapes: the CPU, torch and its thread count."""
     return f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
@@ -163,26 +264,77 @@ def cpu_autocast(
     measured now by `measure` (default `time_rounds`) and cached (an unwritable cache only costs a
     measurement next time)."""
     shape = ShapeClass.of(model_cfg, rows)
-    machine = machine_key()
     path = cache if cache is not None else cache_dir() / PROBE_FILE
+    entry = _cached_or_measured(shape.key, lambda: (measure or time_rounds)(shape), path)
+    return Decision(**entry, shape=shape.key, machine=machine_key())
+
+
+def _cached_or_measured(shape_key: str, measure: Callable[[], tuple[list[float], list[float]]], path: Path) -> dict:
+    """The cache's entry for shape_key on this machine, or one measured now and written (an
+    unwritable cache only costs a measurement next time): {dtype, noise, fp32_ms, bf16_ms, source}."""
+    machine = machine_key()
     data = _read(path)
-    hit = data.get(machine, {}).get(shape.key)
-    if isinstance(hit, dict) and hit.get("dtype") in ("fp32", "bf16"):
-        try:
-            return Decision(**{**hit, "shape": shape.key, "machine": machine, "source": "cached"})
-        except TypeError:
-            pass  # an entry of another layout: measured again
-    fp32_s, bf16_s = (measure or time_rounds)(shape)
+    hit = data.get(machine, {}).get(shape_key)
+    keys = ("dtype", "noise", "fp32_ms", "bf16_ms")
+    if isinstance(hit, dict) and hit.get("dtype") in ("fp32", "bf16") and all(k in hit for k in keys):
+        return {**{k: hit[k] for k in keys}, "source": "cached"}
+    fp32_s, bf16_s = measure()
     dtype, noise = decide(fp32_s, bf16_s)
-    best = {"fp32_ms": round(min(fp32_s) * 1e3, 4), "bf16_ms": round(min(bf16_s) * 1e3, 4)}
-    decision = Decision(dtype=dtype, noise=round(noise, 4), shape=shape.key, machine=machine, **best)
-    data.setdefault(machine, {})[shape.key] = {"dtype": dtype, "noise": decision.noise, **best}
+    entry = {
+        "dtype": dtype,
+        "noise": round(noise, 4),
+        "fp32_ms": round(min(fp32_s) * 1e3, 4),
+        "bf16_ms": round(min(bf16_s) * 1e3, 4),
+    }
+    data.setdefault(machine, {})[shape_key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json_text(data, indent=1))
     except (OSError, UserError):
         pass
-    return decision
+    return {**entry, "source": "measured now"}
+
+
+def cpu_decode_dtype(
+    model_cfg,
+    batches: tuple[int, ...] = (1,),
+    *,
+    measure: Callable[[DecodeShape], tuple[list[float], list[float]]] | None = None,
+    cache: Path | None = None,
+) -> Decision:
+    """The CPU's inference dtype for a model of `model_cfg` decoding at each of `batches` rows:
+    bf16 weights when bf16 wins at one batch by more than the noise and loses at none by more than
+    it; each batch's figures cached (or measured now by `measure`, default `time_decode_rounds`)."""
+    path = cache if cache is not None else cache_dir() / PROBE_FILE
+    shapes = [DecodeShape.of(model_cfg, b) for b in dict.fromkeys(max(1, int(b)) for b in batches)]
+    entries = [
+        _cached_or_measured(s.key, lambda s=s: (measure or (lambda x: time_decode_rounds(x, model_cfg)))(s), path)
+        for s in shapes
+    ]
+    wins = [e["fp32_ms"] > e["bf16_ms"] * (1 + e["noise"]) for e in entries]
+    losses = [e["bf16_ms"] > e["fp32_ms"] * (1 + e["noise"]) for e in entries]
+    dtype = "bf16" if any(wins) and not any(losses) else "fp32"
+    per_token = [(e["fp32_ms"] / s.batch, e["bf16_ms"] / s.batch) for s, e in zip(shapes, entries)]
+    source = "cached" if all(e["source"] == "cached" for e in entries) else "measured now"
+    return Decision(
+        dtype=dtype,
+        fp32_ms=round(sum(a for a, _ in per_token), 4),  # ms per token, summed over the batches
+        bf16_ms=round(sum(b for _, b in per_token), 4),
+        noise=max(e["noise"] for e in entries),
+        shape=shapes[0].key.rsplit("-b", 1)[0] + "-b" + "+".join(str(s.batch) for s in shapes),
+        machine=machine_key(),
+        source=source,
+        step="decode",
+    )
+
+
+def inference_dtype(name: str, device_type: str, model_cfg, batches: tuple[int, ...]) -> tuple[str, Decision | None]:
+    """generate's and serve's weight dtype for a dtype setting: "auto" on the CPU as measured
+    (`cpu_decode_dtype` at the batch sizes the command runs), else as `devices.dtype_name`."""
+    if name == "auto" and device_type == "cpu":
+        decision = cpu_decode_dtype(model_cfg, batches)
+        return decision.dtype, decision
+    return dtype_name(name, device_type=device_type), None
 
 
 def autocast_dtype(name: str, device_type: str, model_cfg, rows: int) -> tuple[str, Decision | None]:

