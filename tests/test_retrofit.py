@@ -189,7 +189,7 @@ def test_refusals_one_line(kw, needle):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     from qkvlab.data.text import load_shakespeare
-    from qkvlab.train.config import train_preset
+    from qkvlab.train.config import TrainConfig
     from qkvlab.train.loop import train
 
     root = tmp_path_factory.mktemp("retrofit")
@@ -197,16 +197,18 @@ def trained(tmp_path_factory):
     old, threads = os.environ.get("QKVLAB_CACHE"), torch.get_num_threads()
     os.environ["QKVLAB_CACHE"] = str(root / "cache")
     torch.set_num_threads(1)
-    tc = train_preset(
-        "tiny",
-        task_options={"data": str(root / "plays.txt"), "tokenizer": "char", "block_size": 32},
-        model={"context": 32, "pos": "rope"},
-        batch_size=16,
-        max_steps=120,
-        eval_every=120,
-        eval_batches=2,
-        lr=3e-3,
-        log_tensorboard=False,
+    tc = TrainConfig.from_dict(
+        {
+            "preset": "tiny",
+            "task_options": {"data": str(root / "plays.txt"), "tokenizer": "char", "block_size": 32},
+            "model": {"context": 32, "pos": "rope"},
+            "batch_size": 16,
+            "max_steps": 120,
+            "eval_every": 120,
+            "eval_batches": 2,
+            "lr": 3e-3,
+            "log_tensorboard": False,
+        }
     )
     train(tc, root / "teacher", progress=False)
     yield root
