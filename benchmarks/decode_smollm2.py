@@ -271,14 +271,15 @@ def main() -> None:
         sys.exit(run.finish(figures))
 
     llama = None
+    files = contextlib.ExitStack()  # the F32 GGUF's temporary folder, kept until the run ends
     if not args.skip_llama:
         if importlib.util.find_spec("llama_cpp") is None:
             print("llama.cpp: skipped, llama_cpp (llama-cpp-python) is not installed", flush=True)
         else:
-            with contextlib.ExitStack() as stack:
-                work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory()))
-                path = args.llama_gguf or f32_gguf(src, work)
-                llama = LlamaCpp(path, threads, args.prompt_len + args.new_tokens + 8)  # the file is read here
+            work = args.work or Path(files.enter_context(tempfile.TemporaryDirectory()))
+            path = args.llama_gguf or f32_gguf(src, work)
+            llama = LlamaCpp(path, threads, args.prompt_len + args.new_tokens + 8)
+            print(f"llama.cpp: {path} (F32), {threads} thread(s), batch 1 only", flush=True)
 
     g = torch.Generator().manual_seed(0)
     figures: dict = {"read_bytes_per_s": read, "copy_bytes_per_s": copy_bps, "threads": threads, "rows": []}
@@ -322,7 +323,15 @@ def main() -> None:
             )
         ref = next((n for n in names if n.endswith("fp32")), names[0])
         parts = [f"{n} {best[ref][1] / best[n][1]:.2f}x" for n in names if n != ref]
-        print(f"    batch {b}: decode speed vs {ref}: " + ", ".join(parts), flush=True)
+        if parts:
+            print(f"    batch {b}: decode speed vs {ref}: " + ", ".join(parts), flush=True)
+        if llama is not None and b > 1:
+            print(
+                f"    llama.cpp at {b} streams: not measured here (llama-cpp-python decodes one sequence; "
+                f"llama-server -np {b} with benchmarks/serve_load.py --endpoint)",
+                flush=True,
+            )
+    files.close()
     sys.exit(run.finish(figures))
 
 
