@@ -137,7 +137,8 @@ def test_refinement_on_the_converted_models_own_inputs():
     toks = calib(2048, seed=5)
     xs = attention_inputs(model, toks, 2048, 32)
     windows = calibration_windows(toks, 2048, 32)
-    first = fit(model, cfg, toks, to="Q-K=V", layers="0,2", block=32, inputs=xs, refine=RefineOptions(20, 3e-3))
+    opts = RefineOptions(20, 3e-3, inputs="original")
+    first = fit(model, cfg, toks, to="Q-K=V", layers="0,2", block=32, inputs=xs, refine=opts)
     looked = refine_in_sequence(first.model, model, [0, 2], windows, xs, RefineOptions(steps=0))
     error = {lf.layer: lf.error for lf in first.layers}
     assert looked[0] == pytest.approx((error[0], error[0]), rel=1e-12)
@@ -245,6 +246,24 @@ def test_retrofit_command_end_to_end(trained, capsys, monkeypatch):
     assert main(argv + ["--resume"]) == 0  # the fit in OUT/fit is reused
     again = json.loads((out / "retrofit.json").read_text())
     assert again["ppl_uptrained"] == pytest.approx(report["ppl_uptrained"], rel=1e-6)
+
+
+def test_a_fit_from_before_an_option_is_reused_only_for_what_it_did(trained, capsys):
+    """A fit written before --refine-inputs existed had only the first pass: --resume reuses it for
+    --refine-inputs original and fits again for converted (today's default), never the other way."""
+    from qkvlab.convert.retrofit import RetrofitOptions, _reuse_fit
+
+    out = trained / "old_fit"
+    argv = ["retrofit", str(trained / "teacher"), str(out), "--data", str(trained / "plays.txt"), "--steps", "0"]
+    assert main(argv + ["--calib-tokens", "512", "--eval-tokens", "512", "--refine-steps", "2", "--quiet"]) == 0
+    body = json.loads((out / "fit" / "config.json").read_text())
+    made = body["retrofit"]
+    assert made["refine_inputs"] == "converted"
+    del made["refine_inputs"]
+    (out / "fit" / "config.json").write_text(json.dumps(body))
+    opts = {k: v for k, v in made.items()}
+    assert _reuse_fit(out / "fit", RetrofitOptions(**opts, refine_inputs="original")) is not None
+    assert _reuse_fit(out / "fit", RetrofitOptions(**opts)) is None
 
 
 def test_retrofit_refuses_foreign_out(trained, capsys):

@@ -187,9 +187,9 @@ class RetrofitOptions:
     )
     refine_lr: float = setting(1e-3, help="refinement peak learning rate (cosine to 0)", positive=True)
     refine_inputs: str = setting(
-        "original",
-        help="refine each layer on the original model's inputs, or then again, in order, on the inputs it reads in "
-        "the converted model",
+        "converted",
+        help="refine each layer on the original model's inputs only, or then again, in order, on the inputs it reads "
+        "in the converted model",
         choices=REFINE_INPUTS,
     )
     data: str | None = setting(
@@ -396,6 +396,10 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     return report
 
 
+# options added after fits were written without them, and the value that says what those fits did
+FITS_BEFORE_THE_OPTION = {"refine_inputs": "original"}
+
+
 def _reuse_fit(folder: Path, opts: RetrofitOptions) -> FitResult | None:
     """The fit an interrupted run wrote (its weights are written before the config, each atomically),
     when it was made with these options; None otherwise (then it is fitted again)."""
@@ -403,8 +407,8 @@ def _reuse_fit(folder: Path, opts: RetrofitOptions) -> FitResult | None:
         return None
     model, cfg, body = load_model(folder, dtype=torch.float32)
     made, free = body.get("retrofit") or {}, resumable_fields(RetrofitOptions)  # the rest is what the fit read
-    default = asdict(RetrofitOptions())  # an option added since that fit was made: it had the default's effect
-    if "fit_layers" not in body or any(made.get(k, default[k]) != v for k, v in asdict(opts).items() if k not in free):
+    made = {**FITS_BEFORE_THE_OPTION, **made}  # an option added since that fit was made: it did what the fit did then
+    if "fit_layers" not in body or any(made.get(k) != v for k, v in asdict(opts).items() if k not in free):
         return None
     return FitResult(model, cfg, [LayerFit(**lf) for lf in body["fit_layers"]], body["converted_layers"])
 

@@ -35,7 +35,7 @@ class RefineOptions:
     lr: float = 1e-3  # peak learning rate, cosine to 0
     batch: int = 4  # windows per step
     seed: int = 0  # batch order
-    inputs: str = "original"  # "converted": a second pass on the converted model's own inputs (module doc)
+    inputs: str = "converted"  # "original": no second pass on the converted model's own inputs (module doc)
 
 
 REFINE_INPUTS = ("original", "converted")
