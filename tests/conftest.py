@@ -48,16 +48,25 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def dtype_probe_fixed(monkeypatch):
-    """`--dtype auto` on the CPU times a training step (qkvlab.train.dtype_probe); in-process tests
-    get a fixed answer instead (fp32), so what a test trains in does not depend on this machine's
-    speed or load, and no probe figures land in a cache. tests/test_dtype_probe.py overrides this."""
+    """`--dtype auto` on the CPU times a training step, or for generate and serve a decode step
+    (qkvlab.train.dtype_probe); in-process tests get a fixed answer instead (fp32), so what a test
+    trains or decodes in does not depend on this machine's speed or load, and no probe figures land
+    in a cache. Tests that start a `qkvlab` process pass `--dtype fp32` themselves.
+    tests/test_dtype_probe.py overrides this."""
     from qkvlab.train import dtype_probe
 
     def fixed(model_cfg, rows, **_):
         shape = dtype_probe.ShapeClass.of(model_cfg, rows).key
         return dtype_probe.Decision("fp32", 1.0, 1.0, dtype_probe.MIN_NOISE, shape, "tests", "fixed by the tests")
 
+    def fixed_decode(model_cfg, batches=(1,), **_):
+        shape = dtype_probe.DecodeShape.of(model_cfg, max(batches)).key
+        return dtype_probe.Decision(
+            "fp32", 1.0, 1.0, dtype_probe.MIN_NOISE, shape, "tests", "fixed by the tests", step="decode"
+        )
+
     monkeypatch.setattr(dtype_probe, "cpu_autocast", fixed)
+    monkeypatch.setattr(dtype_probe, "cpu_decode_dtype", fixed_decode)
 
 
 @pytest.fixture()

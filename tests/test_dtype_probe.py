@@ -153,6 +153,25 @@ def test_inference_auto_times_a_decode_step_per_batch_and_caches_each(tmp_path):
     assert dtype_probe.inference_dtype("auto", "cuda", cfg, (1,)) == ("bf16", None)
 
 
+def test_inference_dtype_probes_for_auto_on_the_cpu_only(monkeypatch):
+    """Only `auto` on the CPU asks the decode probe (at the command's batches); a named dtype, or
+    `auto` on CUDA, never times anything."""
+    calls = []
+
+    def probe(model_cfg, batches=(1,), **_):
+        calls.append(tuple(batches))
+        return dtype_probe.Decision("bf16", 2.0, 1.0, 0.03, "decode-x", "tests", "cached", step="decode")
+
+    monkeypatch.setattr(dtype_probe, "cpu_decode_dtype", probe)
+    cfg = ModelConfig(d_model=32, n_head=4, vocab_size=64, context=32)
+    dname, decision = dtype_probe.inference_dtype("auto", "cpu", cfg, (1, 16))
+    assert dname == "bf16" and decision.step == "decode" and calls == [(1, 16)]
+    assert dtype_probe.inference_dtype("fp32", "cpu", cfg, (1,)) == ("fp32", None)
+    assert dtype_probe.inference_dtype("bf16", "cpu", cfg, (1,)) == ("bf16", None)
+    assert dtype_probe.inference_dtype("auto", "cuda", cfg, (1,)) == ("bf16", None)
+    assert calls == [(1, 16)]
+
+
 def test_the_decode_probe_times_a_real_step_and_stays_small():
     """The real timer on a tiny model: a few rounds each way, positive times; the probe's depth is capped."""
     cfg = ModelConfig(d_model=32, n_head=4, vocab_size=128, context=256, n_layer=12, pos="rope")

@@ -535,6 +535,50 @@ def test_cli_generate_compile_reports_once(model_dir, capsys, monkeypatch):
     assert "compiled" not in eager.err and eager.out == compiled.out
 
 
+def bf16_probe(calls: list):
+    """A decode probe that always finds bf16 faster (no timing), counting its calls."""
+    from qkvlab.train import dtype_probe
+
+    def probe(model_cfg, batches=(1,), **_):
+        calls.append(tuple(batches))
+        shape = dtype_probe.DecodeShape.of(model_cfg, max(batches)).key
+        return dtype_probe.Decision("bf16", 2.0, 1.0, dtype_probe.MIN_NOISE, shape, "tests", "cached", step="decode")
+
+    return probe
+
+
+def test_the_tests_decode_probe_is_fixed_at_fp32():
+    """conftest's autouse fixture: generate's and serve's auto never time anything in-process."""
+    from qkvlab.train.dtype_probe import inference_dtype
+
+    cfg = ModelConfig(d_model=32, n_head=4, vocab_size=64, context=32)
+    dname, decision = inference_dtype("auto", "cpu", cfg, (1, 16))
+    assert dname == "fp32" and decision.source == "fixed by the tests" and decision.step == "decode"
+
+
+def test_cli_generate_loads_the_dtype_the_probe_chose(model_dir, capsys, monkeypatch):
+    """--dtype auto on the CPU: the weights in the probe's dtype, its decision on stderr; an explicit
+    dtype is never probed."""
+    import qkvlab.commands.generate as cmd
+    from qkvlab.train import dtype_probe
+
+    calls, loaded = [], []
+    monkeypatch.setattr(dtype_probe, "cpu_decode_dtype", bf16_probe(calls))
+    real = cmd.load_model
+    monkeypatch.setattr(
+        cmd, "load_model", lambda *a, **kw: (lambda out: (loaded.append(out[0]), out)[1])(real(*a, **kw))
+    )
+    argv = ["generate", str(model_dir), "--prompt-ids", "1,2,3", "--prompt-ids", "4", "--max-new-tokens", "3"]
+    argv += ["--temperature", "0", "--device", "cpu"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert calls == [(2,)] and next(loaded[-1].parameters()).dtype == torch.bfloat16
+    assert "qkvlab generate: dtype auto -> bf16: bf16 weights 2.00x fp32 on a decode step" in err, err
+    assert main([*argv, "--dtype", "fp32"]) == 0
+    assert calls == [(2,)] and next(loaded[-1].parameters()).dtype == torch.float32
+    assert "dtype auto" not in capsys.readouterr().err
+
+
 def _bad(tmp_path, model_dir):
     import pickle
 

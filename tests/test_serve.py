@@ -530,6 +530,7 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(model_dir):
 def test_sigterm_drains_a_real_server_process(model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "qkvlab", "serve", str(model_dir), "--port", "0", "--cache-memory", "40KB"]
+    cmd += ["--dtype", "fp32"]  # the cache's size below is fp32's; auto would time this machine (dtype_probe)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -551,6 +552,39 @@ def test_sigterm_drains_a_real_server_process(model_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_auto_serves_in_the_dtype_the_probe_chose(model_dir, monkeypatch):
+    """--dtype auto on the CPU: weights and cache in the decode probe's dtype (timed at one row and at
+    the rows served together, at most 16), its figures in /health; fp32 asks no probe."""
+    from qkvlab.train import dtype_probe
+
+    calls = []
+
+    def probe(model_cfg, batches=(1,), **_):
+        calls.append(tuple(batches))
+        shape = dtype_probe.DecodeShape.of(model_cfg, max(batches)).key
+        return dtype_probe.Decision("bf16", 2.0, 1.0, dtype_probe.MIN_NOISE, shape, "tests", "cached", step="decode")
+
+    monkeypatch.setattr(dtype_probe, "cpu_decode_dtype", probe)
+    lines = []
+    built = build(
+        ServeConfig(model=str(model_dir), cache_memory="40KB", tokenizer="bytes", device="cpu", max_batch=4),
+        log=lines.append,
+    )
+    assert calls == [(1, 4)] and built.dtype == "bf16" and built.dtype_probe.dtype == "bf16"
+    assert next(built.engine.model.parameters()).dtype == torch.bfloat16
+    assert built.served.cache_bytes_per_token == 2 * 32 * 2  # Q-K=V: 2 layers x d_model x bf16
+    assert len(lines) == 1 and lines[0].startswith("qkvlab serve: dtype auto -> bf16: bf16 weights 2.00x"), lines
+    with Running(model_dir, device="cpu") as s:  # no --max-batch: probed at 1 and 16 rows
+        h = s.client.get("/health").json()
+        assert h["dtype"] == "bf16" and h["dtype_probe"]["step"] == "decode" and h["dtype_probe"]["bf16_ms"] == 1.0
+        r = s.post({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
+        assert r.json()["choices"][0]["token_ids"] == greedy(s, [1, 2, 3], 4)
+    assert calls[-1] == (1, 16)
+    fp32 = build(ServeConfig(model=str(model_dir), cache_memory="40KB", tokenizer="bytes", device="cpu", dtype="fp32"))
+    assert len(calls) == 2 and fp32.dtype == "fp32" and fp32.dtype_probe is None
+    assert next(fp32.engine.model.parameters()).dtype == torch.float32
 
 
 def test_cli_refusals_are_one_line(model_dir, tmp_path, capsys):

@@ -18,6 +18,7 @@ from qkvlab.generate import FINISHED, check_prompts, generate, stream
 from qkvlab.generate_config import GenerateConfig
 from qkvlab.io import find_model_dir, load_model, read_config
 from qkvlab.settings import add_config_options, add_options, load, print_config
+from qkvlab.train.dtype_probe import inference_dtype
 
 
 def add_arguments(p) -> None:
@@ -45,7 +46,8 @@ def run(args) -> int:
     tok = resolve_tokenizer(cfg.tokenizer, model_dir, body)
     prompts = encode_prompts(cfg, tok, model_cfg.vocab_size)
     device = select_device(cfg.device)
-    model, model_cfg, _ = load_model(model_dir, device=device, dtype=torch_dtype(cfg.dtype, device.type))
+    dname, probe = inference_dtype(cfg.dtype, device.type, model_cfg, (len(prompts),))  # auto on the CPU: timed
+    model, model_cfg, _ = load_model(model_dir, device=device, dtype=torch_dtype(dname, device.type))
     mode = cfg.compile if cfg.compile != "auto" else ("reduce-overhead" if device.type == "cuda" else "off")
 
     def report(seconds: float) -> None:
@@ -58,7 +60,9 @@ def run(args) -> int:
     eot = getattr(tok, "eot_id", None)
     how = dict(eot_id=eot, seed=cfg.seed, compile=False if mode == "off" else mode, on_compiled=report)
     how["vocab_limit"] = tok.vocab_size if tok is not None else None
-    check_prompts(model, prompts)  # before the note below: a refusal is one line
+    check_prompts(model, prompts)  # before the notes below: a refusal is one line
+    if probe is not None:  # what auto resolved to, from which figures (this model's decode step, or the cache)
+        print(f"qkvlab generate: {probe.describe()}", file=sys.stderr, flush=True)
     if max(len(p) for p in prompts) + cfg.max_new_tokens > model_cfg.context + 1:
         print(f"qkvlab generate: note: stopping at the model's context of {model_cfg.context} tokens", file=sys.stderr)
     show = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: " ".join(map(str, ids)) + " ")

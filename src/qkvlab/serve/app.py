@@ -54,6 +54,8 @@ class ServedModel:
     cache_bytes_per_token: int
     cache_bytes: int
     tokenizer: object | None = None  # a serve.tokens.ServeTokenizer, or None: prompts are token ids
+    dtype: str | None = None  # the weights' and cache's dtype
+    dtype_probe: dict | None = None  # the figures `--dtype auto` was decided from (dtype_probe.Decision.record)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -103,6 +105,8 @@ def create_app(engine: Engine, served: ServedModel, *, max_body: int = MAX_BODY_
             "context": served.context,
             "cache_bytes_per_token": served.cache_bytes_per_token,
             "cache_bytes": served.cache_bytes,
+            "dtype": served.dtype,
+            "dtype_probe": served.dtype_probe,
             **engine.stats(),
         }
         return JSONResponse(body, status_code=503 if engine.draining else 200)

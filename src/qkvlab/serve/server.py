@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,8 @@ class ServeConfig:
     device: str = setting("auto", help=DEVICE_HELP, metavar="DEVICE")
     dtype: str = setting(
         "auto",
-        help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU)",
+        help="weights and cache dtype (auto: bf16 on GPU; on CPU bf16 or fp32, whichever a short timing of "
+        "the model's decode step finds faster, cached per machine)",
         choices=dtype_choices(INFERENCE_DTYPES),
     )
     tokenizer: str | None = setting(
@@ -106,10 +108,12 @@ class Built:
     served: Any
     device: str
     dtype: str
+    dtype_probe: Any = None  # the dtype_probe.Decision when `auto` was measured (the CPU), else None
 
 
-def build(cfg: ServeConfig) -> Built:
-    """Model, tokenizer, engine and app for `cfg` (no thread started, no port bound)."""
+def build(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> Built:
+    """Model, tokenizer, engine and app for `cfg` (no thread started, no port bound); `log` gets the
+    line saying what `--dtype auto` resolved to and why, when it was measured (the CPU)."""
     from qkvlab.accounting import kv_cache_bytes_per_token
     from qkvlab.convert.load import load_any
     from qkvlab.devices import select_device, torch_dtype
@@ -120,7 +124,6 @@ def build(cfg: ServeConfig) -> Built:
 
     cfg.validate()
     device = select_device(cfg.device)  # before the weights are read: a bad --device costs nothing
-    dtype = torch_dtype(cfg.dtype, device.type)
     loaded = load_any(cfg.model, cfg.tokenizer)
     model_cfg = loaded.cfg
     tok = serve_tokenizer(loaded.tokenizer, loaded.tokenizer_dir)
@@ -138,7 +141,12 @@ def build(cfg: ServeConfig) -> Built:
     context = model_cfg.context if cfg.max_model_len is None else cfg.max_model_len
     if context > model_cfg.context:
         raise UserError(f"--max-model-len {context:,} exceeds the model's context of {model_cfg.context:,}")
-    model = loaded.model.to(device=device, dtype=dtype).eval()
+    from qkvlab.train.dtype_probe import inference_dtype  # startup: torch, only once a server is built
+
+    # auto on the CPU: this model's decode step timed (or cached) at one row and at the rows served
+    # together (--max-batch, at most 16; its default, all the blocks hold, is counted as 16)
+    dname, probe = inference_dtype(cfg.dtype, device.type, model_cfg, (1, min(cfg.max_batch or 16, 16)))
+    model = loaded.model.to(device=device, dtype=torch_dtype(dname, device.type)).eval()
     cache_dtype = dtype_name(str(next(model.parameters()).dtype).removeprefix("torch."))
     per_token = kv_cache_bytes_per_token(model_cfg, cache_dtype)
     blocks = pool_blocks(cfg.cache_bytes, per_token, context, cfg.block_size)
@@ -167,8 +175,12 @@ def build(cfg: ServeConfig) -> Built:
         cache_bytes_per_token=per_token,
         cache_bytes=engine.pool.bytes_allocated(),
         tokenizer=tok,
+        dtype=cache_dtype,
+        dtype_probe=probe.record() if probe is not None else None,
     )
-    return Built(create_app(engine, served, metrics=metrics), engine, served, str(device), cache_dtype)
+    if probe is not None:  # once built: a refusal stays one line
+        log(f"qkvlab serve: {probe.describe()}")
+    return Built(create_app(engine, served, metrics=metrics), engine, served, str(device), cache_dtype, probe)
 
 
 def _metrics(name: str):
@@ -233,7 +245,7 @@ def make_server(built: Built, sock: socket.socket, drain_timeout: float, log=pri
 
 def serve(cfg: ServeConfig) -> int:
     """Run `qkvlab serve` until SIGTERM/Ctrl-C: one start-up line, then requests."""
-    built = build(cfg)
+    built = build(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     sock = listen(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     served, engine = built.served, built.engine
