@@ -306,13 +306,11 @@ def cpu_decode_dtype(
     bf16 weights when bf16 wins at one batch by more than the noise and loses at none by more than
     it; each batch's figures cached (or measured now by `measure`, default `time_decode_rounds`)."""
     path = cache if cache is not None else cache_dir() / PROBE_FILE
+    measure = measure or (lambda shape: time_decode_rounds(shape, model_cfg))
     shapes = [DecodeShape.of(model_cfg, b) for b in dict.fromkeys(max(1, int(b)) for b in batches)]
-    entries = [
-        _cached_or_measured(s.key, lambda s=s: (measure or (lambda x: time_decode_rounds(x, model_cfg)))(s), path)
-        for s in shapes
-    ]
-    wins = [e["fp32_ms"] > e["bf16_ms"] * (1 + e["noise"]) for e in entries]
-    losses = [e["bf16_ms"] > e["fp32_ms"] * (1 + e["noise"]) for e in entries]
+    entries = [_cached_or_measured(s.key, lambda s=s: measure(s), path) for s in shapes]
+    wins = [e["dtype"] == "bf16" for e in entries]  # `decide`'s verdict per batch
+    losses = [e["bf16_ms"] > e["fp32_ms"] * (1 + e["noise"]) for e in entries]  # its mirror: bf16 slower
     dtype = "bf16" if any(wins) and not any(losses) else "fp32"
     per_token = [(e["fp32_ms"] / s.batch, e["bf16_ms"] / s.batch) for s, e in zip(shapes, entries)]
     source = "cached" if all(e["source"] == "cached" for e in entries) else "measured now"
