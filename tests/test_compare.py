@@ -4,6 +4,7 @@ runs, one-line errors, and the papers' orderings as checkable claims."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import random
@@ -446,3 +447,15 @@ def test_paper_recipe_is_the_full_grid_default_and_named():
     assert seg.model.norm_position == "pre"  # no paper recipe: the CPU one on the paper's grid
     with pytest.raises(UserError, match="no paper recipe for 'segmentation'"):
         plan(CompareConfig(task="segmentation", variants="Q-K-V", seeds=1, recipe="paper"))
+
+
+def test_compare_help_names_the_default_lm_variants():
+    import qkvlab.commands.compare as command
+    from qkvlab.compare.planning import CompareConfig
+    from qkvlab.compare.recipes import DEFAULT_LM_VARIANTS
+
+    doc = " ".join(command.__doc__.split())
+    assert all(v in doc for v in DEFAULT_LM_VARIANTS)
+    assert f"{len(DEFAULT_LM_VARIANTS) * 3} runs" in doc
+    help_text = next(f.metadata["help"] for f in dataclasses.fields(CompareConfig) if f.name == "variants")
+    assert f"the {len(DEFAULT_LM_VARIANTS)} LM variants" in help_text

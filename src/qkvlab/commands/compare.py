@@ -1,8 +1,8 @@
 """Train every attention variant on a task (or a task family) over seeds; write a results table
 beside the papers' figures, CSV and plots.
 
-With no arguments: Q-K-V, Id-K-V, Id-K-V/mlp, Q-K=V, Q=K-V, Q=K=V, Id-K=V and Q-K=V/MQA on the
-Shakespeare corpus, 3 seeds each, at a CPU-sized model (24 runs, minutes on 2 cores).
+With no arguments: Q-K-V, Id-K-V, Id-K-V/mlp, Q-K=V, Q=K-V, Q=V-K, Q=K=V, Id-K=V and Q-K=V/MQA on
+the Shakespeare corpus, 3 seeds each, at a CPU-sized model (27 runs, minutes on 2 cores).
 `--task synthetic|vision|anomaly|segmentation` (or one task, e.g. `reverse`) runs Paper B's six
 schemes (the '+' forms included) over a small grid; `--full-grid` runs the paper's grid.
 

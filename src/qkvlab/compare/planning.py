@@ -50,7 +50,7 @@ class CompareConfig:
     variants: str | None = setting(
         None,
         help="comma-separated SCHEME[/MQA|/GQA-g][/mlp[=SCHEME]|/width=SCHEME] "
-        "(default: the 8 LM variants, or Paper B's 6 schemes)",
+        "(default: the 9 LM variants, or Paper B's 6 schemes)",
         metavar="LIST",
     )
     out: str | None = setting(None, help="compare folder (default runs/compare-<task>)", metavar="DIR")
