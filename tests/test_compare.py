@@ -14,6 +14,7 @@ import pytest
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.report import write_results
+from qkvlab.analysis.rules import ANALYSIS_VERSION
 from qkvlab.analysis.results import collect
 from qkvlab.analysis.runs import run_finished, write_manifest
 from qkvlab.cli import main
@@ -205,10 +206,10 @@ def test_render_from_stored_scores_reproduces_results(tmp_path):
     write_manifest(tmp_path, {**manifest, "metrics": {"lm": {"metric": "val_loss", "higher_is_better": False}}})
     first = write_results(tmp_path, plots=False)
     md = (tmp_path / "results.md").read_text()
-    assert "analysis rules: version 4" in md and "trained and first scored under version 2" in md
+    assert f"analysis rules: version {ANALYSIS_VERSION}" in md and "trained and first scored under version 2" in md
     assert "## qkvlab ranking (every variant run; not a claim of either paper)" in md
     assert "`Q=K=V` worse than each of the 3 others: **yes**" in md
-    assert json.loads((tmp_path / "compare.json").read_text())["analysis_version"] == 4
+    assert json.loads((tmp_path / "compare.json").read_text())["analysis_version"] == ANALYSIS_VERSION
     shutil.rmtree(tmp_path / "lm")
     again = render(tmp_path, plots=False, say=lambda *a: None)
     assert again.from_scores and {v.claim.id: v.word for v in again.verdicts()} == {

@@ -60,7 +60,7 @@ def test_lm_reconstruction_gives_the_published_version_3_words():
     spec.loader.exec_module(mod)
     md = (root / "docs" / "results" / "lm" / "results.md").read_text()
     published = {}
-    for c in pf.LM_CLAIMS:
+    for c in (c for c in pf.LM_CLAIMS if c.since <= 3):
         row = next(line for line in md.splitlines() if line.startswith(f"| Paper {c.paper}: {c.text} |"))
         published[c.id] = re.search(r"\*\*(\w+)\*\*", row).group(1)
     assert mod.verdicts(3) == published

@@ -364,14 +364,18 @@ def test_every_claim_holds_on_the_papers_own_figures():
     hib = {t: t != "lm" for t in values}
     metric = {t: "val_loss" if t == "lm" else "accuracy" for t in values}
     solve_claims = [c for c in pf.ALL_CLAIMS if c.solve]
-    verdicts = check_claims(values, hib, metric, [c for c in pf.ALL_CLAIMS if c not in solve_claims])
+    # a claim on a variant the paper ran but gave no figure for cannot be read off its figures
+    unreported = [c for c in pf.ALL_CLAIMS if c.tasks == ("lm",) and not set(c.variants) <= set(ppl)]
+    assert [c.id for c in unreported] == ["lm-identity-close-size-matched"]
+    checked = [c for c in pf.ALL_CLAIMS if c not in solve_claims and c not in unreported]
+    verdicts = check_claims(values, hib, metric, checked)
     # solve-or-fail claims: the paper's worst scheme fails, the others solve
     solved = {
         t: {v: (0.3 if x == min(cells[t].values()) else 1.0) for v, x in cells[t].items()}
         for t in pf.SOLVE_OR_FAIL_TASKS
     }
     verdicts += check_claims(table(solved), hib, metric, solve_claims)
-    assert len(verdicts) == len(pf.ALL_CLAIMS)
+    assert len(verdicts) == len(pf.ALL_CLAIMS) - len(unreported)
     assert {v.claim.id: v.word for v in verdicts if v.word != REPRODUCED} == {}
     for v in verdicts:  # the paper's figure beside each comparison is the gap measured here
         for g in v.gaps:

@@ -251,6 +251,18 @@ LM_CLAIMS = (
         "a match must be closer than a win",
     ),
     Claim(
+        "lm-identity-close-size-matched",
+        "A",
+        "Id-K-V matches Q-K-V at equal parameters (the size-matched baseline Q-K-V/mlp=Id-K-V; no loss reported)",
+        "close",
+        ("lm",),
+        ("Id-K-V", "Q-K-V/mlp=Id-K-V"),
+        margin=1.19,
+        why="as Id-K-V vs Q-K-V: removing W_Q and having 8% fewer parameters told apart (Paper A's "
+        "original_smaller_mlp, 77.88M non-embedding, like Id-K-V)",
+        since=5,
+    ),
+    Claim(
         "lm-identity-mlp-better",
         "A",
         "Id-K-V with the saved parameters in the MLP beats Q-K-V (3.004 vs 3.016)",

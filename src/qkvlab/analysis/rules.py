@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.errors import UserError
 
-ANALYSIS_VERSION = 4
+ANALYSIS_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ VERSIONS = {
     2: Rules(2, "independent", "fails", "per claim", "run", "newcombe", "per seed"),
     3: Rules(3, "paired units", "fails", "per claim", "run", "newcombe", "per seed"),
     4: Rules(4, "paired units", "holds", "per pair", "paper", "mcnemar", "size means"),
+    5: Rules(5, "paired units", "holds", "per pair", "paper", "mcnemar", "size means"),
 }
 CURRENT = VERSIONS[ANALYSIS_VERSION]
 
@@ -100,6 +101,17 @@ CHANGELOG = (
         "synthetic, whose per-seed scores were not committed, reconstructed from their published intervals "
         "(docs/analysis.md); nothing retrained",
         "6f54bc90e0fea176",
+    ),
+    Change(
+        5,
+        "2026-12-03",
+        "issue 27, before the 8-seed LM run",
+        "one claim added, every other rule as in version 4: Id-K-V matches Q-K-V at equal parameters (Paper A's "
+        "size-matched baseline Q-K-V/mlp=Id-K-V), equivalence margin ±1.19% as for Id-K-V vs Q-K-V",
+        "none with the size-matched variant: written before the first run that trains it (the 8-seed LM family "
+        "of 2026-12-03, docs/results/lm-v5) had started; every older result reads as under version 4 (the "
+        "claim needs a variant they did not run)",
+        "900ca76ccc9b800c",
     ),
 )
 

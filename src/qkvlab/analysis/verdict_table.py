@@ -167,7 +167,8 @@ def claim_pairs(c: pf.Claim) -> list[tuple[str, str]]:
 
 def margins_markdown() -> str:
     """docs/analysis.md's margin table, from the claims themselves (a test keeps the two equal):
-    version 4's margin of every compared pair and the per-claim margin versions 2-3 applied."""
+    version 4's margin of every compared pair and the per-claim margin versions 2-3 applied (– where a
+    claim came later)."""
     kind_word = {
         "better": "smallest effect",
         "worst": "smallest effect",
@@ -179,7 +180,7 @@ def margins_markdown() -> str:
         "at_least": "threshold",
     }
     lines = [
-        "| claim | kind | margin (v4: per compared pair) | v2–v3 | reason (from the paper alone) |",
+        "| claim | kind | margin (from v4: per compared pair) | v2–v3 | reason (from the paper alone) |",
         "| --- | --- | --- | ---: | --- |",
     ]
     for c in pf.ALL_CLAIMS:
@@ -194,5 +195,7 @@ def margins_markdown() -> str:
             why = "half the paper's gap of each pair (the worse over the better)"
         else:
             value, why = old, c.why
+        if c.since > 3:  # the claim did not exist in versions 2-3
+            old = "–"
         lines.append(f"| `{c.id}` (Paper {c.paper}) | {c.kind}: {kind_word[c.kind]} | {value} | {old} | {why} |")
     return "\n".join(lines) + "\n"
