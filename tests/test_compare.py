@@ -14,8 +14,8 @@ import pytest
 from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.report import write_results
-from qkvlab.analysis.rules import ANALYSIS_VERSION
 from qkvlab.analysis.results import collect
+from qkvlab.analysis.rules import ANALYSIS_VERSION
 from qkvlab.analysis.runs import run_finished, write_manifest
 from qkvlab.cli import main
 from qkvlab.config import preset
