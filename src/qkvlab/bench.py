@@ -49,7 +49,7 @@ from qkvlab.model import GPT
 from qkvlab.settings import check, seed_setting, setting
 from qkvlab.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
 from qkvlab.speed import copy_rate as measured_copy_rate
-from qkvlab.train.dtype_probe import autocast_dtype
+from qkvlab.train.dtype_probe import autocast_dtype, inference_dtype
 from qkvlab.units import byte_size
 from qkvlab.variants import parse_variants
 
@@ -81,7 +81,8 @@ class BenchConfig:
     device: str = setting("auto", help=DEVICE_HELP, metavar="DEVICE")
     dtype: str = setting(
         "auto",
-        help="weights and cache dtype (auto: bf16 on GPU, fp32 on CPU; training's autocast: also bf16 on bf16-native CPUs)",
+        help="weights and cache dtype (auto: bf16 on GPU; on the CPU bf16 where a timed decode step at these shapes "
+        "says it is faster, and training's autocast likewise from a timed training step)",
         choices=dtype_choices(INFERENCE_DTYPES),
     )
     compile: bool = setting(False, help="decode with the static step under torch.compile (compiled once per shape)")
@@ -217,12 +218,12 @@ def bench_variant(
     device,
     log: Callable[[str], None],
     copy_rate: float,
+    dname: str,
 ) -> dict:
     """One variant's figures. Decoding: prefill and decode steps timed apart (qkvlab.speed), the
     decode path is generate's: the static step, eager or compiled (`compile`); the bandwidth limit of a
     step reads the weights once and each row's cache at its mean fill, at `copy_rate` bytes/s."""
     watch = LoadWatch.start()
-    dname = dtype_name(opts.dtype, device_type=device.type)
     out = cache_figures(cfg, opts, device, dname)
     if opts.train:
         tname, probe = autocast_dtype(opts.dtype, device.type, cfg, opts.train_batch * cfg.context)
@@ -363,7 +364,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
     """Measure every variant of `cfg`; a JSON-able dict (device, dtype, matmul rate, per variant)."""
     cfg.validate()
     device = select_device(cfg.device)
-    dname = dtype_name(cfg.dtype, device_type=device.type)
+    dname = dtype_name(cfg.dtype, device_type=device.type)  # "auto" on the CPU: fp32 here, the larger, until timed
     for name, m in variant_configs(cfg):  # a user error before anything is allocated or printed
         check_fits_bench(name, m, cfg, device, dname)
     watch = LoadWatch.start()  # before any work of ours: the verdict reads the load before it
@@ -381,7 +382,10 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
     peak = matmul_flops_per_s(device, torch_dtype(tname))
     rate = measured_copy_rate(device)
     log(f"matmul rate on {device} ({tname}): {peak / 1e9:.1f} GFLOP/s; copy rate {rate / 1e9:.1f} GB/s")
-    results = {name: bench_variant(name, m, cfg, peak, device, log, rate) for name, m in variant_configs(cfg)}
+    dname, decode_probe = inference_dtype(cfg.dtype, device.type, mcfg, cfg.decode_batches)
+    if decode_probe is not None:  # auto on the CPU: decided by timing a decode step of these shapes
+        log(decode_probe.describe())
+    results = {name: bench_variant(name, m, cfg, peak, device, log, rate, dname) for name, m in variant_configs(cfg)}
     base = next(iter(results.values()))["kv_cache_bytes_analytic"]
     for r in results.values():
         r["kv_cache_fraction_of_first"] = r["kv_cache_bytes_analytic"] / base
@@ -392,6 +396,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict:
         "train_dtype": tname,  # training: fp32 weights under autocast in this dtype (fp32: none)
         "device": str(device),
         "dtype": dname,
+        "decode_dtype_probe": None if decode_probe is None else decode_probe.record(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "matmul_flops_per_s": peak,
