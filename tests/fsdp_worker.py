@@ -1,12 +1,20 @@
 """Run by test_gpu_ready under `torchrun --nproc-per-node 2`: every scheme trained 2 steps with FSDP2
 on gloo, each rank on its half of the batch; rank 0 trains an unsharded copy on the whole batch and
 prints the largest loss or weight difference per scheme as one JSON line. Also: full state
-on rank 0 only, and a sharded model loaded from rank 0's dicts alone."""
+on rank 0 only, and a sharded model loaded from rank 0's dicts alone.
+
+A rank leaves with os._exit once its work is done and the group torn down: in torch 2.13 gloo's
+threads (its TCP event loop, its work loops) outlive destroy_process_group in an FSDP process (the
+group's shutdown() is a no-op and FSDP2/DeviceMesh keep references to it that survive the model), so
+a normal exit runs the interpreter's and C++'s teardown beside them, while the peer closes its
+sockets. os._exit ends the process, threads included, without that teardown
+(scripts/repro_fsdp_gloo.py shows the threads)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -19,7 +27,7 @@ from qkvlab.train.optim import make_optimizer
 
 def main(schemes: list[str]) -> None:
     torch.set_num_threads(1)
-    env = D.setup("cpu")
+    env = D.setup("cpu", timeout_s=120)  # a wedged peer fails the test well inside its 300 s
     diffs = {}
     for scheme in schemes:
         cfg = ModelConfig(attn=scheme, n_layer=2, n_head=4, d_model=32, vocab_size=64, context=16, bias=True)
@@ -70,4 +78,7 @@ def main(schemes: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(sys.argv[1:])  # an exception ends the rank the usual way (traceback, exit 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -251,27 +251,34 @@ def test_export_builds_every_tensor_on_the_weights_device(scheme, fmt, pos, mlp,
 
 def test_fsdp_on_two_gloo_processes_trains_every_scheme_like_one_process(tmp_path):
     schemes = SCHEMES
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(Path(__file__).with_name("fsdp_worker.py")),
-            *schemes,
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    diffs = json.loads(run.stdout.strip().splitlines()[-1])
+    out = run_two_ranks([str(Path(__file__).with_name("fsdp_worker.py")), *schemes], tmp_path)
+    diffs = json.loads(out.strip().splitlines()[-1])
     assert set(diffs) == set(schemes)
     assert all(d < 1e-5 for d in diffs.values()), diffs
+
+
+def run_two_ranks(args: list[str], cwd: Path, timeout: float = 300) -> str:
+    """`torchrun --nproc-per-node 2 ARGS`, its stdout. A rank that dies fails the test with torchrun's
+    summary (which rank, which exit code or signal) and the ranks' stderr, where faulthandler has
+    written the Python stack of a rank killed by a signal. A run past `timeout` fails the test the
+    same way instead of hanging it: torchrun gets SIGTERM, which it passes on to the ranks (each in a
+    session of its own) before it exits."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    with subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                out, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            pytest.fail(f"torchrun still running after {timeout:.0f} s, stopped; stderr:\n{err[-6000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun exited {proc.returncode}: a rank failed or died; stderr:\n{err[-6000:]}")
+    return out
 
 
 def test_a_checkpoint_with_the_old_score_term_bias_resumes():
