@@ -95,9 +95,13 @@ def read_rate(nbytes: int = 256 * 2**20, seconds: float = 0.5) -> float:
     return nbytes / best
 
 
-def limit_tokens_per_s(model, batch: int, fill: float, rate: float, cache_scale: float = 1.0) -> float:
-    """cache_scale: the cache's bytes per entry over the model's (llama.cpp's f16 cache beside fp32 weights: 0.5)."""
-    step_bytes = weight_bytes_per_step(model) + batch * fill * cache_bytes_per_token(model) * cache_scale
+def limit_tokens_per_s(
+    model, batch: int, fill: float, rate: float, cache_scale: float = 1.0, weight_bytes: float | None = None
+) -> float:
+    """cache_scale: the cache's bytes per entry over the model's (llama.cpp's f16 cache beside fp32 weights: 0.5);
+    weight_bytes: what a step reads of the weights when not the model's own (a GGUF's tensors)."""
+    weights = weight_bytes_per_step(model) if weight_bytes is None else weight_bytes
+    step_bytes = weights + batch * fill * cache_bytes_per_token(model) * cache_scale
     return batch * rate / step_bytes
 
 
@@ -308,21 +312,41 @@ def _number(cell: str) -> bool:
     return True
 
 
-class LlamaBin:
-    """llama.cpp's own binaries on one F32 GGUF: llama-batched-bench at every batch, and llama-bench
-    beside it at batch 1 (with an f16 or bf16 cache: it offers no f32 one)."""
+def gguf_weights(path: Path) -> tuple[str, int]:
+    """A GGUF's weight type (the tensor type holding most bytes, e.g. "f32", "bf16") and its tensors' bytes."""
+    from gguf import GGUFReader  # optional: qkvlab's [hf] extra
 
-    def __init__(self, folder: Path, gguf: Path, threads: int, cache: str, flash_attn: str = "off"):
+    by_type: dict[str, int] = {}
+    for t in GGUFReader(path).tensors:
+        by_type[t.tensor_type.name.lower()] = by_type.get(t.tensor_type.name.lower(), 0) + int(t.n_bytes)
+    return max(by_type, key=by_type.get), sum(by_type.values())
+
+
+class LlamaBin:
+    """llama.cpp's own binaries on one GGUF (F32 unless `weights` says another type, with its bytes):
+    llama-batched-bench at every batch, and llama-bench beside it at batch 1 (with an f16 or bf16
+    cache: it offers no f32 one)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        gguf: Path,
+        threads: int,
+        cache: str,
+        flash_attn: str = "off",
+        weights: tuple[str, int | None] = ("f32", None),
+    ):
         self.bench, self.batched = folder / "llama-bench", folder / "llama-batched-bench"
         missing = [p.name for p in (self.bench, self.batched) if not p.is_file()]
         if missing:
             raise SystemExit(f"--llama-bin {folder}: no {', '.join(missing)} there")
         self.gguf, self.threads, self.flash_attn = gguf, threads, flash_attn
         self.caches = {"llama-batched-bench": cache, "llama-bench": cache if cache in BENCH_CACHES else "f16"}
+        self.weight_type, self.weight_bytes = weights
 
-    @staticmethod
-    def names(batch: int) -> list[str]:
-        return ["llama-batched-bench f32", *(["llama-bench f32"] if batch == 1 else [])]
+    def names(self, batch: int) -> list[str]:
+        w = self.weight_type
+        return [f"llama-batched-bench {w}", *([f"llama-bench {w}"] if batch == 1 else [])]
 
     def cache(self, name: str) -> str:
         return self.caches[name.split()[0]]
@@ -362,7 +386,12 @@ def main() -> None:
     p.add_argument("--new-tokens", type=positive_int, default=64)
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--threads", type=positive_int, default=None, help="torch (and llama.cpp) threads")
-    p.add_argument("--llama-gguf", type=Path, default=None, help="an F32 GGUF for llama.cpp (default: made)")
+    p.add_argument(
+        "--llama-gguf",
+        type=Path,
+        default=None,
+        help="a GGUF for llama.cpp (default: an F32 one made; e.g. llama-quantize of it to BF16)",
+    )
     p.add_argument("--work", type=Path, default=None, help="folder for the F32 GGUF (default: a temporary one)")
     p.add_argument(
         "--llama-bin", type=Path, default=None, help="llama.cpp's build bin/ (llama-bench, llama-batched-bench)"
@@ -421,9 +450,11 @@ def main() -> None:
 
     if not args.skip_llama and args.llama_bin is not None:
         path = gguf()
-        bins = LlamaBin(args.llama_bin, path, threads, args.llama_cache_type, args.llama_flash_attn)
+        weights = gguf_weights(path)
+        bins = LlamaBin(args.llama_bin, path, threads, args.llama_cache_type, args.llama_flash_attn, weights)
         print(
-            f"llama.cpp binaries: {args.llama_bin} on {path} (F32), {threads} thread(s), "
+            f"llama.cpp binaries: {args.llama_bin} on {path} ({weights[0].upper()}, {weights[1] / 1e6:.0f} MB), "
+            f"{threads} thread(s), "
             f"KV cache {bins.caches['llama-batched-bench']} (llama-batched-bench, every batch), "
             f"{bins.caches['llama-bench']} (llama-bench, batch 1), flash attention {args.llama_flash_attn}",
             flush=True,
@@ -472,8 +503,11 @@ def main() -> None:
             if name.startswith("qkvlab"):
                 cache = name.split()[-1]  # qkvlab's cache is in the weights' dtype
                 limit = limit_tokens_per_s(models[cache], b, fill, read)
-            else:  # llama.cpp: fp32 weights; its cache in --llama-cache-type (llama-cpp-python's: f16)
-                cache = bins.cache(name) if bins is not None and name in bins.names(b) else "f16"
+            elif bins is not None and name in bins.names(b):  # the GGUF's weight bytes; --llama-cache-type
+                cache = bins.cache(name)
+                limit = limit_tokens_per_s(base, b, fill, read, CACHE_BYTES[cache] / 4, bins.weight_bytes)
+            else:  # llama-cpp-python: fp32 weights, its default f16 cache
+                cache = "f16"
                 limit = limit_tokens_per_s(base, b, fill, read, CACHE_BYTES[cache] / 4)
             tps = b / step_s
             prefill = None if math.isnan(prefill_s) else prefill_s

@@ -154,3 +154,23 @@ def test_limit_counts_llama_cpp_cache_entries():
     weights, cache = ds.weight_bytes_per_step(model), ds.cache_bytes_per_token(model)
     assert full == pytest.approx(16e9 / (weights + 1600 * cache))
     assert half == pytest.approx(16e9 / (weights + 800 * cache)) and half > full
+
+
+def test_a_gguf_s_weight_type_and_bytes_name_llama_cpp_s_rows_and_set_its_limit(tmp_path):
+    """A BF16/F16 GGUF (llama-quantize's) is its own contestant: rows named by its weight type, the
+    bandwidth limit reading its tensors' bytes rather than the fp32 model's."""
+    np = pytest.importorskip("numpy")
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.attn_q.weight", np.ones((64, 64), dtype=np.float16))  # 8192 bytes
+    w.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))  # 256 bytes
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert ds.gguf_weights(path) == ("f16", 8192 + 256)
+    folder = stand_ins(tmp_path / "bin", LLAMA_BENCH_JSON, BATCHED_JSONL)
+    bins = ds.LlamaBin(folder, path, 1, "f16", weights=ds.gguf_weights(path))
+    assert bins.names(1) == ["llama-batched-bench f16", "llama-bench f16"]
+    model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=16, vocab_size=32, context=16).validate())
+    own = ds.limit_tokens_per_s(model, 1, 0.0, 1e9)
+    assert ds.limit_tokens_per_s(model, 1, 0.0, 1e9, weight_bytes=bins.weight_bytes) == pytest.approx(1e9 / 8448)
+    assert own != pytest.approx(1e9 / 8448)
