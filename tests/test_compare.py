@@ -460,3 +460,25 @@ def test_compare_help_names_the_default_lm_variants():
     assert f"{len(DEFAULT_LM_VARIANTS) * 3} runs" in doc
     help_text = next(f.metadata["help"] for f in dataclasses.fields(CompareConfig) if f.name == "variants")
     assert f"the {len(DEFAULT_LM_VARIANTS)} LM variants" in help_text
+
+
+def test_committed_lm_family_rerenders_from_its_scores(tmp_path):
+    """docs/results/lm-v5 (analysis version 5, fixed before its runs) is what `compare --render`
+    derives from its committed scores.json alone: every figure and word, no run folder needed."""
+    from pathlib import Path
+
+    from qkvlab.compare.execute import render
+
+    src = Path(__file__).resolve().parents[1] / "docs" / "results" / "lm-v5"
+    for name in ("scores.json", "compare.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    outcome = render(tmp_path, plots=False, say=lambda *a: None)
+    assert outcome.from_scores
+    again = (
+        (tmp_path / "results.md")
+        .read_text()
+        .replace("- re-derived from scores.json (every run's stored scores); the run folders are not on disk\n", "")
+    )
+    plots = "## Plots\n\n![val_loss](val_loss.png)\n![ppl_vs_cache](ppl_vs_cache.png)\n![gap_trend](gap_trend.png)\n\n"
+    assert again == (src / "results.md").read_text().replace(plots, "")
+    assert json.loads((src / "compare.json").read_text())["trained_under_analysis"] == 5
