@@ -70,6 +70,23 @@ def dtype_probe_fixed(monkeypatch):
 
 
 @pytest.fixture()
+def decode_probe_bf16(monkeypatch):
+    """The decode-step probe answers bf16 at 2.00x (as on a machine where it pays); the fixture's value
+    lists the batches each call asked about."""
+    from qkvlab.train import dtype_probe
+
+    calls = []
+
+    def probe(model_cfg, batches=(1,), **_):
+        calls.append(tuple(batches))
+        shape = dtype_probe.DecodeShape.of(model_cfg, max(batches)).key
+        return dtype_probe.Decision("bf16", 2.0, 1.0, dtype_probe.MIN_NOISE, shape, "tests", "cached", step="decode")
+
+    monkeypatch.setattr(dtype_probe, "cpu_decode_dtype", probe)
+    return calls
+
+
+@pytest.fixture()
 def isolated_cache(tmp_path, monkeypatch):
     """This test's own qkvlab cache (QKVLAB_CACHE): nothing leaks into ~/.cache or between tests."""
     monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path / "cache"))

@@ -689,19 +689,10 @@ def test_cli_bench_json(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
-def test_bench_auto_dtype_on_the_cpu_follows_the_decode_probe(tmp_path, monkeypatch):
+def test_bench_auto_dtype_on_the_cpu_follows_the_decode_probe(tmp_path, decode_probe_bf16):
     """`bench --dtype auto` decodes in what a timed decode step of its shapes chose (here a fake
     probe says bf16), and records that decision; an explicit dtype is never probed."""
-    from qkvlab.train import dtype_probe
-
-    asked = []
-
-    def bf16_wins(model_cfg, batches=(1,), **_):
-        asked.append(tuple(batches))
-        shape = dtype_probe.DecodeShape.of(model_cfg, max(batches)).key
-        return dtype_probe.Decision("bf16", 2.0, 1.0, dtype_probe.MIN_NOISE, shape, "m", "measured now", step="decode")
-
-    monkeypatch.setattr(dtype_probe, "cpu_decode_dtype", bf16_wins)
+    asked = decode_probe_bf16
     args = ["bench", "--preset", "tiny", "--context", "32", "--schemes", "Q-K-V", "--batch", "2"]
     args += ["--decode-batches", "1,2", "--prompt-len", "4", "--new-tokens", "2", "--rounds", "1", "--no-train"]
     args += ["--no-hf", "--memory-budget", "1GB", "--device", "cpu"]

@@ -554,19 +554,10 @@ def test_sigterm_drains_a_real_server_process(model_dir, tmp_path):
             proc.wait()
 
 
-def test_auto_serves_in_the_dtype_the_probe_chose(model_dir, monkeypatch):
+def test_auto_serves_in_the_dtype_the_probe_chose(model_dir, decode_probe_bf16):
     """--dtype auto on the CPU: weights and cache in the decode probe's dtype (timed at one row and at
     the rows served together, at most 16), its figures in /health; fp32 asks no probe."""
-    from qkvlab.train import dtype_probe
-
-    calls = []
-
-    def probe(model_cfg, batches=(1,), **_):
-        calls.append(tuple(batches))
-        shape = dtype_probe.DecodeShape.of(model_cfg, max(batches)).key
-        return dtype_probe.Decision("bf16", 2.0, 1.0, dtype_probe.MIN_NOISE, shape, "tests", "cached", step="decode")
-
-    monkeypatch.setattr(dtype_probe, "cpu_decode_dtype", probe)
+    calls = decode_probe_bf16
     lines = []
     built = build(
         ServeConfig(model=str(model_dir), cache_memory="40KB", tokenizer="bytes", device="cpu", max_batch=4),
