@@ -9,6 +9,7 @@ sqrt(n)), "units": what a unit is (windows, lists, images, sets)}.
 from __future__ import annotations
 
 import json
+import lzma
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,9 @@ from qkvlab.io import read_config, read_metrics
 
 MANIFEST = "compare.json"
 SCORES = "scores.json"  # every run's scores, curves and model config: what --render re-derives results from
+SCORES_XZ = (
+    SCORES + ".xz"
+)  # the same, compressed (a committed copy of many per-unit scores); read when scores.json is not
 UNIT_DIGITS = 6  # per-unit scores are kept to 1e-6 (a loss of ~4 nats: 7 significant digits)
 
 # ---- runs -------------------------------------------------------------------------------------
@@ -160,12 +164,16 @@ def write_scores(out_dir: str | Path, runs: list[Run], manifest: dict[str, Any])
 
 
 def read_scores(out_dir: str | Path) -> list[Run] | None:
-    """The runs stored in OUT/scores.json (None when there is none); a malformed file is an error."""
+    """The runs stored in OUT/scores.json, else OUT/scores.json.xz (None when there is neither); a
+    malformed file is an error."""
     path = Path(out_dir) / SCORES
     if not path.is_file():
-        return None
+        path = path.with_name(SCORES_XZ)
+        if not path.is_file():
+            return None
     try:
-        body = json.loads(path.read_text())
+        raw = lzma.decompress(path.read_bytes()) if path.name == SCORES_XZ else path.read_bytes()
+        body = json.loads(raw)
         runs = [
             Run(
                 r["task"],
@@ -179,6 +187,6 @@ def read_scores(out_dir: str | Path) -> list[Run] | None:
             )
             for r in body["runs"]
         ]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, lzma.LZMAError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise UserError(f"{path}: not a scores file written by qkvlab compare ({type(e).__name__}: {e})") from None
     return runs
