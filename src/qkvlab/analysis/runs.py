@@ -22,9 +22,8 @@ from qkvlab.io import read_config, read_metrics
 
 MANIFEST = "compare.json"
 SCORES = "scores.json"  # every run's scores, curves and model config: what --render re-derives results from
-SCORES_XZ = (
-    SCORES + ".xz"
-)  # the same, compressed (a committed copy of many per-unit scores); read when scores.json is not
+# the same, compressed (a committed copy of many per-unit scores); read when scores.json is not there
+SCORES_XZ = SCORES + ".xz"
 UNIT_DIGITS = 6  # per-unit scores are kept to 1e-6 (a loss of ~4 nats: 7 significant digits)
 
 # ---- runs -------------------------------------------------------------------------------------
