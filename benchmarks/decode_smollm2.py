@@ -66,12 +66,17 @@ from pathlib import Path
 
 import torch
 
+from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.loadavg import ScriptRun, add_options, fmt
 from qkvlab.settings import positive_int
 from qkvlab.speed import cache_bytes_per_token, copy_rate, time_decode, weight_bytes_per_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CACHE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}  # llama.cpp's KV cache types offered by --llama-cache-type
+GGML_DTYPES = {
+    "f32": "fp32",
+    "f16": "fp16",
+    "bf16": "bf16",
+}  # llama.cpp's KV cache types (--llama-cache-type) in qkvlab's names
 BENCH_CACHES = ("f16", "bf16")  # of those, what llama-bench's -ctk takes (no f32)
 BATCHED_BENCH_COLUMNS = {"PP": "pp", "TG": "tg", "B": "pl", "T_PP s": "t_pp", "T_TG s": "t_tg"}  # its md table
 
@@ -396,7 +401,7 @@ def main() -> None:
     p.add_argument(
         "--llama-bin", type=Path, default=None, help="llama.cpp's build bin/ (llama-bench, llama-batched-bench)"
     )
-    p.add_argument("--llama-cache-type", choices=sorted(CACHE_BYTES), default="f32", help="llama.cpp's KV cache type")
+    p.add_argument("--llama-cache-type", choices=sorted(GGML_DTYPES), default="f32", help="llama.cpp's KV cache type")
     p.add_argument(
         "--llama-flash-attn",
         choices=("auto", "on", "off"),
@@ -503,12 +508,11 @@ def main() -> None:
             if name.startswith("qkvlab"):
                 cache = name.split()[-1]  # qkvlab's cache is in the weights' dtype
                 limit = limit_tokens_per_s(models[cache], b, fill, read)
-            elif bins is not None and name in bins.names(b):  # the GGUF's weight bytes; --llama-cache-type
-                cache = bins.cache(name)
-                limit = limit_tokens_per_s(base, b, fill, read, CACHE_BYTES[cache] / 4, bins.weight_bytes)
-            else:  # llama-cpp-python: fp32 weights, its default f16 cache
-                cache = "f16"
-                limit = limit_tokens_per_s(base, b, fill, read, CACHE_BYTES[cache] / 4)
+            else:  # llama.cpp: its binaries read the GGUF's weight bytes, llama-cpp-python fp32 with an f16 cache
+                binary = bins is not None and name in bins.names(b)
+                cache = bins.cache(name) if binary else "f16"
+                scale = kv_cache_bytes_per_token(base.cfg, GGML_DTYPES[cache]) / cache_bytes_per_token(base)
+                limit = limit_tokens_per_s(base, b, fill, read, scale, bins.weight_bytes if binary else None)
             tps = b / step_s
             prefill = None if math.isnan(prefill_s) else prefill_s
             row = dict(contestant=name, batch=b, prefill_s=prefill, step_ms=1e3 * step_s, tokens_per_s=tps)

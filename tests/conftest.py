@@ -70,6 +70,21 @@ def dtype_probe_fixed(monkeypatch):
 
 
 @pytest.fixture()
+def tiny_llama_config():
+    """A factory of 32-wide Llama-shaped configs (RoPE, RMSNorm, SwiGLU, 4 query / 2 kv heads) with
+    SmolLM2's vocabulary, so that its GGUF lends the tokenizer: what the GGUF export and llama.cpp
+    tests write out; keyword arguments override."""
+    from qkvlab.config import ModelConfig
+
+    def make(**overrides):
+        shape = dict(n_head=4, kv_heads=2, d_model=32, vocab_size=49152, context=64, pos="rope", rope_theta=100000.0)
+        shape |= dict(norm="rmsnorm", mlp="swiglu", tie_embeddings=True)
+        return ModelConfig(**(shape | overrides)).validate()
+
+    return make
+
+
+@pytest.fixture()
 def decode_probe_bf16(monkeypatch):
     """The decode-step probe answers bf16 at 2.00x (as on a machine where it pays); the fixture's value
     lists the batches each call asked about."""

