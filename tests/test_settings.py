@@ -15,6 +15,8 @@ from qkvlab.bench import BenchConfig
 from qkvlab.cli import COMMANDS, main
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
+from qkvlab.tasks.lm import LMOptions
+from qkvlab.tasks.synthetic import SyntheticOptions
 from qkvlab.train.config import TrainConfig
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "qkvlab"
@@ -105,6 +107,35 @@ def test_resolve_layers_a_preset_a_file_and_the_command_line():
         settings.resolve(TrainConfig, {"preset": "tiny"}, {"lrr": 1}, origin="r.yaml")
     with pytest.raises(UserError, match="task 'reverse': n_train=0 must be a positive integer"):
         settings.resolve(TrainConfig, rev, {"task_options": {"n_train": 0}})
+
+
+def test_task_settings_are_the_tasks_typed_options_and_task_options_stay_the_users():
+    """TrainConfig.task_settings: the task's OPTIONS_CLASS, defaults filled, through the task's one
+    checker; task_options stays what the user set (the form saved, compared and printed)."""
+    rev = TrainConfig.from_dict({"task": "reverse", "task_options": {"length": 8}})
+    assert rev.task_settings == SyntheticOptions(length=8)
+    assert TrainConfig.from_dict({"preset": "tiny"}).task_settings == LMOptions(tokenizer="bpe:512")
+    saved = rev.to_dict()
+    assert saved["task_options"] == {"length": 8}
+    assert TrainConfig.from_dict(saved).task_options == {"length": 8}
+    assert TrainConfig.from_dict(saved).to_dict() == saved
+
+
+@pytest.mark.parametrize(
+    "options,needle",
+    [
+        ({"lenght": 8}, "task 'reverse': unknown synthetic option 'lenght'; allowed: data_seed, length"),
+        ({"length": "abc"}, "task 'reverse': length='abc' must be an integer"),
+        ({"length": 0}, "task 'reverse': length=0 must be a positive integer"),
+    ],
+)
+def test_a_bad_task_option_is_one_line_naming_it(options, needle):
+    with pytest.raises(UserError) as e:
+        TrainConfig.from_dict({"task": "reverse", "task_options": options})
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    unchecked = dataclasses.replace(TrainConfig(task="reverse"), task_options=options)  # validate() not run
+    with pytest.raises(UserError, match=needle.split(";")[0]):
+        unchecked.task_settings  # noqa: B018 (the typed view checks on its own)
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
 from qkvlab.devices import cpu_name, select_device, torchrun_env
 from qkvlab.errors import UserError
 from qkvlab.folders import check_folder, claim_folder, inspect
-from qkvlab.tasks import FAMILIES, get_task
+from qkvlab.tasks import FAMILIES, task_from_config
 from qkvlab.train import distributed as D
 from qkvlab.train import loop  # loop.train, looked up per run (tests wrap it)
 from qkvlab.units import fmt_duration
@@ -168,7 +168,7 @@ def _check_tasks(plan: list[PlannedRun], family_request: bool, say) -> tuple[lis
         if key in checked:
             continue
         try:
-            t = get_task(run.task, run.cfg.task_options)
+            t = task_from_config(run.cfg)
             t.adapt_config(run.cfg.model)
         except UserError as e:
             if run.task == "lm" or not (family_request or run.point):

@@ -21,7 +21,7 @@ import torch
 from qkvlab.accounting import flops_per_token
 from qkvlab.devices import torch_dtype
 from qkvlab.errors import UserError
-from qkvlab.tasks import get_task
+from qkvlab.tasks import task_from_config
 from qkvlab.train.optim import make_optimizer
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d*)?)h)?(?:(\d+(?:\.\d*)?)m(?:in)?)?(?:(\d+(?:\.\d*)?)s?)?$")
@@ -109,7 +109,7 @@ def step_seconds(cfg, threads: int, steps: int = PROBE_STEPS) -> float:
     """Seconds per optimizer step of TrainConfig `cfg` in this process at `threads` threads, under the
     autocast the run would train with (cfg.dtype; auto as timed here, train.dtype_probe)."""
     torch.set_num_threads(threads)
-    task = get_task(cfg.task, cfg.task_options)
+    task = task_from_config(cfg)
     model = task.build_model(task.adapt_config(cfg.model))
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, torch.device("cpu"))
     dtype = torch_dtype(cfg.train_dtype("cpu"))

@@ -6,11 +6,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qkvlab.errors import UserError
 from qkvlab.settings import resolve
 from qkvlab.tasks.base import Task
+
+if TYPE_CHECKING:  # train.config imports this module (its options are checked here)
+    from qkvlab.train.config import TrainConfig
 
 TASK_MODULES: dict[str, str] = {
     "lm": "qkvlab.tasks.lm",
@@ -52,3 +55,8 @@ def resolve_task_options(name: str, *layers: Mapping[str, Any] | Any) -> Any:
 def get_task(name: str, options: Mapping[str, Any] | Any = None, **more: Any) -> Task:
     """Task `name` built from its options (a mapping, its OPTIONS_CLASS, or keywords over either)."""
     return _module(name).make_task(name, resolve_task_options(name, options, more))
+
+
+def task_from_config(cfg: TrainConfig) -> Task:
+    """The task of training config `cfg`, built from its typed options (`TrainConfig.task_settings`)."""
+    return get_task(cfg.task, cfg.task_settings)

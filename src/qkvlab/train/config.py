@@ -197,6 +197,12 @@ class TrainConfig:
     def ckpt_every(self) -> int:
         return self.checkpoint_every or self.eval_every
 
+    @property
+    def task_settings(self) -> Any:
+        """The task's options, typed: its module's OPTIONS_CLASS with every default filled, from
+        `task_options` (what the user set, the form saved and compared) through the task's one checker."""
+        return resolve_task_options(self.task, self.task_options)
+
     def train_dtype(self, device_type: str) -> str:
         """The dtype this run trains in on `device_type`: its dtype setting resolved (`autocast`)."""
         return self.autocast(device_type)[0]
@@ -241,9 +247,7 @@ class TrainConfig:
         check_dtype(self.dtype, TRAIN_DTYPES)
         check_device(self.device)
         self.accum_steps(1)
-        resolve_task_options(
-            self.task, self.task_options
-        )  # the task's own settings check them, before any data is read
+        self.task_settings  # noqa: B018 (built to check the task options, before any data is read)
         return self
 
     # ---- serialisation -----------------------------------------------------------------------

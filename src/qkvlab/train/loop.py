@@ -36,7 +36,7 @@ from qkvlab.heap import hold_freed_memory
 from qkvlab.io import METRICS, drop_aliases, tied_aliases, with_aliases
 from qkvlab.limits import check_training
 from qkvlab.settings import resolve
-from qkvlab.tasks import get_task
+from qkvlab.tasks import task_from_config
 from qkvlab.tasks.base import Task
 from qkvlab.train import checkpoint as ck
 from qkvlab.train import distributed as D
@@ -213,7 +213,7 @@ def _resolve_dtype(cfg: TrainConfig, env: D.Env, saved_state: dict[str, Any] | N
 
 def _setup(cfg: TrainConfig, out: Path, env: D.Env, saved_state: dict[str, Any] | None = None) -> Run:
     """Task (ranks never tokenize: `qkvlab prepare` did), model, optimizer, wrappers."""
-    task = get_task(cfg.task, cfg.task_options)
+    task = task_from_config(cfg)
     model_cfg = task.adapt_config(cfg.model)
     _check_memory(cfg, model_cfg, env, with_vocab=True)
     if env.device.type == "cpu":
@@ -255,8 +255,8 @@ def _setup(cfg: TrainConfig, out: Path, env: D.Env, saved_state: dict[str, Any] 
 def _check_memory(cfg: TrainConfig, model_cfg: ModelConfig, env: D.Env, *, with_vocab: bool) -> None:
     """Refuse, before allocating, what cannot fit (qkvlab.limits). Without the task's vocabulary
     (before the tokenizer exists) the bound leaves the embeddings and logits out."""
-    block = cfg.task_options.get("block_size")
-    seq = block if isinstance(block, int) and block > 0 else model_cfg.context
+    # lm and distill train on block_size windows when set; other tasks are bounded at the model context
+    seq = getattr(cfg.task_settings, "block_size", None) or model_cfg.context
     micro = cfg.batch_size // env.world // cfg.accum_steps(env.world)
     shards = env.world if env.distributed and cfg.sharding == "fsdp" else 1
     sized = model_cfg if with_vocab else model_cfg.replace(vocab_size=1)

@@ -11,7 +11,7 @@ import torch
 from qkvlab.errors import UserError
 from qkvlab.files import atomic_write, json_text
 from qkvlab.io import load_weights, read_config, tied_aliases
-from qkvlab.tasks import get_task
+from qkvlab.tasks import task_from_config
 from qkvlab.train.config import TrainConfig
 from qkvlab.train.loop import TEST_SCORES
 
@@ -24,7 +24,7 @@ def rescore(run_dir: str | Path, batch_size: int | None = None) -> dict | None:
     if not train.get("finished"):
         raise UserError(f"{run_dir}: not a finished run (config.json's train.finished)")
     cfg = TrainConfig.from_dict(train["config"])
-    task = get_task(cfg.task, cfg.task_options)
+    task = task_from_config(cfg)
     torch.manual_seed(cfg.seed)
     model = task.build_model(task.adapt_config(cfg.model))
     state = load_weights(run_dir / "model.safetensors")
