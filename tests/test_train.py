@@ -515,3 +515,19 @@ def test_a_preset_with_another_task_leaves_its_corpus_options_behind(tmp_path, c
     argv = ["train", "--out", str(tmp_path / "rev"), "--task", "reverse", "--preset", "tiny", "--attn", "(Q=K=V)+"]
     assert main([*argv, "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1", "--quiet"]) == 0
     assert (tmp_path / "rev" / "model.safetensors").is_file()
+
+
+def test_a_kill_between_the_last_checkpoint_and_the_test_scores_is_scored_on_resume(tmp_path):
+    """A run killed after its last checkpoint but before test.json (compare's Reverse at length 32 lost one
+    that way) was republished on resume without test scores, and compare then scored the whole task on
+    validation. Resumed, it is scored: the same test.json as the uninterrupted run's."""
+    out = tmp_path / "rev"
+    argv = ["train", "--out", str(out), "--task", "reverse", "--preset", "tiny", "--task-option", "length=8"]
+    argv += ["--max-steps", "3", "--eval-every", "3", "--eval-batches", "1", "--dtype", "fp32", "--quiet"]
+    assert main(argv) == 0
+    scored = json.loads((out / "test.json").read_text())
+    for name in ("test.json", "model.safetensors", "config.json"):  # the kill: only the checkpoint is left
+        (out / name).unlink()
+    assert main([*argv, "--resume"]) == 0
+    assert json.loads((out / "test.json").read_text()) == scored
+    assert (out / "model.safetensors").is_file()

@@ -144,7 +144,9 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
     saved = read_checkpoint(cfg, out, env, resume)  # verified, or refused before anything is written
     if env.main:  # before any step, so a resume after a kill at any moment trains this run's config
         write_train_config(out, cfg)
-    if saved is not None and saved.state["step"] == cfg.max_steps:
+    # A kill after the last checkpoint but before test.json leaves no test scores: such a run goes the
+    # whole way below (no step left to train), which scores it, instead of being republished without them.
+    if saved is not None and saved.state["step"] == cfg.max_steps and (out / TEST_SCORES).is_file():
         return _republish(cfg, out, env, saved.state)
     run = _setup(cfg, out, env, saved.state if saved is not None else None)
     if run.dtype_note and env.main and progress:
