@@ -72,11 +72,8 @@ from qkvlab.settings import positive_int
 from qkvlab.speed import cache_bytes_per_token, copy_rate, time_decode, weight_bytes_per_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GGML_DTYPES = {
-    "f32": "fp32",
-    "f16": "fp16",
-    "bf16": "bf16",
-}  # llama.cpp's KV cache types (--llama-cache-type) in qkvlab's names
+# llama.cpp's KV cache types (--llama-cache-type) in qkvlab's names
+GGML_DTYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
 BENCH_CACHES = ("f16", "bf16")  # of those, what llama-bench's -ctk takes (no f32)
 BATCHED_BENCH_COLUMNS = {"PP": "pp", "TG": "tg", "B": "pl", "T_PP s": "t_pp", "T_TG s": "t_tg"}  # its md table
 
@@ -323,7 +320,8 @@ def gguf_weights(path: Path) -> tuple[str, int]:
 
     by_type: dict[str, int] = {}
     for t in GGUFReader(path).tensors:
-        by_type[t.tensor_type.name.lower()] = by_type.get(t.tensor_type.name.lower(), 0) + int(t.n_bytes)
+        kind = t.tensor_type.name.lower()
+        by_type[kind] = by_type.get(kind, 0) + int(t.n_bytes)
     return max(by_type, key=by_type.get), sum(by_type.values())
 
 

@@ -51,9 +51,8 @@ def test_per_layer_kv_model_to_gguf_reads_back_equal(tmp_path, capsys, tiny_llam
     from qkvlab.io import load_model
 
     quiet()
-    folder = small_model(
-        tmp_path, tiny_llama_config, meta_from=str(GGUF)
-    )  # provenance names the GGUF: its tokenizer is used
+    # provenance names the GGUF: its tokenizer is used
+    folder = small_model(tmp_path, tiny_llama_config, meta_from=str(GGUF))
     out = tmp_path / "m.gguf"
     assert main(["convert", str(folder), str(out), "--to-gguf"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]

@@ -43,6 +43,11 @@ class Task(ABC):
     def evaluate(self, model: nn.Module, *, batch_size: int, max_batches: int | None = None) -> dict[str, float]:
         """Scores on fixed validation data; must include `val_loss` and `self.metric`."""
 
+    @property
+    def has_test_split(self) -> bool:
+        """Whether the task scores a test split: its own `test`, not this base's (which has none)."""
+        return type(self).test is not Task.test
+
     def test(self, model: nn.Module, *, batch_size: int) -> dict[str, Any] | None:
         """Scores on the whole held-out test split, for verdicts: `{"split": "test", "metric": NAME,
         NAME: value, "n": units scored, "units": what a unit is, "se": the evaluation's own standard

@@ -144,9 +144,7 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
     saved = read_checkpoint(cfg, out, env, resume)  # verified, or refused before anything is written
     if env.main:  # before any step, so a resume after a kill at any moment trains this run's config
         write_train_config(out, cfg)
-    # A kill after the last checkpoint but before test.json leaves no test scores: such a run goes the
-    # whole way below (no step left to train), which scores it, instead of being republished without them.
-    if saved is not None and saved.state["step"] == cfg.max_steps and (out / TEST_SCORES).is_file():
+    if saved is not None and saved.state["step"] == cfg.max_steps and not _test_scores_missing(cfg, out):
         return _republish(cfg, out, env, saved.state)
     run = _setup(cfg, out, env, saved.state if saved is not None else None)
     if run.dtype_note and env.main and progress:
@@ -437,6 +435,13 @@ def save_checkpoint(run: Run, state: State) -> dict[str, Any]:
         )
     D.barrier(env)
     return json.loads(json.dumps(st))  # a snapshot: rows keeps growing
+
+
+def _test_scores_missing(cfg: TrainConfig, out: Path) -> bool:
+    """A finished run killed after its last checkpoint but before test.json: it goes the whole way (no
+    step left to train), which scores it, instead of being republished without scores. A task without
+    a test split (distill) never has them to miss, and is republished without building anything."""
+    return not (out / TEST_SCORES).is_file() and task_from_config(cfg).has_test_split
 
 
 def _republish(cfg: TrainConfig, out: Path, env: D.Env, st: dict[str, Any]) -> TrainResult:
