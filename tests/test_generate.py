@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from conftest import SCHEMES
 from qkvlab.accounting import kv_cache_bytes_per_token
@@ -20,6 +22,7 @@ from qkvlab.errors import UserError
 from qkvlab.generate import (
     FINISHED,
     DecodeLayout,
+    PackedProduct,
     Sampling,
     compiled_step,
     decode_layout,
@@ -92,7 +95,7 @@ def make_model(cfg: ModelConfig, dtype=torch.float64, seed: int = 0) -> GPT:
 def decode_batched(model, prompts, cont, *, static=False, step=decode_step, spare=0, layout=False):
     """Prefill the left-padded prompts, then feed cont (B, N) one token per step ->
     logits (B, N+1, V): after the prompt, then after each fed token. spare: unused cache slots.
-    layout: under generate.decode_layout (Linear weights held transposed), as eager CPU generate runs."""
+    layout: under generate.decode_layout (Linear products in blocks), as eager CPU generate runs."""
     batch = left_pad(prompts)
     cache = new_cache(model, len(prompts), batch.idx.shape[1] + cont.shape[1] + spare, static=static)
     with torch.inference_mode(), decode_layout(model, len(prompts)) if layout else contextlib.nullcontext():
@@ -185,41 +188,55 @@ def test_stream_compiles_ahead_and_reports_once(monkeypatch):
         stream(model, prompts, 3, compile="fastest")
 
 
-def test_decode_layout_holds_linear_weights_transposed_and_puts_them_back():
+def test_decode_layout_computes_every_linear_in_blocks_and_puts_the_modules_back():
     model = make_model(cfg_for("Q-K=V", "learned", tie_embeddings=True), dtype=torch.float32)
     before = {n: (p, p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     with decode_layout(model, 1):
-        head = model.lm_head.weight
-        assert head is model.tok_emb.weight and head.stride() == (1, head.shape[0])  # tied: transposed once
-        for n, p in model.named_parameters():  # the longer dimension made the contiguous one
-            if n.endswith(("in_proj.weight", "mlp.up.weight")):
-                assert p.stride() == (1, p.shape[0])
-            elif n.endswith(("out_proj.weight", "mlp.down.weight")):
-                assert p.is_contiguous()
+        assert all(isinstance(vars(m).get("forward"), PackedProduct) for m in linears)
+        assert model.lm_head.forward.blocks.is_contiguous()
         got = generate(model, [[1, 2, 3]], 5, Sampling(temperature=0), static=False)
+        for n, p in model.named_parameters():  # the parameters themselves untouched
+            assert p is before[n][0] and p.data_ptr() == before[n][1]
+    assert all("forward" not in vars(m) for m in linears)
     for n, p in model.named_parameters():
         param, ptr, values = before[n]
-        assert p is param and p.data_ptr() == ptr and p.is_contiguous() and torch.equal(p, values)  # same storage
+        assert p is param and p.data_ptr() == ptr and torch.equal(p, values)
     assert got == generate(model, [[1, 2, 3]], 5, Sampling(temperature=0), static=True)
     with decode_layout(model, 16):  # a batch of rows: nothing changes
-        assert all(p.data_ptr() == before[n][1] for n, p in model.named_parameters())
+        assert all("forward" not in vars(m) for m in linears)
 
 
-def test_decode_layout_leaves_bf16_weights_row_major_and_holds_once():
-    """bf16's matrix-vector product is the faster row-major (generate.LAYOUT_DTYPES); holding twice copies once."""
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+@pytest.mark.parametrize("lead", [(1,), (3,), (2, 1), (1, 4), (5,)], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_product_equals_the_linear(parts, lead, bias):
+    """fp64, random weights and inputs: every split (3 does not divide 8 outputs: one block) and
+    1-5 rows (5 > LAYOUT_MAX_BATCH: the Linear's own product) give F.linear's values to 1e-12."""
+    torch.manual_seed(parts)
+    lin = nn.Linear(6, 8, bias=bias).double()
+    x = torch.randn(*lead, 6, dtype=torch.float64)
+    product = PackedProduct(lin, parts)
+    assert product.parts == (parts if 8 % parts == 0 else 1)
+    got = product(x)
+    assert got.shape == (*lead, 8)
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=0, atol=1e-12)
+
+
+def test_decode_layout_leaves_bf16_weights_as_they_are_and_holds_once():
+    """bf16's matrix-vector product is the faster as it is (generate.LAYOUT_DTYPES); holding twice packs once."""
     model = make_model(cfg_for("Q-K-V"), dtype=torch.bfloat16)
-    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     with decode_layout(model, 1):
-        assert all(p.data_ptr() == ptrs[n] and p.is_contiguous() for n, p in model.named_parameters())
+        assert all("forward" not in vars(m) for m in model.modules())
     model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
-    layout = DecodeLayout(model)
+    layout = DecodeLayout(model, parts=2)
     layout.hold()
-    held = {n: p.data_ptr() for n, p in model.named_parameters()}
+    products = {id(m): m.forward for m in model.modules() if isinstance(m, nn.Linear)}
     layout.hold()
-    assert layout.held and {n: p.data_ptr() for n, p in model.named_parameters()} == held
-    assert not model.lm_head.weight.is_contiguous()
+    assert layout.held and {id(m): m.forward for m in model.modules() if isinstance(m, nn.Linear)} == products
+    assert all(p.parts == 2 for p in products.values())
     layout.release()
-    assert not layout.held and all(p.is_contiguous() for p in model.parameters())
+    assert not layout.held and all("forward" not in vars(m) for m in model.modules())
 
 
 def test_prefill_updates_next_pos_in_place():

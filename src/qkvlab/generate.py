@@ -14,7 +14,7 @@ static cache (cache.py) every step has the same shapes, so torch.compile compile
 compiling fails, decoding goes on eager after one line on stderr.
 
 The eager default on the CPU is the dynamic step (attention reads the filled slots only, as
-transformers does) with the Linear weights held transposed while decoding (`decode_layout`); on
+transformers does) with the Linear products in blocks one per thread while decoding (`decode_layout`); on
 CUDA it is the static step (the one CUDA graphs replay).
 """
 
@@ -187,27 +187,56 @@ def warm_up(step: Callable, model, cache: KVCache, calls: int = 3) -> float:
     return time.perf_counter() - t0
 
 
-LAYOUT_DTYPES = (torch.float32, torch.float64)  # bf16's matrix-vector product is the faster row-major
+LAYOUT_DTYPES = (torch.float32, torch.float64)  # bf16's own matrix-vector product is the faster one as it is
+
+
+class PackedProduct:
+    """A Linear's product for a few rows at a time on the CPU: its weight (N, K) held as `parts`
+    blocks of output columns, each stored K-major, (parts, K, N/parts), and multiplied by one `bmm`
+    (parts, R, K) @ (parts, K, N/parts), whose batch the CPU threads share. More rows than
+    `max_rows` go to the Linear's own weight. Installed as the Linear's `forward` (its
+    parameters, names and state dict untouched) by `DecodeLayout`.
+
+    Why: a one-token step is a chain of matrix-vector products bound by memory, and MKL runs a
+    one-row product on one thread whatever torch.get_num_threads() says: SmolLM2's 151 products
+    of a step (538 MB fp32, streamed from memory as in a real step) took 33.4 ms with 2 threads and
+    33.7 ms with 1; K-major storage alone 24.7 ms; as a bmm of 2 K-major blocks with 2 threads,
+    16.0 ms (33.5 GB/s, 2.08x), and a whole SmolLM2 decode step 28.7 ms against 35.7 ms for the
+    earlier layout (the long matrices transposed; benchmarks/decode_smollm2.py has the current
+    figure). Outputs equal F.linear's to rounding (the same dot products; fp64 tests hold them
+    within 1e-12)."""
+
+    def __init__(self, linear: nn.Linear, parts: int, max_rows: int = LAYOUT_MAX_BATCH):
+        n, k = linear.weight.shape
+        self.linear, self.max_rows = linear, max_rows
+        self.parts = parts if parts > 0 and n % parts == 0 else 1
+        w = linear.weight.detach()
+        self.blocks = w.view(self.parts, n // self.parts, k).transpose(1, 2).contiguous()  # (P, K, N/P)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        *lead, k = x.shape
+        rows = x.reshape(-1, k)  # (R, K)
+        if rows.shape[0] > self.max_rows:
+            return nn.functional.linear(x, self.linear.weight, self.linear.bias)
+        y = torch.bmm(rows.expand(self.parts, -1, -1), self.blocks)  # (P, R, N/P)
+        y = y.transpose(0, 1).reshape(*lead, -1)  # (..., N): block p's outputs at columns p*N/P onwards
+        return y if self.linear.bias is None else y + self.linear.bias
 
 
 class DecodeLayout:
-    """Every Linear weight of `model` with more outputs than inputs (the fused projection, the MLP's
-    gate and up, the output head) held transposed in memory (column-major: the same shape and values,
-    only the strides differ) between `hold()` and `release()`, on the CPU in fp32/fp64.
+    """Every Linear of `model` computed by a `PackedProduct` (its weight copied into blocks, one per
+    CPU thread, `parts` = torch.get_num_threads() at `hold()` unless given) between `hold()` and
+    `release()`, on the CPU in fp32/fp64; the model's parameters are never touched.
 
-    Why: a one-token step is a chain of matrix-vector products bound by memory, and the CPU BLAS
-    streams a matrix near the copy rate when its contiguous rows are long, at ~60% of it when they
-    are short (measured at d 384, 2 threads: 17 vs 10 GB/s for 1152 x 384, either way round), so the
-    longer dimension is made the contiguous one (transformers' Conv1D layout for these matrices).
-    SmolLM2's 49,152 x 576 head at batch 1, 1 thread: 8.0 vs 14.5 ms a product. Not for bf16
-    weights: there the row-major product is the faster (7.2 vs 16 ms for that head), nor for batches of
-    rows (LAYOUT_MAX_BATCH). Costs one copy of those weights per hold and that much memory while
-    held; values never change, so outputs are those of the row-major weights to rounding (fp64 tests
-    hold them within 1e-10)."""
+    Costs one copy of every Linear weight while held (SmolLM2-135M fp32: 538 MB). Not for bf16
+    weights: their product is the faster as it is (SmolLM2's 151 products: 15.0 ms row-major, 23.4 ms
+    as blocks), nor for batches of rows (LAYOUT_MAX_BATCH: the product of the weight itself runs on
+    every thread there)."""
 
-    def __init__(self, model):
+    def __init__(self, model, parts: int | None = None):
         self.model = model
-        self.originals: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        self.parts = parts
+        self.products: dict[int, nn.Linear] = {}
 
     @staticmethod
     def applies(model) -> bool:
@@ -216,26 +245,21 @@ class DecodeLayout:
 
     @property
     def held(self) -> bool:
-        return bool(self.originals)
+        return bool(self.products)
 
     def hold(self) -> None:
         if self.held or not self.applies(self.model):
             return
+        parts = self.parts or torch.get_num_threads()
         for m in self.model.modules():
-            w = getattr(m, "weight", None)
-            if (
-                isinstance(m, nn.Linear)
-                and id(w) not in self.originals
-                and w.is_contiguous()
-                and w.shape[0] > w.shape[1]
-            ):
-                self.originals[id(w)] = (w, w.data)
-                w.data = w.data.t().contiguous().t()
+            if isinstance(m, nn.Linear) and "forward" not in vars(m):
+                m.forward = PackedProduct(m, parts)  # an instance attribute: nn.Module.__call__ finds it first
+                self.products[id(m)] = m
 
     def release(self) -> None:
-        for w, data in self.originals.values():
-            w.data = data
-        self.originals.clear()
+        for m in self.products.values():
+            del m.forward
+        self.products.clear()
 
 
 @contextlib.contextmanager

@@ -11,8 +11,8 @@ One step (`Engine.step`), on the engine's own thread, never on the HTTP event lo
    goes back to the front of the queue with its tokens so far, which are prefilled again when it
    is readmitted; nothing admitted is lost, and it continues exactly where it was;
 4. decode: one token for every running sequence in one forward pass (paged.py). On the CPU in fp32,
-   while the running batch stays small the model's long Linear weights are held transposed, as
-   `generate` holds them (generate.DecodeLayout; switched after LAYOUT_SWITCH_STEPS steps on the other
+   while the running batch stays small the model's Linear products run in blocks, one per thread, as
+   `generate` runs them (generate.DecodeLayout; switched after LAYOUT_SWITCH_STEPS steps on the other
    side of LAYOUT_MAX_BATCH, at once for a server that never ran more; given back at `stop`).
 
 Each sequence computes exactly what `qkvlab.generate` computes for it alone: the same prefill, the
@@ -189,7 +189,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         # generate's small-batch weight layout (generate.DecodeLayout; CPU, fp32): held while the running
         # batch stays at most LAYOUT_MAX_BATCH, released while it stays above, each switch after
-        # LAYOUT_SWITCH_STEPS steps on the other side (a switch copies the long weights once)
+        # LAYOUT_SWITCH_STEPS steps on the other side (a hold copies the Linear weights once)
         self.layout = DecodeLayout(model)
         self._layout_applies = DecodeLayout.applies(model)
         self._layout_votes = 0
