@@ -82,7 +82,7 @@ from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.config import ModelConfig
 from qkvlab.data.text import load_shakespeare
 from qkvlab.errors import UserError
-from qkvlab.files import atomic_file, atomic_write, json_text
+from qkvlab.files import atomic_file, atomic_write, json_text, labelled_path
 from qkvlab.io import save_model
 from qkvlab.loadavg import LoadWatch, describe, load1, verdict
 from qkvlab.settings import positive_int
@@ -277,9 +277,9 @@ class Target:
 
 
 def parse_serve(text: str) -> tuple[str, str]:
-    label, sep, path = text.partition("=")
-    if not sep:
-        label, path = Path(text).name.removesuffix(".gguf"), text
+    label, path = labelled_path(text)
+    if not label and path == text:
+        label = Path(text).name.removesuffix(".gguf")
     if not label or not path:
         raise argparse.ArgumentTypeError(f"{text!r}: give LABEL=PATH (or PATH)")
     return label, path

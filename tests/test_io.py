@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from qkvlab.config import preset
 from qkvlab.errors import UserError
-from qkvlab.files import atomic_file, atomic_write
+from qkvlab.files import atomic_file, atomic_write, labelled_path
 from qkvlab.io import METRICS, WEIGHTS, load_model, read_metrics, save_model, state_dict_for_save, tied_aliases
 from qkvlab.model import GPT
 
@@ -115,3 +115,14 @@ def test_a_folder_named_as_a_text_file_is_called_a_folder(tmp_path):
         read_user_text(tmp_path, "--config")
     with pytest.raises(UserError, match="no such file"):
         read_user_text(tmp_path / "missing")
+
+
+def test_labelled_path_splits_where_an_existing_path_follows(tmp_path):
+    """Labels and folders may both hold '=' (K=V, lm/Q-K=V/seed0): the split is where the path exists."""
+    run = tmp_path / "lm" / "Q-K=V" / "seed0"
+    run.mkdir(parents=True)
+    assert labelled_path(f"Q-K=V={run}") == ("Q-K=V", str(run))
+    assert labelled_path(f"kv={run}") == ("kv", str(run))
+    assert labelled_path(str(run)) == ("", str(run))  # an existing path alone is a path, '=' or not
+    assert labelled_path(f"K=V 30 layers={tmp_path}/missing") == ("K=V 30 layers", f"{tmp_path}/missing")
+    assert labelled_path("plain/folder") == ("", "plain/folder")

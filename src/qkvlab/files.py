@@ -186,6 +186,20 @@ def atomic_dir(path: str | Path, *, replace: bool = True, needed: int | None = N
 
 
 # ---- strict JSON ----------------------------------------------------------------------------------
+def labelled_path(text: str) -> tuple[str, str]:
+    """'LABEL=PATH' -> (LABEL, PATH), as scripts take runs and models to name in a table. Either side
+    may hold '=' (a label 'K=V', a folder 'lm/Q-K=V/seed0'): the split is at the first '=' after which
+    an existing file or folder follows, else at the last '=' (labels hold one more often than paths);
+    a text that is itself an existing path, or has no '=', -> ('', text)."""
+    cuts = [i for i, c in enumerate(text) if c == "="]
+    if not cuts or Path(text).exists():
+        return "", text
+    for i in cuts:
+        if Path(text[i + 1 :]).exists():
+            return text[:i], text[i + 1 :]
+    return text[: cuts[-1]], text[cuts[-1] + 1 :]
+
+
 def read_user_text(path: str | Path, label: str | None = None) -> str:
     """A text file the user named, as str; a missing, unreadable or non-UTF-8 file is one line
     starting with `label` (default: the path)."""

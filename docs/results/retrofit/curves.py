@@ -27,7 +27,7 @@ from qkvlab.convert.load import load_any
 from qkvlab.convert.retrofit import load_source, perplexity
 from qkvlab.convert.retrofit_fit import with_layers
 from qkvlab.data.text import load_corpus
-from qkvlab.files import atomic_write, json_text, save_figure
+from qkvlab.files import atomic_write, json_text, labelled_path, save_figure
 from qkvlab.generate import Sampling, generate
 from qkvlab.io import load_model
 from qkvlab.tasks import get_task
@@ -69,7 +69,7 @@ def main() -> None:
     block = report["options"]["block_size"] or min(cfg.context, 256)
     texts = {"heldout": load_file(str(args.run / "tokens.safetensors"))["val"]}
     for item in args.text:
-        name, _, path = item.partition("=")
+        name, path = labelled_path(item)
         texts[name] = text_tokens(src.encode, path, src.eot_id)
     score = lambda m: {  # noqa: E731
         name: perplexity(m, toks, block=block, max_tokens=args.eval_tokens) for name, toks in texts.items()

@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from qkvlab.files import save_figure  # noqa: E402
+from qkvlab.files import labelled_path, save_figure  # noqa: E402
 
 
 def read_evaluations(folder: Path) -> list[dict]:
@@ -40,7 +40,7 @@ def main() -> None:
         raise SystemExit(f"{args.out} exists; choose another OUT")
     runs = {}
     for item in args.runs:
-        name, _, folder = item.rpartition("=")  # names may hold "=" (K=V), folders seldom do
+        name, folder = labelled_path(item)
         runs[name] = read_evaluations(Path(folder))
     print("| run | step | tokens | val KL | val ppl |\n|---|---:|---:|---:|---:|")
     for name, rows in runs.items():

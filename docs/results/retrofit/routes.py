@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from qkvlab.files import save_figure  # noqa: E402
+from qkvlab.files import labelled_path, save_figure  # noqa: E402
 
 
 def read_route(folder: Path) -> dict:
@@ -38,7 +38,7 @@ def main() -> None:
         raise SystemExit(f"{args.out} exists; choose another OUT")
     routes = {}
     for item in args.routes:
-        name, _, folder = item.rpartition("=")  # a route may be named K=V; a folder has no "="
+        name, folder = labelled_path(item)
         routes[name] = read_route(Path(folder))
     first = next(iter(routes.values()))["curves"]["cache_curve_fit_only"][0]
     texts = args.text or [k for k in first if k not in ("layers_converted", "layers", "cache_fraction")]

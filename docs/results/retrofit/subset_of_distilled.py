@@ -17,7 +17,7 @@ from qkvlab.accounting import kv_cache_bytes_per_token
 from qkvlab.convert.load import load_any
 from qkvlab.convert.retrofit import load_source, perplexity
 from qkvlab.convert.retrofit_fit import with_layers
-from qkvlab.files import atomic_write, json_text
+from qkvlab.files import atomic_write, json_text, labelled_path
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     block = report["options"]["block_size"] or min(cfg.context, 256)
     texts = {"heldout": load_file(str(args.run / "tokens.safetensors"))["val"]}
     for item in args.text:
-        name, _, path = item.partition("=")
+        name, path = labelled_path(item)
         texts[name] = text_tokens(src.encode, path, src.eot_id)
     by_cost = [lf["layer"] for lf in sorted(report["layers"], key=lambda lf: (lf["error"], lf["layer"]))]
     rows = []
