@@ -12,7 +12,7 @@ the memory-bandwidth limit.
    and transformers' `generate` with its cache on the same weights (qkvlab.bench.hf_twin; its
    prefill is generate(1), its step the difference of generate(new) and generate(1); "unmeasured"
    when that difference is not positive). All timed alternately, best of rounds. Eager paths on the
-   CPU at batch <= 4 run with generate.decode_layout (set up inside the prefill's time).
+   CPU at batch <= generate.LAYOUT_MAX_BATCH (16) run with generate.decode_layout (set up inside the prefill's time).
    Every figure carries the 1-min load when it was printed; the run's verdict (qkvlab.loadavg) comes
    last; --require-quiet exits 3 on a noisy machine; --json writes the figures and the load.
    The bandwidth limit of a step reads the weights once and each row's cache at its mean fill

@@ -11,7 +11,7 @@ one run are.
 
 Contestants (each a prompt of --prompt-len random tokens per stream, --new-tokens greedy tokens):
   generate   qkvlab.generate's eager CPU path (speed.time_decode: the dynamic cache, the decode
-             layout at batch <= 4): prefill and decode steps timed apart;
+             layout at batch <= 16): prefill and decode steps timed apart;
   serve      the serve engine (continuous batching over the paged cache) with --batch requests
              submitted at once: its first step admits and prefills them, the decode steps after it
              are timed (what a client sees per token once its stream runs);

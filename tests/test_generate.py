@@ -21,6 +21,7 @@ from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
 from qkvlab.generate import (
     FINISHED,
+    LAYOUT_MAX_BATCH,
     DecodeLayout,
     PackedProduct,
     Sampling,
@@ -203,7 +204,7 @@ def test_decode_layout_computes_every_linear_in_blocks_and_puts_the_modules_back
         param, ptr, values = before[n]
         assert p is param and p.data_ptr() == ptr and torch.equal(p, values)
     assert got == generate(model, [[1, 2, 3]], 5, Sampling(temperature=0), static=True)
-    with decode_layout(model, 16):  # a batch of rows: nothing changes
+    with decode_layout(model, LAYOUT_MAX_BATCH + 1):  # a larger batch of rows: nothing changes
         assert all("forward" not in vars(m) for m in linears)
 
 
@@ -212,11 +213,11 @@ def test_decode_layout_computes_every_linear_in_blocks_and_puts_the_modules_back
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_product_equals_the_linear(parts, lead, bias):
     """fp64, random weights and inputs: every split (3 does not divide 8 outputs: one block) and
-    1-5 rows (5 > LAYOUT_MAX_BATCH: the Linear's own product) give F.linear's values to 1e-12."""
+    1-5 rows (5 > max_rows: the Linear's own product) give F.linear's values to 1e-12."""
     torch.manual_seed(parts)
     lin = nn.Linear(6, 8, bias=bias).double()
     x = torch.randn(*lead, 6, dtype=torch.float64)
-    product = PackedProduct(lin, parts)
+    product = PackedProduct(lin, parts, max_rows=4)
     assert product.parts == (parts if 8 % parts == 0 else 1)
     got = product(x)
     assert got.shape == (*lead, 8)

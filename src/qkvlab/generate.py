@@ -36,7 +36,9 @@ from qkvlab.errors import UserError
 FINISHED = -1  # what `stream` yields for a row that already produced its end-of-text token
 STOP_CHECK_EVERY = 8  # steps between end-of-text checks (each check waits for the device)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile modes; reduce-overhead: CUDA graphs
-LAYOUT_MAX_BATCH = 4  # decode_layout pays for matrix-vector products, not for batches of rows
+# decode_layout's rows: SmolLM2's products at 2 threads as blocks vs as stored, 2.14x at 1 row, 2.06x at 4, 1.44x at
+# 16 (benchmarks/linear_layouts.py); larger batches unmeasured
+LAYOUT_MAX_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -230,8 +232,7 @@ class DecodeLayout:
 
     Costs one copy of every Linear weight while held (SmolLM2-135M fp32: 538 MB). Not for bf16
     weights: their product is the faster as it is (SmolLM2's 151 products: 15.0 ms row-major, 23.4 ms
-    as blocks), nor for batches of rows (LAYOUT_MAX_BATCH: the product of the weight itself runs on
-    every thread there)."""
+    as blocks), nor above LAYOUT_MAX_BATCH rows (unmeasured there)."""
 
     def __init__(self, model, parts: int | None = None):
         self.model = model
