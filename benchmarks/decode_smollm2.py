@@ -168,7 +168,8 @@ def profile_steps(step, steps: int, vocab: int) -> tuple[dict[str, float], float
     for e in prof.key_averages(group_by_input_shape=True):
         ms = e.self_cpu_time_total / 1e3 / steps
         if e.key in ("aten::mm", "aten::addmm", "aten::bmm"):
-            head = any(vocab in (s or []) for s in (e.input_shapes or []))
+            # the head: a (.., vocab) product, or generate.PackedProduct's (P, K, vocab / P) blocks
+            head = any(vocab in (s or []) or len(s or []) == 3 and s[0] * s[2] == vocab for s in (e.input_shapes or []))
             out["output head (matmul)" if head else "other matmuls"] += ms
             continue
         label = next((lab for lab, names in CATEGORIES if e.key in names), "other ops")
