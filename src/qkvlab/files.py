@@ -185,7 +185,6 @@ def atomic_dir(path: str | Path, *, replace: bool = True, needed: int | None = N
         raise
 
 
-# ---- strict JSON ----------------------------------------------------------------------------------
 def labelled_path(text: str) -> tuple[str, str]:
     """'LABEL=PATH' -> (LABEL, PATH), as scripts take runs and models to name in a table. Either side
     may hold '=' (a label 'K=V', a folder 'lm/Q-K=V/seed0'): the split is at the first '=' after which
@@ -200,6 +199,7 @@ def labelled_path(text: str) -> tuple[str, str]:
     return text[: cuts[-1]], text[cuts[-1] + 1 :]
 
 
+# ---- strict JSON ----------------------------------------------------------------------------------
 def read_user_text(path: str | Path, label: str | None = None) -> str:
     """A text file the user named, as str; a missing, unreadable or non-UTF-8 file is one line
     starting with `label` (default: the path)."""

@@ -36,8 +36,8 @@ from qkvlab.errors import UserError
 FINISHED = -1  # what `stream` yields for a row that already produced its end-of-text token
 STOP_CHECK_EVERY = 8  # steps between end-of-text checks (each check waits for the device)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile modes; reduce-overhead: CUDA graphs
-# decode_layout's rows: SmolLM2's products at 2 threads as blocks vs as stored, 2.14x at 1 row, 2.06x at 4, 1.44x at
-# 16 (benchmarks/linear_layouts.py); larger batches unmeasured
+# decode_layout's rows: SmolLM2's products on 2 threads as blocks vs as stored 2.14x at 1 row, 2.06x at 4, 1.35-1.44x
+# at 16 (benchmarks/linear_layouts.py); 1.27x / 1.18x at 32 / 64 rows, but whole steps there are not measured
 LAYOUT_MAX_BATCH = 16
 
 
@@ -201,12 +201,10 @@ class PackedProduct:
 
     Why: a one-token step is a chain of matrix-vector products bound by memory, and MKL runs a
     one-row product on one thread whatever torch.get_num_threads() says: SmolLM2's 151 products
-    of a step (538 MB fp32, streamed from memory as in a real step) took 33.4 ms with 2 threads and
-    33.7 ms with 1; K-major storage alone 24.7 ms; as a bmm of 2 K-major blocks with 2 threads,
-    16.0 ms (33.5 GB/s, 2.08x), and a whole SmolLM2 decode step 28.7 ms against 35.7 ms for the
-    earlier layout (the long matrices transposed; benchmarks/decode_smollm2.py has the current
-    figure). Outputs equal F.linear's to rounding (the same dot products; fp64 tests hold them
-    within 1e-12)."""
+    of a step (538 MB fp32, streamed from memory as in a real step) took 32.3 ms with 1 thread and
+    32.1 ms with 2; K-major storage alone 24.8 ms; as a bmm of 2 K-major blocks on 2 threads 15.0 ms
+    (2.14x; benchmarks/linear_layouts.py, docs/results/speed). Outputs equal F.linear's to rounding
+    (the same dot products; fp64 tests hold them within 1e-12)."""
 
     def __init__(self, linear: nn.Linear, parts: int, max_rows: int = LAYOUT_MAX_BATCH):
         n, k = linear.weight.shape
@@ -231,8 +229,8 @@ class DecodeLayout:
     `release()`, on the CPU in fp32/fp64; the model's parameters are never touched.
 
     Costs one copy of every Linear weight while held (SmolLM2-135M fp32: 538 MB). Not for bf16
-    weights: their product is the faster as it is (SmolLM2's 151 products: 15.0 ms row-major, 23.4 ms
-    as blocks), nor above LAYOUT_MAX_BATCH rows (unmeasured there)."""
+    weights: their product already uses every thread and is the faster as it is (SmolLM2's 151
+    products: 14.7 ms as stored, 20.7 ms as blocks), nor above LAYOUT_MAX_BATCH rows."""
 
     def __init__(self, model, parts: int | None = None):
         self.model = model
