@@ -235,7 +235,7 @@ class DecodeLayout:
     def __init__(self, model, parts: int | None = None):
         self.model = model
         self.parts = parts
-        self.products: dict[int, nn.Linear] = {}
+        self.packed: list[nn.Linear] = []  # the Linears whose forward is a PackedProduct
 
     @staticmethod
     def applies(model) -> bool:
@@ -244,7 +244,7 @@ class DecodeLayout:
 
     @property
     def held(self) -> bool:
-        return bool(self.products)
+        return bool(self.packed)
 
     def hold(self) -> None:
         if self.held or not self.applies(self.model):
@@ -253,12 +253,12 @@ class DecodeLayout:
         for m in self.model.modules():
             if isinstance(m, nn.Linear) and "forward" not in vars(m):
                 m.forward = PackedProduct(m, parts)  # an instance attribute: nn.Module.__call__ finds it first
-                self.products[id(m)] = m
+                self.packed.append(m)
 
     def release(self) -> None:
-        for m in self.products.values():
+        for m in self.packed:
             del m.forward
-        self.products.clear()
+        self.packed.clear()
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 perplexity against distillation tokens, one line per run, from each run's `metrics.jsonl` (a retrofit's
 `OUT/uptrain/metrics.jsonl`, or the committed copy in a folder here).
 
-    python docs/results/retrofit/distill_curves.py OUT.png NAME=RUN [NAME=RUN ...]   # split at the last "="
+    python docs/results/retrofit/distill_curves.py OUT.png NAME=RUN [NAME=RUN ...]   # NAME may hold "=" (K=V)
 
 RUN: a folder holding metrics.jsonl or uptrain/metrics.jsonl. Prints one table row per run and evaluation
 step: tokens, validation KL, validation perplexity.
@@ -18,8 +18,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from routes import named_inputs  # noqa: E402  (beside this script: run as a file, its folder is on sys.path)
 
-from qkvlab.files import labelled_path, save_figure  # noqa: E402
+from qkvlab.files import save_figure  # noqa: E402
 
 
 def read_evaluations(folder: Path) -> list[dict]:
@@ -36,12 +37,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("runs", nargs="+", metavar="NAME=RUN")
     args = ap.parse_args()
-    if args.out.exists():
-        raise SystemExit(f"{args.out} exists; choose another OUT")
-    runs = {}
-    for item in args.runs:
-        name, folder = labelled_path(item)
-        runs[name] = read_evaluations(Path(folder))
+    runs = named_inputs(args.out, args.runs, read_evaluations)
     print("| run | step | tokens | val KL | val ppl |\n|---|---:|---:|---:|---:|")
     for name, rows in runs.items():
         for r in rows:

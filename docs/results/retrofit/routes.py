@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import matplotlib
 
@@ -19,6 +21,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from qkvlab.files import labelled_path, save_figure  # noqa: E402
+
+T = TypeVar("T")
+
+
+def named_inputs(out: Path, items: list[str], read: Callable[[Path], T]) -> dict[str, T]:
+    """Refuse an existing OUT (a plot never replaces a file), then NAME=FOLDER items -> {NAME: read(FOLDER)}
+    (files.labelled_path: a name and a folder may both hold "=")."""
+    if out.exists():
+        raise SystemExit(f"{out} exists; choose another OUT")
+    return {name: read(Path(folder)) for name, folder in map(labelled_path, items)}
 
 
 def read_route(folder: Path) -> dict:
@@ -34,12 +46,7 @@ def main() -> None:
     ap.add_argument("routes", nargs="+", metavar="NAME=CURVES_DIR")
     ap.add_argument("--text", action="append", help="texts to plot (default: every text of the first route)")
     args = ap.parse_args()
-    if args.out.exists():
-        raise SystemExit(f"{args.out} exists; choose another OUT")
-    routes = {}
-    for item in args.routes:
-        name, folder = labelled_path(item)
-        routes[name] = read_route(Path(folder))
+    routes = named_inputs(args.out, args.routes, read_route)
     first = next(iter(routes.values()))["curves"]["cache_curve_fit_only"][0]
     texts = args.text or [k for k in first if k not in ("layers_converted", "layers", "cache_fraction")]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
