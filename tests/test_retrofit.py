@@ -248,6 +248,26 @@ def test_retrofit_command_end_to_end(trained, capsys, monkeypatch):
     assert again["ppl_uptrained"] == pytest.approx(report["ppl_uptrained"], rel=1e-6)
 
 
+def test_rest_lr_trains_the_unconverted_weights_at_their_rate(trained, capsys):
+    """--rest-lr: the MLPs and embedding move too, the loop's step lr is the scheduled one times each
+    group's scale (read back from the checkpoint); refused beside --train all."""
+    from qkvlab.io import load_model
+
+    out = trained / "rf_rest"
+    argv = ["retrofit", str(trained / "teacher"), str(out), "--data", str(trained / "plays.txt"), "--steps", "3"]
+    argv += ["--calib-tokens", "512", "--eval-tokens", "512", "--refine-steps", "2", "--quiet", "--lr", "1e-3"]
+    assert main(argv + ["--rest-lr", "2.5e-4", "--train", "all"]) == 2
+    assert "--rest-lr 0.00025 is for --train converted" in capsys.readouterr().err and not out.exists()
+    assert main(argv + ["--rest-lr", "2.5e-4", "--warmup-steps", "0"]) == 0
+    fit, _, _ = load_model(out / "fit")
+    final, _, _ = load_model(out)
+    fit_w, final_w = dict(fit.named_parameters()), dict(final.named_parameters())
+    assert all(not torch.equal(fit_w[n], final_w[n]) for n in fit_w if n.endswith("weight") and ".norm" not in n)
+    state = json.loads((out / "uptrain" / "checkpoint" / "state.json").read_text())
+    lrs = {g["lr_scale"]: g["lr"] for g in state["optimizer_param_groups"]}
+    assert set(lrs) == {1.0, 0.25} and lrs[0.25] == pytest.approx(lrs[1.0] * 0.25, rel=1e-12)
+
+
 def test_a_fit_from_before_an_option_is_reused_only_for_what_it_did(trained, capsys):
     """A fit written before --refine-inputs existed had only the first pass: --resume reuses it for
     --refine-inputs original and fits again for converted (today's default), never the other way."""
@@ -312,6 +332,38 @@ def test_distill_trains_only_the_chosen_layers_attention(tmp_path):
     for bad in ([3], [-1], "0", [True]):
         with pytest.raises(UserError, match="train_layers="):
             get_task("distill", **opts, train_layers=bad)
+
+
+def test_distill_rest_lr_scale_trains_the_rest_slower(tmp_path):
+    """rest_lr_scale > 0: every weight trains, the chosen layers' attention at the lr, the rest at the
+    fraction; the loop's optimizer groups carry the scale and each step's lr is multiplied by it."""
+    from qkvlab.convert.retrofit import write_tokens
+    from qkvlab.io import save_model
+    from qkvlab.tasks import get_task
+    from qkvlab.train.optim import make_optimizer
+
+    model, cfg = model_with(n_layer=3)
+    save_model(tmp_path / "student", model.float(), cfg)
+    write_tokens(tmp_path / "t.safetensors", calib(400), calib(100, seed=2))
+    opts = dict(
+        teacher=str(tmp_path / "student"), student=str(tmp_path / "student"), tokens=str(tmp_path / "t.safetensors")
+    )
+    task = get_task("distill", **opts, train_layers=[1], rest_lr_scale=0.1)
+    student = task.build_model(cfg)
+    assert all(p.requires_grad for p in student.parameters())
+    full = {f"trunk.blocks.1.attn.{w}.weight" for w in ("in_proj", "out_proj")}
+    scales = {n: task.lr_scale(n) for n, _ in student.named_parameters()}
+    assert {n for n, s in scales.items() if s == 1.0} == full and set(scales.values()) == {1.0, 0.1}
+    opt = make_optimizer(student, 1e-3, 0.1, (0.9, 0.95), torch.device("cpu"), task.lr_scale)
+    by_scale = {g["lr_scale"]: sum(p.numel() for p in g["params"]) for g in opt.param_groups if g["weight_decay"]}
+    named = dict(student.named_parameters())
+    assert by_scale[1.0] == sum(named[n].numel() for n in full)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(named)
+    assert get_task("distill", **opts, train_layers=[1]).lr_scale("trunk.blocks.0.mlp.fc.weight") == 0.0
+    with pytest.raises(UserError, match="rest_lr_scale=0.5 needs train_layers"):
+        get_task("distill", **opts, rest_lr_scale=0.5)
+    with pytest.raises(UserError, match="rest_lr_scale=-1"):
+        get_task("distill", **opts, train_layers=[1], rest_lr_scale=-1)
 
 
 def test_command_settings(capsys, tmp_path):

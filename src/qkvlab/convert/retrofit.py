@@ -219,6 +219,12 @@ class RetrofitOptions:
         choices=("converted", "all"),
         resumable=True,
     )
+    rest_lr: float = setting(
+        0.0,
+        help="with --train converted: every other weight trains too, at this peak lr (0: they stay frozen)",
+        minimum=0,
+        resumable=True,
+    )
     eval_every: int = setting(
         50, help="uptraining steps between evaluations and checkpoints", minimum=1, resumable=True
     )
@@ -240,6 +246,10 @@ class RetrofitOptions:
             raise UserError(f"heldout_fraction={self.heldout_fraction} must be in (0, 1)")
         if self.steps:  # the uptraining's distill task would refuse them only after the fit
             check_loss_weights(self.kl_weight, self.lm_weight, "nothing to uptrain on (or --steps 0: fit only)")
+        if self.rest_lr and self.train == "all":
+            raise UserError(
+                f"--rest-lr {self.rest_lr} is for --train converted (--train all trains every weight at --lr)"
+            )
         if self.layers is not None and self.cache_budget is not None:
             raise UserError("give --layers or --cache-budget, not both (the budget chooses the layers)")
         check_target(self.to, self.pool, self.cache_budget)  # before any model is loaded
@@ -425,6 +435,7 @@ def _uptrain(source, out: Path, opts: RetrofitOptions, cfg: ModelConfig, block: 
             "lm_weight": opts.lm_weight,
             "block_size": block,
             "train_layers": layers,
+            "rest_lr_scale": opts.rest_lr / opts.lr if layers is not None else 0.0,
         },
         model=cfg,
         seed=opts.seed,

@@ -55,6 +55,10 @@ class Task(ABC):
         the task has no test split."""
         return None
 
+    def lr_scale(self, name: str) -> float:
+        """The fraction of the scheduled learning rate parameter `name` trains at."""
+        return 1.0
+
     def save_artifacts(self, folder: Path) -> None:
         """Write what a model folder needs beside its weights to be used (e.g. the tokenizer)."""
 

@@ -9,7 +9,8 @@ loop resumes it exactly. Options: teacher, student, tokens, kl_weight (1.0), lm_
 pure distillation, which cannot adapt the student to the corpus beyond the teacher), block_size
 (the student's context, at most 256), train_layers (None: every weight trains; a list of layer
 indices: only those layers' attention weights do, e.g. a retrofit's converted layers, so the
-backward pass skips the embedding's and the MLPs' weight gradients).
+backward pass skips the embedding's and the MLPs' weight gradients), rest_lr_scale (0; with
+train_layers, > 0 trains every other weight too, at that fraction of the learning rate).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class DistillOptions:
     train_layers: tuple[int, ...] | None = setting(
         None, help="layers whose attention weights train (default: every weight)", minimum=0
     )
+    rest_lr_scale: float = setting(
+        0.0, help="with train_layers: the other weights train too, at this fraction of the lr (0: frozen)", minimum=0
+    )
 
 
 OPTIONS_CLASS = DistillOptions  # the class `qkvlab.tasks.resolve_task_options` builds
@@ -85,6 +89,7 @@ class DistillTask(Task):
         lm_weight: float = 1.0,
         block_size: int | None = None,
         train_layers: list[int] | None = None,
+        rest_lr_scale: float = 0.0,
     ):
         for key, value in (("teacher", teacher), ("student", student), ("tokens", tokens)):
             if not value:
@@ -106,6 +111,14 @@ class DistillTask(Task):
             ):
                 raise UserError(f"train_layers={train_layers!r} must be a list of layer indices in [0, {n})")
         self.train_layers = None if train_layers is None else sorted(set(train_layers))
+        if not (isinstance(rest_lr_scale, (int, float)) and rest_lr_scale >= 0):
+            raise UserError(f"rest_lr_scale={rest_lr_scale!r} must be a number >= 0")
+        if rest_lr_scale and train_layers is None:
+            raise UserError(
+                f"rest_lr_scale={rest_lr_scale} needs train_layers (without them every weight trains at the lr)"
+            )
+        self.rest_lr_scale = float(rest_lr_scale)
+        self._full_lr: set[str] = set()  # names of the train_layers' attention weights (build_model)
         self._teacher: nn.Module | None = None
         self._val: dict[tuple[int, int, int], list] = {}
 
@@ -120,10 +133,15 @@ class DistillTask(Task):
     def build_model(self, cfg: ModelConfig) -> nn.Module:
         model, _, _ = load_model(self.student_path, dtype=torch.float32)
         if self.train_layers is not None:  # the optimizer takes only what requires grad (train/optim.py)
-            model.requires_grad_(False)
+            model.requires_grad_(self.rest_lr_scale > 0)
+            attn = {id(p) for i in self.train_layers for p in model.trunk.layer(i).attn.parameters()}
+            self._full_lr = {n for n, p in model.named_parameters() if id(p) in attn}
             for i in self.train_layers:
                 model.trunk.layer(i).attn.requires_grad_(True)
         return model
+
+    def lr_scale(self, name: str) -> float:
+        return 1.0 if self.train_layers is None or name in self._full_lr else self.rest_lr_scale
 
     def teacher(self, device: torch.device) -> nn.Module:
         if self._teacher is None:
@@ -173,6 +191,7 @@ class DistillTask(Task):
             "lm_weight": self.lm_weight,
             "block_size": self.block,
             "train_layers": self.train_layers,
+            "rest_lr_scale": self.rest_lr_scale,
         }
 
 

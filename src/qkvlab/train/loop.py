@@ -227,7 +227,7 @@ def _setup(cfg: TrainConfig, out: Path, env: D.Env, saved_state: dict[str, Any] 
     dtype = torch_dtype(train_dtype)
     if sharded:  # blocks compiled one by one before sharding; bf16 all-gathers, fp32 reduction
         D.shard(raw, env, param_dtype=dtype if dtype != torch.float32 else None, compile=cfg.compile)
-    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, cfg.betas, env.device)
+    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, cfg.betas, env.device, task.lr_scale)
     fwd = torch.compile(raw) if cfg.compile and not sharded else raw
     train_fwd = D.replicate(fwd, env) if env.distributed and cfg.sharding == "ddp" else fwd
     autocast = torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
@@ -308,7 +308,7 @@ def train_step(run: Run, state: State, lr: float) -> float:
     cfg, env = run.cfg, run.env
     t0 = time.perf_counter()
     for group in run.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # a checkpoint from before scales has none
     x, y = run.task.batch(state.step, cfg.batch_size, cfg.seed)
     rows_per_rank = cfg.batch_size // env.world
     micro = rows_per_rank // run.accum
