@@ -34,7 +34,7 @@ from qkvlab.loadavg import ScriptRun, add_options
 from qkvlab.settings import positive_int
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-LAYOUTS = ("row-major", "long-contiguous", "K-major", "blocks")
+LAYOUTS = ("row-major", "long-contiguous", "K-major", "blocks", "row-blocks")
 
 
 def step_shapes(layers: int, d: int, qkv: int, hidden: int, vocab: int) -> list[tuple[int, int]]:
@@ -44,12 +44,12 @@ def step_shapes(layers: int, d: int, qkv: int, hidden: int, vocab: int) -> list[
 
 def products(weights: list[torch.Tensor], layout: str, threads: int):
     """-> a function of {inputs: (R, K)} computing every product of the step in `layout`."""
-    if layout == "blocks":
-        packed = []
+    if layout in ("blocks", "row-blocks"):
+        packed, order = [], "columns" if layout == "blocks" else "rows"
         for w in weights:
             lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
             lin.weight.data = w
-            packed.append(PackedProduct(lin, threads, max_rows=2**31))  # blocks at any rows
+            packed.append(PackedProduct(lin, threads, max_rows=2**31, order=order))  # blocks at any rows
         return lambda xs: [p(xs[p.linear.in_features]) for p in packed]
     if layout == "row-major":
         held = weights

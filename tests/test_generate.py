@@ -22,6 +22,7 @@ from qkvlab.errors import UserError
 from qkvlab.generate import (
     FINISHED,
     LAYOUT_MAX_BATCH,
+    LAYOUT_ROWS_MAX_BATCH,
     DecodeLayout,
     PackedProduct,
     Sampling,
@@ -211,17 +212,31 @@ def test_decode_layout_computes_every_linear_in_blocks_and_puts_the_modules_back
 @pytest.mark.parametrize("parts", [1, 2, 3, 4])
 @pytest.mark.parametrize("lead", [(1,), (3,), (2, 1), (1, 4), (5,)], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_product_equals_the_linear(parts, lead, bias):
-    """fp64, random weights and inputs: every split (3 does not divide 8 outputs: one block) and
-    1-5 rows (5 > max_rows: the Linear's own product) give F.linear's values to 1e-12."""
+@pytest.mark.parametrize("order", ["rows", "columns"])
+def test_packed_product_equals_the_linear(parts, lead, bias, order):
+    """fp64, random weights and inputs: both block orders, every split (3 does not divide 8 outputs:
+    one block) and 1-5 rows (5 > max_rows: the Linear's own product) give F.linear's values to 1e-12."""
     torch.manual_seed(parts)
     lin = nn.Linear(6, 8, bias=bias).double()
     x = torch.randn(*lead, 6, dtype=torch.float64)
-    product = PackedProduct(lin, parts, max_rows=4)
+    product = PackedProduct(lin, parts, max_rows=4, order=order)
     assert product.parts == (parts if 8 % parts == 0 else 1)
     got = product(x)
     assert got.shape == (*lead, 8)
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=0, atol=1e-12)
+    # laid out row by row: a last dimension of stride 1 is what SDPA's CPU flash kernel takes (the
+    # heads of q, k and v are views of this output)
+    assert got.is_contiguous()
+    with pytest.raises(ValueError, match="order='diagonal'"):
+        PackedProduct(lin, parts, order="diagonal")
+
+
+def test_decode_layout_block_order_follows_the_batch():
+    model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
+    for batch, order in ((1, "rows"), (LAYOUT_ROWS_MAX_BATCH, "rows"), (LAYOUT_ROWS_MAX_BATCH + 1, "columns")):
+        with decode_layout(model, batch):
+            orders = {m.forward.order for m in model.modules() if isinstance(m, nn.Linear)}
+        assert orders == {order}, batch
 
 
 def test_decode_layout_leaves_bf16_weights_as_they_are_and_holds_once():

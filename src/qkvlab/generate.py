@@ -39,6 +39,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile 
 # decode_layout's rows: SmolLM2's products on 2 threads as blocks vs as stored 2.14x at 1 row, 2.06x at 4, 1.35-1.44x
 # at 16 (benchmarks/linear_layouts.py); 1.27x / 1.18x at 32 / 64 rows, but whole steps there are not measured
 LAYOUT_MAX_BATCH = 16
+LAYOUT_ROWS_MAX_BATCH = 8  # PackedProduct's block order: "rows" up to this many rows, "columns" above
 
 
 @dataclass(frozen=True)
@@ -193,33 +194,45 @@ LAYOUT_DTYPES = (torch.float32, torch.float64)  # bf16's own matrix-vector produ
 
 
 class PackedProduct:
-    """A Linear's product for a few rows at a time on the CPU: its weight (N, K) held as `parts`
-    blocks of output columns, each stored K-major, (parts, K, N/parts), and multiplied by one `bmm`
-    (parts, R, K) @ (parts, K, N/parts), whose batch the CPU threads share. More rows than
-    `max_rows` go to the Linear's own weight. Installed as the Linear's `forward` (its
-    parameters, names and state dict untouched) by `DecodeLayout`.
+    """A Linear's product for a few rows at a time on the CPU: its weight (N, K) split into `parts`
+    blocks of output rows, multiplied by one `bmm` whose batch the CPU threads share. `order` "rows"
+    keeps each block as stored, (parts, N/parts, K), and computes W_p x (a dot product per output,
+    reading each weight row once); "columns" stores it K-major, (parts, K, N/parts), and computes
+    x W_p^T. More rows than `max_rows` go to the Linear's own weight. Installed as the Linear's
+    `forward` (its parameters, names and state dict untouched) by `DecodeLayout`.
 
     Why: a one-token step is a chain of matrix-vector products bound by memory, and MKL runs a
     one-row product on one thread whatever torch.get_num_threads() says: SmolLM2's 151 products
-    of a step (538 MB fp32, streamed from memory as in a real step) took 32.3 ms with 1 thread and
-    32.1 ms with 2; K-major storage alone 24.8 ms; as a bmm of 2 K-major blocks on 2 threads 15.0 ms
-    (2.14x; benchmarks/linear_layouts.py, docs/results/speed). Outputs equal F.linear's to rounding
-    (the same dot products; fp64 tests hold them within 1e-12)."""
+    of a step (538 MB fp32, streamed from memory as in a real step) took 33.9 ms as stored, 17.5 ms
+    as column blocks and 14.6 ms as row blocks on 2 threads; at 2-4 rows row blocks are 1.5-1.6x
+    column blocks, level at 8, 0.93x at 16 (benchmarks/linear_layouts.py, docs/results/speed). Outputs
+    equal F.linear's to rounding (the same dot products; fp64 tests hold them within 1e-12)."""
 
-    def __init__(self, linear: nn.Linear, parts: int, max_rows: int = LAYOUT_MAX_BATCH):
+    def __init__(self, linear: nn.Linear, parts: int, max_rows: int = LAYOUT_MAX_BATCH, order: str = "rows"):
         n, k = linear.weight.shape
-        self.linear, self.max_rows = linear, max_rows
+        self.linear, self.max_rows, self.order = linear, max_rows, order
         self.parts = parts if parts > 0 and n % parts == 0 else 1
-        w = linear.weight.detach()
-        self.blocks = w.view(self.parts, n // self.parts, k).transpose(1, 2).contiguous()  # (P, K, N/P)
+        w = linear.weight.detach().view(self.parts, n // self.parts, k)  # (P, N/P, K)
+        if order == "rows":
+            self.blocks = w.contiguous()
+        elif order == "columns":
+            self.blocks = w.transpose(1, 2).contiguous()  # (P, K, N/P)
+        else:
+            raise ValueError(f"order={order!r}: 'rows' or 'columns'")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         *lead, k = x.shape
         rows = x.reshape(-1, k)  # (R, K)
         if rows.shape[0] > self.max_rows:
             return nn.functional.linear(x, self.linear.weight, self.linear.bias)
-        y = torch.bmm(rows.expand(self.parts, -1, -1), self.blocks)  # (P, R, N/P)
-        y = y.transpose(0, 1).reshape(*lead, -1)  # (..., N): block p's outputs at columns p*N/P onwards
+        if self.order == "rows":
+            y = torch.bmm(self.blocks, rows.t().expand(self.parts, -1, -1))  # (P, N/P, R)
+            # (R, N) laid out row by row: a transposed view would carry stride R into q, k and v, and
+            # SDPA's CPU flash kernel takes only a last dimension of stride 1 (else its slow math path)
+            y = y.reshape(-1, rows.shape[0]).t().contiguous().view(*lead, -1)  # (..., N)
+        else:
+            y = torch.bmm(rows.expand(self.parts, -1, -1), self.blocks)  # (P, R, N/P)
+            y = y.transpose(0, 1).reshape(*lead, -1)  # (..., N): block p's outputs at columns p*N/P onwards
         return y if self.linear.bias is None else y + self.linear.bias
 
 
@@ -228,6 +241,8 @@ class DecodeLayout:
     CPU thread, `parts` = torch.get_num_threads() at `hold()` unless given) between `hold()` and
     `release()`, on the CPU in fp32/fp64; the model's parameters are never touched.
 
+    The block order follows the batch given to `hold` (LAYOUT_ROWS_MAX_BATCH; whole SmolLM2 decode
+    steps, 2 threads: row blocks 1.29x column blocks at 1 row, 1.4x at 2-4, level at 8, 0.92x at 16).
     Costs one copy of every Linear weight while held (SmolLM2-135M fp32: 538 MB). Not for bf16
     weights: their product already uses every thread and is the faster as it is (SmolLM2's 151
     products: 14.7 ms as stored, 20.7 ms as blocks), nor above LAYOUT_MAX_BATCH rows."""
@@ -246,13 +261,17 @@ class DecodeLayout:
     def held(self) -> bool:
         return bool(self.packed)
 
-    def hold(self) -> None:
+    def hold(self, batch: int = 1) -> None:
+        """Pack for decoding `batch` rows (the block order suits it; held until release, whatever the
+        batch does meanwhile)."""
         if self.held or not self.applies(self.model):
             return
         parts = self.parts or torch.get_num_threads()
+        order = "rows" if batch <= LAYOUT_ROWS_MAX_BATCH else "columns"
         for m in self.model.modules():
             if isinstance(m, nn.Linear) and "forward" not in vars(m):
-                m.forward = PackedProduct(m, parts)  # an instance attribute: nn.Module.__call__ finds it first
+                # an instance attribute: nn.Module.__call__ finds it first
+                m.forward = PackedProduct(m, parts, order=order)
                 self.packed.append(m)
 
     def release(self) -> None:
@@ -267,7 +286,7 @@ def decode_layout(model, batch_size: int) -> Iterator[None]:
     above LAYOUT_MAX_BATCH, on CUDA and for bf16 weights it does nothing."""
     layout = DecodeLayout(model)
     if batch_size <= LAYOUT_MAX_BATCH:
-        layout.hold()
+        layout.hold(batch_size)
     try:
         yield
     finally:

@@ -318,7 +318,7 @@ class Engine:
                 self.layout.release()
                 self._layout_votes = 0
         elif self._layout_votes >= LAYOUT_SWITCH_STEPS or not self.waiting and self.peak_active <= LAYOUT_MAX_BATCH:
-            self.layout.hold()
+            self.layout.hold(batch)
             self._layout_votes = 0
 
     def _loop(self) -> None:
