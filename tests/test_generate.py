@@ -175,7 +175,7 @@ def test_stream_compiles_ahead_and_reports_once(monkeypatch):
     import qkvlab.generate as gen
 
     torch._dynamo.reset()
-    monkeypatch.setitem(gen._COMPILED, "default", torch.compile(decode_step, backend="eager", dynamic=False))
+    monkeypatch.setitem(gen._COMPILED, ("default", "cpu"), torch.compile(decode_step, backend="eager", dynamic=False))
     model = make_model(cfg_for("Q-K-V", "learned", 2), dtype=torch.float32)
     prompts = [[3, 1, 4, 1, 5], [9, 2]]
     reports = []
@@ -274,7 +274,7 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_line(monkeypatch, capsy
     def broken(*args, **kwargs):
         raise RuntimeError("inductor: no working C compiler\nsecond line")
 
-    monkeypatch.setitem(gen._COMPILED, "reduce-overhead", broken)
+    monkeypatch.setitem(gen._COMPILED, ("reduce-overhead", "cpu"), broken)
     model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
     reports = []
     got = generate(
@@ -294,7 +294,7 @@ def test_compiled_step_equals_eager_float64():
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 3)]
     cont = torch.randint(0, VOCAB, (2, 6), generator=g)
     eager = decode_batched(model, prompts, cont)
-    compiled = decode_batched(model, prompts, cont, static=True, step=compiled_step())
+    compiled = decode_batched(model, prompts, cont, static=True, step=compiled_step(), layout=True)
     torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-10)
 
 
@@ -558,7 +558,7 @@ def test_cli_generate_compile_reports_once(model_dir, capsys, monkeypatch):
     import qkvlab.generate as gen
 
     torch._dynamo.reset()
-    monkeypatch.setitem(gen._COMPILED, "default", torch.compile(decode_step, backend="eager", dynamic=False))
+    monkeypatch.setitem(gen._COMPILED, ("default", "cpu"), torch.compile(decode_step, backend="eager", dynamic=False))
     argv = ["generate", str(model_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--temperature", "0"]
     assert main([*argv, "--compile"]) == 0
     compiled = capsys.readouterr()

@@ -39,7 +39,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile 
 # decode_layout's rows: SmolLM2's products on 2 threads as blocks vs as stored 2.14x at 1 row, 2.06x at 4, 1.35-1.44x
 # at 16 (benchmarks/linear_layouts.py); 1.27x / 1.18x at 32 / 64 rows, but whole steps there are not measured
 LAYOUT_MAX_BATCH = 16
-LAYOUT_ROWS_MAX_BATCH = 8  # PackedProduct's block order: "rows" up to this many rows, "columns" above
+LAYOUT_ROWS_MAX_BATCH = 4  # PackedProduct's block order: "rows" up to this many rows, "columns" above
 
 
 @dataclass(frozen=True)
@@ -152,20 +152,28 @@ def decode_step(model, cache: KVCache, tokens: torch.Tensor, positions: torch.Te
     return logits[:, -1]
 
 
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple[str, str], Callable] = {}
 
 
-def compiled_step(mode: str = "default") -> Callable:
-    """decode_step under torch.compile (one wrapper per mode). Use it with a static cache: its shapes
-    never change, so torch compiles it once per (batch size, cache length) and never mid-decode."""
+def compiled_step(mode: str = "default", device: torch.device | str = "cpu") -> Callable:
+    """decode_step under torch.compile (one wrapper per mode and device type). Use it with a static
+    cache: its shapes never change, so torch compiles it once per (batch size, cache length) and never
+    mid-decode. On the CPU inductor's C++ wrapper calls the step's kernels without Python between
+    them: SmolLM2-135M fp32, one stream, 14.9 ms a step against 17.5 with the Python wrapper and 19.1
+    eager (docs/results/speed)."""
     if mode not in COMPILE_MODES:
         raise UserError(f"compile mode {mode!r} is not allowed; use one of {', '.join(COMPILE_MODES)}")
-    if mode not in _COMPILED:
+    key = (mode, torch.device(device).type)
+    if key not in _COMPILED:
         # each (scheme, batch, cache length) is one compile of this one function: past dynamo's
         # default of 8 it would silently fall back to eager (e.g. bench: 6 variants x 2 batches)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        _COMPILED[mode] = torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=True)
-    return _COMPILED[mode]
+        if key[1] == "cpu" and mode != "reduce-overhead":  # options replace a mode (torch.compile takes one)
+            options = {"cpp_wrapper": True, "max_autotune": mode == "max-autotune"}
+            _COMPILED[key] = torch.compile(decode_step, dynamic=False, fullgraph=True, options=options)
+        else:
+            _COMPILED[key] = torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=True)
+    return _COMPILED[key]
 
 
 @torch.inference_mode()
@@ -241,8 +249,9 @@ class DecodeLayout:
     CPU thread, `parts` = torch.get_num_threads() at `hold()` unless given) between `hold()` and
     `release()`, on the CPU in fp32/fp64; the model's parameters are never touched.
 
-    The block order follows the batch given to `hold` (LAYOUT_ROWS_MAX_BATCH; whole SmolLM2 decode
-    steps, 2 threads: row blocks 1.29x column blocks at 1 row, 1.4x at 2-4, level at 8, 0.92x at 16).
+    The block order follows the batch given to `hold` (LAYOUT_ROWS_MAX_BATCH; whole SmolLM2 fp32 decode
+    steps, 2 threads, benchmarks/block_orders.py: row blocks 1.12-1.29x column blocks at 1 row, 1.4x
+    at 2-4, 0.96-1.00x at 8, 0.89-0.92x at 16).
     Costs one copy of every Linear weight while held (SmolLM2-135M fp32: 538 MB). Not for bf16
     weights: their product already uses every thread and is the faster as it is (SmolLM2's 151
     products: 14.7 ms as stored, 20.7 ms as blocks), nor above LAYOUT_MAX_BATCH rows."""
@@ -358,7 +367,7 @@ def stream(
         raise UserError("compile needs the static decode step (static=True)")
     if static is None:
         static = bool(compile) or eager_static(device)
-    step = compiled_step(compile) if compile else decode_step
+    step = compiled_step(compile, device) if compile else decode_step
     steps = max_steps(model, prompts, max_new_tokens)
     return _decode(model, prompts, steps, sampling, eot_id, generator, step, vocab_limit, static, on_compiled)
 
@@ -370,11 +379,11 @@ def _decode(
     device = next(model.parameters()).device
     batch = left_pad(prompts, device=device)
     cache = new_cache(model, len(prompts), batch.idx.shape[1] + steps - 1, static=static)
-    if step is not decode_step and steps > 1:
-        step, seconds = compile_or_fall_back(step, model, cache)
-        if on_compiled is not None and seconds is not None:
-            on_compiled(seconds)
-    with decode_layout(model, len(prompts)) if step is decode_step else contextlib.nullcontext():
+    with decode_layout(model, len(prompts)):  # held while compiling too: the compiled step reads the blocks
+        if step is not decode_step and steps > 1:
+            step, seconds = compile_or_fall_back(step, model, cache)
+            if on_compiled is not None and seconds is not None:
+                on_compiled(seconds)
         yield from _steps(model, cache, batch, steps, sampling, eot_id, generator, step, vocab_limit)
 
 

@@ -12,7 +12,6 @@ is None, "unmeasured", and so is every rate made from it (qkvlab.loadavg.rate): 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,23 +105,24 @@ def decode_step_fn(mode: str, device: torch.device | str = "cpu") -> tuple[Calla
         return decode_step, False
     if mode == "static":
         return decode_step, True
-    return compiled_step("default" if mode == "compiled" else mode), True
+    return compiled_step("default" if mode == "compiled" else mode, device), True
 
 
 @torch.inference_mode()
 def time_decode(model, prompt: torch.Tensor, new_tokens: int, mode: str = "eager") -> DecodeTiming:
     """One round: prefill `prompt` (B, T), then greedy-decode new_tokens - 1 steps, timed apart, on
-    generate's path for `mode` (eager steps with generate.decode_layout, set up inside the prefill's time)."""
+    generate's path for `mode` (generate.decode_layout set up inside the prefill's time, or, compiled,
+    before the compile, whose time is reported apart)."""
     device = prompt.device
     step, static = decode_step_fn(mode, device)
     B, T = prompt.shape
     batch = left_pad(prompt.tolist(), device=device)
     cache = new_cache(model, B, T + new_tokens - 1, static=static)
-    compile_s = warm_up(step, model, cache) if step is not decode_step else None
-    layout = decode_layout(model, B) if step is decode_step else contextlib.nullcontext()
     _sync(device)
-    t0 = time.perf_counter()
-    with layout:
+    start = time.perf_counter()
+    with decode_layout(model, B):  # eager and compiled steps alike (compiled: the blocks are in its graph)
+        compile_s = warm_up(step, model, cache) if step is not decode_step else None
+        t0 = start if compile_s is None else time.perf_counter()  # eager: packing counts as prefill
         logits = prefill(model, cache, batch)
         tok = logits.argmax(-1)
         _sync(device)

