@@ -1,5 +1,7 @@
 """The cheapest layers of a distilled all-layer retrofit, alone: the original model with the K lowest-
 output-error layers taken from the distilled model (no further training), scored like curves.py.
+A run that trained more than the converted layers' attention (--rest-lr, --train all) is scored only
+whole (K = its converted layers: the distilled model as it is), since its other weights moved too.
 
 Run: python docs/results/retrofit/subset_of_distilled.py SOURCE RUN OUT.json K [K ...] [--text NAME=PATH ...]
 """
@@ -41,10 +43,16 @@ def main() -> None:
         name, path = labelled_path(item)
         texts[name] = text_tokens(src.encode, path, src.eot_id)
     by_cost = [lf["layer"] for lf in sorted(report["layers"], key=lambda lf: (lf["error"], lf["layer"]))]
+    options, whole = report["options"], len(report["converted_layers"])
+    if (options.get("train") == "all" or options.get("rest_lr")) and set(args.ks) != {whole}:
+        raise SystemExit(f"{args.run} trained weights beyond the converted layers' attention: only K = {whole}")
     rows = []
     for k in args.ks:
         layers = sorted(by_cost[:k])
-        m, m_cfg = with_layers(model, cfg, distilled.model.float(), distilled.cfg, layers)
+        if k == whole and (options.get("train") == "all" or options.get("rest_lr")):
+            m, m_cfg = distilled.model.float().eval(), distilled.cfg  # the distilled model as it is
+        else:
+            m, m_cfg = with_layers(model, cfg, distilled.model.float(), distilled.cfg, layers)
         row = {"layers_converted": k, "layers": layers}
         row["cache_fraction"] = kv_cache_bytes_per_token(m_cfg) / kv_cache_bytes_per_token(cfg)
         row.update({n: perplexity(m, t, block=block, max_tokens=args.eval_tokens) for n, t in texts.items()})
