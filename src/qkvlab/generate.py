@@ -183,7 +183,7 @@ def compiled_paged_step(device: torch.device | str = "cpu") -> Callable:
     with inductor's C++ wrapper, as `compiled_step`."""
     key = ("paged", torch.device(device).type)
     if key not in _COMPILED:
-        # each engine's decode layout is new objects in the graph: its warm-up compiles anew (3 graphs)
+        # each engine's decode layout is new objects in the graph: its warm-up compiles anew (2 graphs)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         options = {"cpp_wrapper": True} if key[1] == "cpu" else None
         _COMPILED[key] = torch.compile(decode_step, dynamic=True, fullgraph=True, options=options)

@@ -61,7 +61,7 @@ from qkvlab.generate import (
 from qkvlab.serve.paged import BLOCK_SIZE, BlockPool, blocks_for
 
 PREFILL_TOKENS = 4096  # padded prompt tokens prefilled in one step (at least one whole prompt): bounds a step
-WARM_UP_SHAPES = ((2, [2, 3]), (3, [3, 4, 5]), (1, [4]), (1, [6]))  # (sequences, positions) compiled at start
+WARM_UP_SHAPES = ((1, [4]), (2, [2, 3]))  # (sequences, positions) compiled at start: see Engine.warm_up
 LAYOUT_SWITCH_STEPS = 16  # decode steps in a row on the other side of LAYOUT_MAX_BATCH before the layout follows
 
 
@@ -323,14 +323,15 @@ class Engine:
         if not self.compiled:
             return 0.0
         t0 = time.perf_counter()
-        tables = [self.pool.take(blocks_for(8, self.pool.block_size)) for _ in range(3)]
+        tables = [self.pool.take(blocks_for(5, self.pool.block_size)) for _ in range(2)]
         if any(t is None for t in tables):
             for t in tables:
                 if t is not None:
                     self.pool.give_back(t)
-            raise UserError("the cache pool is too small to compile the decode step on (3 sequences of 8 tokens)")
-        # dynamo compiles the first shape as it is and generalizes on the second (automatic dynamic
-        # shapes); one sequence is a shape of its own (sizes of 1 are specialized), two lengths of it too
+            raise UserError("the cache pool is too small to compile the decode step on (2 sequences of 5 tokens)")
+        # one sequence first: its graph keeps the batch of 1 as a constant (torch specializes sizes of 1)
+        # and the length symbolic; then two, whose graph is symbolic in both (started the other way
+        # round, dynamo kept the first graph's sizes fixed and needed a third)
         for n, positions in WARM_UP_SHAPES:
             tokens = torch.zeros(n, dtype=torch.long, device=self.device)
             step = self.pool.step(tables[:n], positions[:n])
