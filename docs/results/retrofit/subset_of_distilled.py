@@ -44,12 +44,13 @@ def main() -> None:
         texts[name] = text_tokens(src.encode, path, src.eot_id)
     by_cost = [lf["layer"] for lf in sorted(report["layers"], key=lambda lf: (lf["error"], lf["layer"]))]
     options, whole = report["options"], len(report["converted_layers"])
-    if (options.get("train") == "all" or options.get("rest_lr")) and set(args.ks) != {whole}:
+    beyond_attention = options.get("train") == "all" or bool(options.get("rest_lr"))
+    if beyond_attention and set(args.ks) != {whole}:
         raise SystemExit(f"{args.run} trained weights beyond the converted layers' attention: only K = {whole}")
     rows = []
     for k in args.ks:
         layers = sorted(by_cost[:k])
-        if k == whole and (options.get("train") == "all" or options.get("rest_lr")):
+        if beyond_attention:  # k == whole
             m, m_cfg = distilled.model.float().eval(), distilled.cfg  # the distilled model as it is
         else:
             m, m_cfg = with_layers(model, cfg, distilled.model.float(), distilled.cfg, layers)

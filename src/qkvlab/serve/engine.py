@@ -198,7 +198,6 @@ class Engine:
         self.layout = DecodeLayout(model)
         self._layout_applies = DecodeLayout.applies(model)
         self._layout_votes = 0
-        self.compiled = compile
         self._decode_step = compiled_paged_step(self.device) if compile else decode_step
         if compile:  # above LAYOUT_MAX_BATCH rows a PackedProduct calls the Linear's own product
             self.layout.hold(min(self.max_batch, LAYOUT_MAX_BATCH))
@@ -316,6 +315,10 @@ class Engine:
             self._thread.join()
         self.layout.release()  # the model's own weights, as they were
 
+    @property
+    def compiled(self) -> bool:
+        return self._decode_step is not decode_step
+
     @torch.inference_mode()
     def warm_up(self) -> float:
         """Compile the decode step before serving (WARM_UP_SHAPES), on blocks taken from the pool and
@@ -323,19 +326,17 @@ class Engine:
         if not self.compiled:
             return 0.0
         t0 = time.perf_counter()
-        tables = [self.pool.take(blocks_for(5, self.pool.block_size)) for _ in range(2)]
-        if any(t is None for t in tables):
-            for t in tables:
-                if t is not None:
-                    self.pool.give_back(t)
+        need = blocks_for(5, self.pool.block_size)  # a sequence up to position 4
+        if self.pool.blocks - self.pool.used < 2 * need:
             raise UserError("the cache pool is too small to compile the decode step on (2 sequences of 5 tokens)")
+        tables = [self.pool.take(need) for _ in range(2)]
         # one sequence first: its graph keeps the batch of 1 as a constant (torch specializes sizes of 1)
         # and the length symbolic; then two, whose graph is symbolic in both (started the other way
         # round, dynamo kept the first graph's sizes fixed and needed a third)
         for n, positions in WARM_UP_SHAPES:
             tokens = torch.zeros(n, dtype=torch.long, device=self.device)
-            step = self.pool.step(tables[:n], positions[:n])
-            self._decode_step(self.model, step, tokens, torch.tensor(positions[:n], device=self.device))
+            step = self.pool.step(tables[:n], positions)
+            self._decode_step(self.model, step, tokens, torch.tensor(positions, device=self.device))
         for t in tables:
             self.pool.give_back(t)
         return time.perf_counter() - t0
