@@ -120,7 +120,7 @@ def time_serve(model, prompts: list[list[int]], new_tokens: int, compile: bool =
     from qkvlab.serve.engine import Engine, Request
 
     context = max(len(p) for p in prompts) + new_tokens + 1
-    engine = Engine(model, rows=len(prompts), context=context, compile=compile)
+    engine = Engine(model, rows=len(prompts), context=context, compile="default" if compile else None)
     try:
         if compile:
             print(f"    (serve-compiled, batch {len(prompts)}: compiled in {engine.warm_up():.1f} s)", flush=True)

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from qkvlab.cli import COMMANDS, build_parser
-from qkvlab.devices import DTYPE_ALIASES, DTYPES, dtype_choices, dtype_name, select_device
+from qkvlab.devices import (
+    COMPILE_CHOICES,
+    DTYPE_ALIASES,
+    DTYPES,
+    compile_mode,
+    dtype_choices,
+    dtype_name,
+    select_device,
+)
 from qkvlab.errors import UserError
 
 
@@ -29,6 +37,30 @@ def test_every_dtype_option_offers_every_spelling():
         longs = {long for long, short in DTYPE_ALIASES.items() if short in shorts}
         assert shorts | longs <= choices, f"{name} --dtype misses {sorted((shorts | longs) - choices)}"
         assert choices == set(dtype_choices(tuple(shorts), auto="auto" in choices)), name  # nothing else
+
+
+def test_every_decode_compile_option_is_one_spelling():
+    """generate, bench and serve: --compile [auto|off|MODE], the bare flag meaning default."""
+    seen = {}
+    for name in COMMANDS:
+        sub = build_parser(name)._subparsers._group_actions[0].choices[name]
+        for action in sub._actions:
+            if "--compile" in action.option_strings and name != "train":  # train's compiles the model
+                seen[name] = action
+    assert set(seen) == {"generate", "bench", "serve"}
+    for name, action in seen.items():
+        assert tuple(action.choices) == COMPILE_CHOICES and action.const == "default" and action.nargs == "?", name
+
+
+def test_compile_mode_resolves_auto_per_device_and_refuses_cuda_graphs_for_changing_shapes():
+    assert compile_mode("auto", "cpu") is None and compile_mode("off", "cuda") is None
+    assert compile_mode("auto", "cuda") == "reduce-overhead"
+    assert compile_mode("auto", "cuda", paged=True) is None  # serve: not measured where it pays
+    assert compile_mode("max-autotune", "cpu", paged=True) == "max-autotune"
+    with pytest.raises(UserError, match="reduce-overhead.*needs fixed shapes"):
+        compile_mode("reduce-overhead", "cuda", paged=True)
+    with pytest.raises(UserError, match="--compile 'fast' is not allowed; use one of auto, off, default"):
+        compile_mode("fast", "cpu")
 
 
 def test_info_takes_the_long_dtype_names(capsys):

@@ -175,7 +175,9 @@ def test_stream_compiles_ahead_and_reports_once(monkeypatch):
     import qkvlab.generate as gen
 
     torch._dynamo.reset()
-    monkeypatch.setitem(gen._COMPILED, ("default", "cpu"), torch.compile(decode_step, backend="eager", dynamic=False))
+    monkeypatch.setitem(
+        gen._COMPILED, ("default", False, "cpu"), torch.compile(decode_step, backend="eager", dynamic=False)
+    )
     model = make_model(cfg_for("Q-K-V", "learned", 2), dtype=torch.float32)
     prompts = [[3, 1, 4, 1, 5], [9, 2]]
     reports = []
@@ -274,7 +276,7 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_line(monkeypatch, capsy
     def broken(*args, **kwargs):
         raise RuntimeError("inductor: no working C compiler\nsecond line")
 
-    monkeypatch.setitem(gen._COMPILED, ("reduce-overhead", "cpu"), broken)
+    monkeypatch.setitem(gen._COMPILED, ("reduce-overhead", False, "cpu"), broken)
     model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
     reports = []
     got = generate(
@@ -558,7 +560,9 @@ def test_cli_generate_compile_reports_once(model_dir, capsys, monkeypatch):
     import qkvlab.generate as gen
 
     torch._dynamo.reset()
-    monkeypatch.setitem(gen._COMPILED, ("default", "cpu"), torch.compile(decode_step, backend="eager", dynamic=False))
+    monkeypatch.setitem(
+        gen._COMPILED, ("default", False, "cpu"), torch.compile(decode_step, backend="eager", dynamic=False)
+    )
     argv = ["generate", str(model_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--temperature", "0"]
     assert main([*argv, "--compile"]) == 0
     compiled = capsys.readouterr()

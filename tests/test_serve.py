@@ -146,7 +146,7 @@ def test_the_engine_holds_the_decode_layout_at_small_batches_only_and_gives_it_b
 
 
 def test_a_compiled_engine_compiles_before_serving_and_gives_each_request_its_tokens_alone(monkeypatch):
-    """compile=True: warm_up compiles the paged step for its WARM_UP_SHAPES (dynamo with a counting
+    """compile="default": warm_up compiles the paged step for its WARM_UP_SHAPES (dynamo with a counting
     eager backend stands in for inductor: two graphs, one sequence and two or more), on blocks it
     gives back; serving a mixed batch
     of every length then compiles nothing more, keeps the decode layout held, and each request gets
@@ -161,9 +161,9 @@ def test_a_compiled_engine_compiles_before_serving_and_gives_each_request_its_to
 
     torch._dynamo.reset()
     step = torch.compile(gen.decode_step, backend=counting, dynamic=True, fullgraph=True)
-    monkeypatch.setitem(gen._COMPILED, ("paged", "cpu"), step)
+    monkeypatch.setitem(gen._COMPILED, ("default", True, "cpu"), step)
     model = tiny_model("Q-K=V", "rope", dtype=torch.float32)
-    engine = Engine(model, rows=3, compile=True)
+    engine = Engine(model, rows=3, compile="default")
     assert engine.layout.held
     assert engine.warm_up() > 0 and engine.pool.used == 0 and len(compiles) == 2
     rng = random.Random(5)
@@ -624,6 +624,8 @@ def test_cli_refusals_are_one_line(model_dir, tmp_path, capsys):
         ([str(model_dir), "--chat-template", str(tmp_path / "none.jinja")], "--chat-template"),
         ([str(model_dir), "--max-model-len", str(CONTEXT + 1)], "exceeds the model's context"),
         ([str(model_dir), "--block-size", "0"], "--block-size"),
+        ([str(model_dir), "--compile", "reduce-overhead"], "needs fixed shapes"),
+        ([str(model_dir), "--compile", "fast"], "--compile"),
     ]
     for argv, needle in cases:
         assert main(["serve", *argv]) == 2

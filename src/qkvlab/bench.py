@@ -36,6 +36,8 @@ from qkvlab.devices import (
     DTYPE_BYTES,
     INFERENCE_DTYPES,
     check_device,
+    compile_mode,
+    compile_setting,
     dtype_choices,
     dtype_name,
     select_device,
@@ -85,7 +87,11 @@ class BenchConfig:
         "says it is faster, and training's autocast likewise from a timed training step)",
         choices=dtype_choices(INFERENCE_DTYPES),
     )
-    compile: bool = setting(False, help="decode with the static step under torch.compile (compiled once per shape)")
+    compile: str = compile_setting(
+        "off",
+        "decode with the static step under torch.compile with this mode (compiled once per shape; bare "
+        "--compile: default; auto: generate's default path on this device)",
+    )
     require_quiet: bool = setting(
         False, help="exit 3 if the machine is noisy (qkvlab.loadavg) before or during the run"
     )
@@ -287,10 +293,11 @@ def _hf_twin(model: GPT, cfg: ModelConfig, opts: BenchConfig, device, out: dict)
 
 def decode_figures(name: str, model: GPT, hf, opts: BenchConfig, new: int, copy_rate: float, log) -> dict:
     """Prefill and decode per batch size, ours and transformers' in alternating rounds."""
-    path = "compiled" if opts.compile else "eager"
-    out: dict = {"decode_path": path}
-    ours_by_b, hf_by_b = {}, {}
     device = next(model.parameters()).device
+    mode = compile_mode(opts.compile, device.type)
+    path = mode or "eager"  # speed.time_decode takes a torch.compile mode as its path
+    out: dict = {"decode_path": "eager" if mode is None else f"compiled {mode}"}
+    ours_by_b, hf_by_b = {}, {}
     for b in opts.decode_batches:
         prompt = torch.randint(0, model.cfg.vocab_size, (b, opts.prompt_len), device=device)
         warm = time_decode(model, prompt, new, path)  # warm up; compiles once per shape (timed)

@@ -5,7 +5,8 @@ dtype names: fp32, bf16, fp16, fp64 (also spelled float32, bfloat16, float16, fl
 `qkvlab.train.dtype_probe`, never from a CPU flag). An option's choices are
 `dtype_choices(ALLOWED)`: every spelling of the dtypes it allows. Devices: auto, cpu, cuda, cuda:N,
 mps; `select_device` is the one resolver (a bare "cuda" is always this process's cuda:LOCAL_RANK,
-cuda:0 outside torchrun; an explicit cuda:N is refused with more than one rank).
+cuda:0 outside torchrun; an explicit cuda:N is refused with more than one rank). Decoding's
+`--compile [MODE]` (generate, bench, serve): auto, off or a torch.compile mode, resolved by `compile_mode`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import os
 import platform
 import re
+from typing import Any
 
 from qkvlab.errors import UserError
+from qkvlab.settings import setting
 
 # function-level imports: startup: torch is imported inside the functions that use it, so importing this
 # module stays torch-free (`qkvlab serve` checks its options before it loads torch).
@@ -28,6 +31,8 @@ EXACT_DTYPES = ("fp64", "fp32")  # convert: float64 for exact checks
 SHARDINGS = ("ddp", "fsdp")  # train --sharding, info --memory
 DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps"
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile modes; reduce-overhead: CUDA graphs
+COMPILE_CHOICES = ("auto", "off", *COMPILE_MODES)  # --compile's values in generate, bench and serve
 
 
 def dtype_choices(allowed: tuple[str, ...] = DTYPES, *, auto: bool = True) -> tuple[str, ...]:
@@ -138,3 +143,29 @@ def select_device(requested: str = "auto", local_rank: int = 0, world: int = 1, 
         who = f"LOCAL_RANK={local_rank} of world size {world}" if dev.index is None else f"device={requested}"
         raise UserError(f"{who} needs cuda:{index} but only {cuda_count} CUDA device(s) are visible")
     return torch.device("cuda", index)
+
+
+def compile_setting(default: str, help: str) -> Any:
+    """--compile [MODE], one spelling in generate, bench and serve: a torch.compile mode, off or auto
+    (`compile_mode` resolves it); the bare flag means default."""
+    return setting(default, help=help, choices=COMPILE_CHOICES, const="default")
+
+
+def compile_mode(choice: str, device_type: str, *, paged: bool = False) -> str | None:
+    """--compile's value (COMPILE_CHOICES) -> the torch.compile mode to decode with, None for eager.
+    auto: CUDA graphs (reduce-overhead) for the static step on a GPU; eager on the CPU, where compiling
+    (40-90 s for SmolLM2-135M) takes longer than it saves in one run (docs/inference.md), and for the
+    paged step (serve), whose changing shapes CUDA graphs cannot replay and whose compiled speed is
+    measured on the CPU only."""
+    if choice not in COMPILE_CHOICES:
+        raise UserError(f"--compile {choice!r} is not allowed; use one of {', '.join(COMPILE_CHOICES)}")
+    if choice == "auto":
+        return "reduce-overhead" if device_type == "cuda" and not paged else None
+    if choice == "off":
+        return None
+    if paged and choice == "reduce-overhead":
+        raise UserError(
+            "--compile reduce-overhead (CUDA graphs) needs fixed shapes and serve's batch changes every step; "
+            "use default or max-autotune"
+        )
+    return choice

@@ -31,11 +31,11 @@ import torch
 import torch.nn as nn
 
 from qkvlab.cache import KVCache
+from qkvlab.devices import COMPILE_MODES
 from qkvlab.errors import UserError
 
 FINISHED = -1  # what `stream` yields for a row that already produced its end-of-text token
 STOP_CHECK_EVERY = 8  # steps between end-of-text checks (each check waits for the device)
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile modes; reduce-overhead: CUDA graphs
 # decode_layout's rows: SmolLM2's products on 2 threads as blocks vs as stored 2.14x at 1 row, 2.06x at 4, 1.35-1.44x
 # at 16 (benchmarks/linear_layouts.py); 1.27x / 1.18x at 32 / 64 rows, but whole steps there are not measured
 LAYOUT_MAX_BATCH = 16
@@ -152,7 +152,7 @@ def decode_step(model, cache: KVCache, tokens: torch.Tensor, positions: torch.Te
     return logits[:, -1]
 
 
-_COMPILED: dict[tuple[str, str], Callable] = {}
+_COMPILED: dict[tuple[str, bool, str], Callable] = {}
 
 
 def compiled_step(mode: str = "default", device: torch.device | str = "cpu") -> Callable:
@@ -166,18 +166,20 @@ def compiled_step(mode: str = "default", device: torch.device | str = "cpu") -> 
     return _compiled(mode, device, dynamic=False)
 
 
-def compiled_paged_step(device: torch.device | str = "cpu") -> Callable:
+def compiled_paged_step(device: torch.device | str = "cpu", mode: str = "default") -> Callable:
     """decode_step compiled for the serve engine's paged cache (serve/paged.py), where every step has
     its own number of sequences and length: shapes are symbolic (dynamic=True), so it compiles once for
     two or more sequences and once for one (torch specializes a size of 1), not once a step. On the CPU
-    with inductor's C++ wrapper, as `compiled_step`."""
-    return _compiled("paged", device, dynamic=True)
+    with inductor's C++ wrapper, as `compiled_step`. CUDA graphs (reduce-overhead) need fixed shapes."""
+    if mode not in ("default", "max-autotune"):
+        raise UserError(f"compile mode {mode!r} is not allowed for changing shapes; use default or max-autotune")
+    return _compiled(mode, device, dynamic=True)
 
 
 def _compiled(mode: str, device: torch.device | str, *, dynamic: bool) -> Callable:
-    """The one torch.compile wrapper of decode_step per (mode, device type); "paged" is the default
-    mode with symbolic shapes. On the CPU every mode but CUDA graphs' compiles with the C++ wrapper."""
-    key = (mode, torch.device(device).type)
+    """The one torch.compile wrapper of decode_step per (mode, shapes, device type). On the CPU every
+    mode but CUDA graphs' compiles with the C++ wrapper."""
+    key = (mode, dynamic, torch.device(device).type)
     if key not in _COMPILED:
         # each (scheme, batch, cache length) is one compile of this one function, and each serve engine's
         # decode layout is new objects in the graph: past dynamo's default of 8 it would silently fall
@@ -188,7 +190,7 @@ def _compiled(mode: str, device: torch.device | str, *, dynamic: bool) -> Callab
             _COMPILED[key] = torch.compile(decode_step, dynamic=dynamic, fullgraph=True, options=options)
         else:
             _COMPILED[key] = torch.compile(
-                decode_step, mode=None if mode == "paged" else mode, dynamic=dynamic, fullgraph=True
+                decode_step, mode=None if mode == "default" else mode, dynamic=dynamic, fullgraph=True
             )
     return _COMPILED[key]
 

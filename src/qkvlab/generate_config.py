@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qkvlab.devices import DEVICE_HELP, INFERENCE_DTYPES, check_device, dtype_choices
+from qkvlab.devices import DEVICE_HELP, INFERENCE_DTYPES, check_device, compile_setting, dtype_choices
 from qkvlab.errors import UserError
-from qkvlab.generate import COMPILE_MODES, Sampling
+from qkvlab.generate import Sampling
 from qkvlab.settings import check, seed_setting, setting
 
 
@@ -33,13 +33,11 @@ class GenerateConfig:
         "the model's decode step finds faster, cached per machine)",
         choices=dtype_choices(INFERENCE_DTYPES),
     )
-    compile: str = setting(
+    compile: str = compile_setting(
         "auto",
-        help="torch.compile the static decode step with this mode (bare --compile: default). auto: "
+        "torch.compile the static decode step with this mode (bare --compile: default). auto: "
         "reduce-overhead (CUDA graphs) on a GPU, off on a CPU, where compiling takes longer than it saves "
         "in one run (docs/inference.md)",
-        choices=("auto", "off", *COMPILE_MODES),
-        const="default",
     )
 
     def validate(self) -> GenerateConfig:

@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict
 
 from qkvlab.data.tokenizer import resolve_tokenizer
-from qkvlab.devices import select_device, torch_dtype
+from qkvlab.devices import compile_mode, select_device, torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.generate import FINISHED, check_prompts, generate, stream
 from qkvlab.generate_config import GenerateConfig
@@ -48,7 +48,7 @@ def run(args) -> int:
     device = select_device(cfg.device)
     dname, probe = inference_dtype(cfg.dtype, device.type, model_cfg, (len(prompts),))  # auto on the CPU: timed
     model, model_cfg, _ = load_model(model_dir, device=device, dtype=torch_dtype(dname, device.type))
-    mode = cfg.compile if cfg.compile != "auto" else ("reduce-overhead" if device.type == "cuda" else "off")
+    mode = compile_mode(cfg.compile, device.type)
 
     def report(seconds: float) -> None:
         print(
@@ -58,7 +58,7 @@ def run(args) -> int:
         )
 
     eot = getattr(tok, "eot_id", None)
-    how = dict(eot_id=eot, seed=cfg.seed, compile=False if mode == "off" else mode, on_compiled=report)
+    how = dict(eot_id=eot, seed=cfg.seed, compile=mode or False, on_compiled=report)
     how["vocab_limit"] = tok.vocab_size if tok is not None else None
     check_prompts(model, prompts)  # before the notes below: a refusal is one line
     if probe is not None:  # what auto resolved to, from which figures (this model's decode step, or the cache)

@@ -159,14 +159,15 @@ class Engine:
         vocab_limit: int | None = None,
         context: int | None = None,
         metrics=None,
-        compile: bool = False,
+        compile: str | None = None,
     ):
         """rows: most sequences at once (None: as many as the blocks hold); blocks: of the pool
         (default: `rows` whole contexts); stop_ids (and eot_id, the same with one id): tokens that
         end a sequence unless its request says otherwise; context: the longest sequence served
-        (--max-model-len), at most the model's; compile: decode with `compiled_paged_step` (call
-        `warm_up` before serving, so no request waits for the compiler), the decode layout held
-        throughout (a new hold would be new objects in the compiled graph: a recompile)."""
+        (--max-model-len), at most the model's; compile: a torch.compile mode (default or max-autotune)
+        to decode with `compiled_paged_step` in (call `warm_up` before serving, so no request waits for
+        the compiler), the decode layout held throughout (a new hold would be new objects in the
+        compiled graph: a recompile)."""
         self.model, self.vocab_limit, self.metrics = model, vocab_limit, metrics
         self.stop_ids = frozenset(stop_ids) | ({eot_id} if eot_id is not None else set())
         self.context = model.cfg.context if context is None else context
@@ -198,7 +199,7 @@ class Engine:
         self.layout = DecodeLayout(model)
         self._layout_applies = DecodeLayout.applies(model)
         self._layout_votes = 0
-        self._decode_step = compiled_paged_step(self.device) if compile else decode_step
+        self._decode_step = compiled_paged_step(self.device, compile) if compile else decode_step
         if compile:  # above LAYOUT_MAX_BATCH rows a PackedProduct calls the Linear's own product
             self.layout.hold(min(self.max_batch, LAYOUT_MAX_BATCH))
 

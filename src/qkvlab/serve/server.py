@@ -27,7 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkvlab.devices import DEVICE_HELP, INFERENCE_DTYPES, check_device, dtype_choices, dtype_name
+from qkvlab.devices import (
+    DEVICE_HELP,
+    INFERENCE_DTYPES,
+    check_device,
+    compile_mode,
+    compile_setting,
+    dtype_choices,
+    dtype_name,
+)
 from qkvlab.errors import UserError
 from qkvlab.settings import check, setting
 from qkvlab.units import byte_size, nbytes
@@ -67,15 +75,18 @@ class ServeConfig:
     )
     name: str | None = setting(None, help="model name clients send (default: the folder's name)")
     drain_timeout: float = setting(30.0, help="seconds running requests may take to finish after SIGTERM", minimum=0)
-    compile: bool = setting(
-        False,
-        help="compile the decode step before listening (torch.compile with dynamic shapes; on the CPU inductor's "
-        "C++ wrapper): faster steps for minutes of compiling at start-up (docs/serve.md)",
+    compile: str = compile_setting(
+        "auto",
+        "torch.compile the decode step with this mode before listening (symbolic shapes; on the CPU inductor's "
+        "C++ wrapper; bare --compile: default): faster steps for a minute or more of compiling at start-up. "
+        "auto: off, as measured on the CPU only (docs/serve.md); reduce-overhead (CUDA graphs) is refused: "
+        "the batch changes every step",
     )
 
     def validate(self) -> ServeConfig:
         check(self)  # types, choices and bounds of every field; below: what the declarations cannot say
         check_device(self.device)
+        compile_mode(self.compile, "cpu", paged=True)  # reduce-overhead refused before any weight is read
         dtype_name(self.dtype)
         self.cache_bytes  # noqa: B018 (checks the size)
         if self.chat_template is not None and not Path(self.chat_template).is_file():
@@ -167,9 +178,9 @@ def build(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> Buil
         vocab_limit=getattr(tok, "vocab_size", None),
         context=context,
         metrics=metrics,
-        compile=cfg.compile,
+        compile=compile_mode(cfg.compile, device.type, paged=True),
     )
-    if cfg.compile:
+    if engine.compiled:
         log(f"qkvlab serve: compiled the decode step in {engine.warm_up():.1f} s")
     if metrics is not None:
         metrics.watch(engine)
