@@ -89,61 +89,60 @@ def test_device_refusals_are_one_line():
             select_device("cuda")
 
 
-def test_held_heap_reuses_freed_pages_instead_of_faulting_in_new_ones():
-    """qkvlab.heap: once held, a freed 64 MiB block (above glibc's largest default mmap threshold,
-    so by default a fresh mapping every time) comes back without page faults once the heap has
-    grown to it."""
-    import resource
-
-    from qkvlab.heap import hold_freed_memory
-
-    if not hold_freed_memory():
-        pytest.skip("not glibc: the heap is left as it is")
-
-    def faults_to_fill() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        torch.empty(16 << 20).fill_(1.0)  # 64 MiB, freed at once
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    for _ in range(3):  # the heap settles: its top grows to fit the block with its alignment
-        faults_to_fill()
-    pages = (64 << 20) // resource.getpagesize()
-    assert faults_to_fill() < pages // 20  # glibc's defaults: every page, every time
-    assert hold_freed_memory()  # idempotent
-
-
 HELD_VS_GLIBC = """
-import sys, torch
+import resource, sys, torch
 from qkvlab.config import ModelConfig
 from qkvlab.heap import hold_freed_memory
 from qkvlab.model import GPT
-if sys.argv[1] == "hold":
-    assert hold_freed_memory()
+if sys.argv[1] == "hold" and not hold_freed_memory():
+    sys.exit(3)
 torch.manual_seed(0)
-model = GPT(ModelConfig(n_layer=2, n_head=4, d_model=64, context=64, vocab_size=512, bias=False).validate())
+model = GPT(ModelConfig(n_layer=2, n_head=4, d_model=64, context=128, vocab_size=8192, bias=False).validate())
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-x = torch.randint(0, 512, (32, 65))  # logits of 32 x 64 x 512 floats: 4 MiB, above glibc's first mmap threshold
-for _ in range(4):
+x = torch.randint(0, 8192, (16, 129))  # logits of 16 x 128 x 8192 floats: 64 MiB, above glibc's largest mmap threshold
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     _, loss = model(x[:, :-1], x[:, 1:])
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    print(loss.item().hex())
+    print(loss.item().hex(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def test_the_held_heap_changes_no_number():
-    """Four training steps in a fresh process with the heap held and in one without: the same losses
-    to the last bit (PyTorch aligns every block to 64 bytes either way, so no kernel sees other data)."""
+@pytest.fixture(scope="module")
+def held_vs_glibc() -> dict[str, list[tuple[str, int]]]:
+    """Six training steps in a fresh process with the heap held and in one without: (loss as hex, page
+    faults) per step."""
     import subprocess
     import sys
 
-    from qkvlab.heap import hold_freed_memory
+    out = {}
+    for way in ("hold", "glibc"):
+        run = subprocess.run([sys.executable, "-c", HELD_VS_GLIBC, way], capture_output=True, text=True, timeout=300)
+        if run.returncode == 3:
+            pytest.skip("not glibc: the heap is left as it is")
+        assert run.returncode == 0, run.stderr
+        out[way] = [(loss, int(faults)) for loss, faults in (line.split() for line in run.stdout.splitlines())]
+    return out
 
-    if not hold_freed_memory():
-        pytest.skip("not glibc: the heap is left as it is")
-    runs = [
-        subprocess.run([sys.executable, "-c", HELD_VS_GLIBC, way], capture_output=True, text=True, check=True).stdout
-        for way in ("hold", "glibc")
-    ]
-    assert len(runs[0].split()) == 4 and runs[0] == runs[1]
+
+def test_held_heap_reuses_freed_pages_instead_of_faulting_in_new_ones(held_vs_glibc):
+    """qkvlab.heap: a step's 64 MiB logits and their gradient (above glibc's largest dynamic mmap
+    threshold, so by default a fresh mapping every step, ~66k faults) come back from the held heap.
+    Not every step reuses: a small block left above a freed one can make the heap grow past it
+    (16k-49k faults some steps), so the test counts the best step and the total after warm-up."""
+    import resource
+
+    held = [faults for _, faults in held_vs_glibc["hold"][2:]]
+    glibc = [faults for _, faults in held_vs_glibc["glibc"][2:]]
+    pages = (64 << 20) // resource.getpagesize()
+    assert min(glibc) >= pages  # glibc's defaults: at least every page of the logits, every step
+    assert min(held) < pages // 20 and sum(held) < sum(glibc) / 2
+
+
+def test_the_held_heap_changes_no_number(held_vs_glibc):
+    """The same losses to the last bit held or not (PyTorch aligns every block to 64 bytes either way,
+    so no kernel sees other data)."""
+    losses = [[loss for loss, _ in held_vs_glibc[way]] for way in ("hold", "glibc")]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]
