@@ -33,6 +33,7 @@ DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps"
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile modes; reduce-overhead: CUDA graphs
 COMPILE_CHOICES = ("auto", "off", *COMPILE_MODES)  # --compile's values in generate, bench and serve
+PAGED_COMPILE_MODES = ("default", "max-autotune")  # serve's paged step changes shape: no CUDA graphs
 
 
 def dtype_choices(allowed: tuple[str, ...] = DTYPES, *, auto: bool = True) -> tuple[str, ...]:
@@ -163,9 +164,9 @@ def compile_mode(choice: str, device_type: str, *, paged: bool = False) -> str |
         return "reduce-overhead" if device_type == "cuda" and not paged else None
     if choice == "off":
         return None
-    if paged and choice == "reduce-overhead":
+    if paged and choice not in PAGED_COMPILE_MODES:
         raise UserError(
-            "--compile reduce-overhead (CUDA graphs) needs fixed shapes and serve's batch changes every step; "
-            "use default or max-autotune"
+            f"--compile {choice} (CUDA graphs) needs fixed shapes and serve's batch changes every step; "
+            f"use {' or '.join(PAGED_COMPILE_MODES)}"
         )
     return choice

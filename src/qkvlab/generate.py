@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from qkvlab.cache import KVCache
-from qkvlab.devices import COMPILE_MODES
+from qkvlab.devices import COMPILE_MODES, PAGED_COMPILE_MODES
 from qkvlab.errors import UserError
 
 FINISHED = -1  # what `stream` yields for a row that already produced its end-of-text token
@@ -171,8 +171,10 @@ def compiled_paged_step(device: torch.device | str = "cpu", mode: str = "default
     its own number of sequences and length: shapes are symbolic (dynamic=True), so it compiles once for
     two or more sequences and once for one (torch specializes a size of 1), not once a step. On the CPU
     with inductor's C++ wrapper, as `compiled_step`. CUDA graphs (reduce-overhead) need fixed shapes."""
-    if mode not in ("default", "max-autotune"):
-        raise UserError(f"compile mode {mode!r} is not allowed for changing shapes; use default or max-autotune")
+    if mode not in PAGED_COMPILE_MODES:
+        raise UserError(
+            f"compile mode {mode!r} is not allowed for changing shapes; use {' or '.join(PAGED_COMPILE_MODES)}"
+        )
     return _compiled(mode, device, dynamic=True)
 
 
