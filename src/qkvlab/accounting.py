@@ -49,16 +49,23 @@ def projection_width(cfg: ModelConfig) -> int:
     """Output width of the fused input projection (all distinct learned projections) of a one-scheme
     config (per-layer models: pass cfg.layer_config(i))."""
     spec = cfg.spec
+    if cfg.kv_latent is not None:  # the query's projection (if learned) and the latent
+        return sum(cfg.n_head * cfg.head_dim for roles in spec.projections if "q" in roles) + cfg.kv_latent
     return sum(
         (cfg.n_head if spec.projection_is_query_shaped(i) else cfg.n_kv_heads) * cfg.head_dim
         for i in range(len(spec.projections))
     )
 
 
+def latent_up_params(cfg: ModelConfig) -> int:
+    """The weights that read keys and values back from a latent (kv_latent x 2 kv_heads d_head; 0 without)."""
+    return 0 if cfg.kv_latent is None else cfg.kv_latent * 2 * cfg.n_kv_heads * cfg.head_dim
+
+
 def attention_params(cfg: ModelConfig) -> int:
     """One layer's attention parameters (one-scheme config; per-layer models: cfg.layer_config(i))."""
     width, inner = projection_width(cfg), cfg.n_head * cfg.head_dim
-    n = cfg.d_model * width + inner * cfg.d_model
+    n = cfg.d_model * width + inner * cfg.d_model + latent_up_params(cfg)
     if cfg.bias:
         n += width + cfg.d_model
     if cfg.spec.plus:
@@ -119,10 +126,8 @@ def counted_params(model: nn.Module) -> ParamCounts:
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
     """Distinct key/value tensors per layer x kv heads x head dim x bytes (every layer caches,
     shared weights or not), summed over layers (per-layer schemes and kv heads)."""
-    return sum(
-        len(lc.spec.cached_sources()) * lc.n_kv_heads * lc.head_dim * DTYPE_BYTES[dtype_name(dtype)]
-        for lc in _attention_configs(cfg)
-    )
+    per_element = DTYPE_BYTES[dtype_name(dtype)]
+    return sum(h * w * per_element for lc in _attention_configs(cfg) for h, w in lc.cached_tensors().values())
 
 
 def flops_per_token(cfg: ModelConfig, context: int | None = None) -> int:
@@ -135,7 +140,7 @@ def flops_per_token(cfg: ModelConfig, context: int | None = None) -> int:
     inner = cfg.n_head * cfg.head_dim
     mlp_mats = 3 if cfg.mlp == "swiglu" else 2
     per_layer = inner * cfg.d_model + mlp_mats * cfg.d_model * cfg.hidden
-    projections = sum(cfg.d_model * projection_width(lc) for lc in _attention_configs(cfg))
+    projections = sum(cfg.d_model * projection_width(lc) + latent_up_params(lc) for lc in _attention_configs(cfg))
     matmul_weights = cfg.n_layer * per_layer + projections + cfg.vocab_size * cfg.d_model
     forward = 2 * matmul_weights + cfg.n_layer * 4 * inner * T
     return 3 * forward
@@ -155,6 +160,7 @@ def report(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None)
         "n_layer": cfg.n_layer,
         "n_head": cfg.n_head,
         "kv_heads": cfg.n_kv_heads,
+        "kv_latent": cfg.kv_latent,
         "d_model": cfg.d_model,
         "d_head": cfg.head_dim,
         "mlp_hidden": cfg.hidden,

@@ -3,6 +3,8 @@
 One code path for every scheme: the distinct learned projections are one fused Linear; each role
 (query, key, value) is either a slice of that output or a view of the input (identity). Roles that
 share a projection get the *same tensor*, so SDPA sees k is v for K=V and a KV cache stores it once.
+With kv_latent = r the key and value projections are replaced by one latent of r numbers per token
+(a slice of the fused output, what the cache holds) and `kv_up`, which reads both back from it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 
 from qkvlab.config import ModelConfig
 from qkvlab.positions import ScoreTerm2D, apply_rotary, plus_channels_pad
-from qkvlab.spec import IDENTITY
+from qkvlab.spec import IDENTITY, LATENT
 
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA enable_gqa= is new in 2.5
 
@@ -37,19 +39,32 @@ class Attention(nn.Module):
             for i in range(len(self.spec.projections))
         ]
         widths = [h * self.head_dim for h in self.proj_heads]
+        self.latent = cfg.kv_latent
+        self.kv_up = None
+        if self.latent is not None:  # the query's projection (if learned), then the latent (config.py checked)
+            query = [w for w, roles in zip(widths, self.spec.projections) if "q" in roles]
+            widths = [*query, self.latent]
+            self.kv_up = nn.Linear(self.latent, 2 * self.kv_heads * self.head_dim, bias=False)  # rows: [W_uk; W_uv]
         self.proj_widths = widths
         self.in_proj = nn.Linear(cfg.d_model, sum(widths), bias=cfg.bias) if widths else None
         self.out_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.score_term = ScoreTerm2D(cfg.plus_channels, cfg.context, cfg.plus_encoding) if self.spec.plus else None
         self.resid_dropout = dropout(cfg.dropout)
-        # With rotary and K=V the cache holds the un-rotated shared tensor; keys rotate on read.
+        # With rotary and K=V (or a latent) the cache holds un-rotated tensors; keys rotate on read.
         self.k_shared_with_v = self.spec.role_source("k") == self.spec.role_source("v")
+        self.keys_rotate_on_read = self.k_shared_with_v or self.latent is not None
 
     def project(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
-        """x (B, T, C) -> {source index: (B, heads, T, hd)} for every source a role reads."""
+        """x (B, T, C) -> {source index: (B, heads, T, hd)} for every source a role reads ((B, 1, T, r) for a latent)."""
         B, T, _ = x.shape
         out: dict[int, torch.Tensor] = {}
-        if self.in_proj is not None:
+        if self.latent is not None:
+            h = self.in_proj(x)
+            if not self.spec.is_identity("q"):
+                q = h[..., : -self.latent].view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+                out[self.spec.role_source("q")] = q  # (B, nh, T, hd)
+            out[LATENT] = h[..., -self.latent :][:, None]  # (B, 1, T, r)
+        elif self.in_proj is not None:
             # one view and one transpose for all projections, then split by heads: the same strided
             # views as per-projection view/transpose, in fewer ops (a decode step is op-bound)
             heads = self.in_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, sum heads, T, hd)
@@ -77,14 +92,18 @@ class Attention(nn.Module):
         q = new[src[0]]
         if rope is not None:
             q = apply_rotary(q, *rope)
-            if not self.k_shared_with_v:
+            if not self.keys_rotate_on_read:
                 new[src[1]] = apply_rotary(new[src[1]], *rope)  # store keys rotated
-        if cache is not None:
-            stored = {s: cache.update(s, new[s]) for s in self.spec.cached_sources()}  # (B, h, S, hd)
+        if self.latent is not None:
+            latent = new[LATENT] if cache is None else cache.update(LATENT, new[LATENT])  # (B, 1, S, r)
+            k, v = self.read_latent(latent)
         else:
-            stored = new
-        k, v = stored[src[1]], stored[src[2]]  # the same tensor when K=V
-        if rope is not None and self.k_shared_with_v:
+            if cache is not None:
+                stored = {s: cache.update(s, new[s]) for s in self.spec.cached_sources()}  # (B, h, S, hd)
+            else:
+                stored = new
+            k, v = stored[src[1]], stored[src[2]]  # the same tensor when K=V
+        if rope is not None and self.keys_rotate_on_read:
             k = apply_rotary(k, *(rope_k if rope_k is not None else rope))
         attn_mask, is_causal = mask, self.causal and mask is None and cache is None
         if self.score_term is not None:  # the "+" term inside the dot product: masks and kernels as without it
@@ -95,6 +114,12 @@ class Attention(nn.Module):
             y = y[..., : self.head_dim]  # drop the "+" term's padding channels
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
         return self.resid_dropout(self.out_proj(y))
+
+    def read_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent (B, 1, S, r) -> keys (un-rotated) and values, each (B, kvh, S, hd)."""
+        B, _, S, _ = latent.shape
+        kv = self.kv_up(latent[:, 0]).view(B, S, 2 * self.kv_heads, self.head_dim).transpose(1, 2)
+        return kv[:, : self.kv_heads], kv[:, self.kv_heads :]
 
 
 def ride_key_term(term: ScoreTerm2D, q, k, v, k_pos: torch.Tensor, scale: float):

@@ -116,16 +116,19 @@ class KVCache:
 
 
 class LayerCache:
-    """One layer's storage: a (B, kv_heads, max_len, head_dim) tensor per distinct source of its
-    scheme. Writes the new tokens' tensors and returns what attention reads."""
+    """One layer's storage: a (B, heads, max_len, width) tensor per tensor its config caches
+    (ModelConfig.cached_tensors: kv_heads x head_dim per distinct key/value source, or 1 x kv_latent).
+    Writes the new tokens' tensors and returns what attention reads."""
 
     def __init__(self, cache: KVCache, cfg: ModelConfig, batch_size: int, max_len: int, device, dtype):
         self.cache = cache
-        shape = (batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)  # (B, kvh, S, hd)
-        self.store = {s: torch.zeros(shape, device=device, dtype=dtype) for s in cfg.spec.cached_sources()}
+        self.store = {  # (B, kvh, S, hd) per source, or (B, 1, S, r) for a latent
+            s: torch.zeros(batch_size, heads, max_len, width, device=device, dtype=dtype)
+            for s, (heads, width) in cfg.cached_tensors().items()
+        }
 
     def update(self, source: int, new: torch.Tensor) -> torch.Tensor:
-        """new (B, kvh, T, hd) -> the cached tensor attention reads: (B, kvh, S, hd)."""
+        """new (B, h, T, w) -> the cached tensor attention reads: (B, h, S, w)."""
         buf, c = self.store[source], self.cache
         if c.stepping:
             return buf.index_copy_(2, c.slot, new)  # all max_len slots; c.valid masks the unfilled

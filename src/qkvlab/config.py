@@ -12,7 +12,7 @@ from qkvlab.config_file import read_config_file
 from qkvlab.errors import UserError
 from qkvlab.positions import PLUS_ENCODINGS
 from qkvlab.settings import check, resolve, seed_setting, setting
-from qkvlab.spec import ProjectionSpec, parse_layers, parse_scheme, validate_heads
+from qkvlab.spec import LATENT, ProjectionSpec, parse_layers, parse_scheme, validate_heads
 
 NORMS = ("layernorm", "rmsnorm", "none")
 POSITIONS = ("learned", "rope", "sinusoidal", "none")
@@ -48,6 +48,12 @@ class ModelConfig:
     d_model: int = setting(128, help="residual stream width", minimum=1)
     d_head: int | None = setting(None, help="width of one head (default d_model / n_head)", minimum=1)
     kv_heads: int | None = setting(None, help="key/value heads (default n_head: MHA; g: GQA-g; 1: MQA)", minimum=1)
+    kv_latent: int | None = setting(
+        None,
+        help="cache one latent of this many numbers per token and layer, keys and values read back from it "
+        "(a low-rank K/V cache; schemes with separate learned K and V)",
+        minimum=1,
+    )
     layers: str | None = setting(
         None,
         help="per-layer schemes/kv heads over attn and kv_heads, e.g. 'Q-K=V@every4', 'Q-K=V/MQA@-4:' (docs/schemes.md)",
@@ -127,7 +133,15 @@ class ModelConfig:
     @property
     def scheme_label(self) -> str:
         """The scheme for humans: 'Q-K-V', or with per-layer schemes 'Q-K-V [Q-K=V@every4]'."""
-        return self.spec.name if self.layers is None else f"{self.spec.name} [{self.layers}]"
+        label = self.spec.name if self.layers is None else f"{self.spec.name} [{self.layers}]"
+        return label if self.kv_latent is None else f"{label} (kv_latent={self.kv_latent})"
+
+    def cached_tensors(self) -> dict[int, tuple[int, int]]:
+        """What a one-scheme config's KV cache holds per token: {source: (heads, width)}. The distinct key/value
+        tensors (K and V two, K=V one, kv_heads heads of d_head), or one latent of kv_latent numbers."""
+        if self.kv_latent is not None:
+            return {LATENT: (1, self.kv_latent)}
+        return {s: (self.n_kv_heads, self.head_dim) for s in self.spec.cached_sources()}
 
     @property
     def head_dim(self) -> int:
@@ -171,6 +185,8 @@ class ModelConfig:
                     raise UserError(f"layers={self.layers!r}, layer {i}: {e}") from None
                 if lspec.plus and (self.plus_channels < 2 or self.plus_channels % 2):
                     raise UserError(f"plus_channels={self.plus_channels} must be an even number >= 2")
+        if self.kv_latent is not None:
+            self._check_latent(spec)
         if self.pos == "rope" and self.head_dim % 2:
             raise UserError(f"pos=rope needs an even d_head, got {self.head_dim}")
         if spec.plus and (self.plus_channels < 2 or self.plus_channels % 2):
@@ -186,6 +202,21 @@ class ModelConfig:
             if self.hidden <= 0:
                 raise UserError(f"match_params={self.match_params!r} would need a non-positive MLP width")
         return self
+
+    def _check_latent(self, spec: ProjectionSpec) -> None:
+        r, width = self.kv_latent, 2 * self.n_kv_heads * self.head_dim
+        own = lambda role: not spec.is_identity(role) and spec.projections[spec.role_source(role)] == (role,)  # noqa: E731
+        if not (own("k") and own("v")) or spec.plus:
+            raise UserError(
+                f"kv_latent={r} with {spec.name}: a latent replaces separate learned key and value projections "
+                "(Q-K-V, Id-K-V)"
+            )
+        if self.layers is not None:
+            raise UserError(f"kv_latent={r} with layers={self.layers!r}: a latent is one setting for every layer")
+        if r >= width:
+            raise UserError(
+                f"kv_latent={r} must be below 2 * kv_heads * d_head = {width} (the keys and values themselves)"
+            )
 
     # ---- serialisation (JSON, never pickle) ----------------------------------------------
     def to_dict(self) -> dict[str, Any]:

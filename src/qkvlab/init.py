@@ -56,8 +56,12 @@ def _projection_rows(attn: nn.Module, prefix: str, seed: int, std: float) -> tor
     """The fused in_proj weight: per learned projection, the rows of its first role's full-width draw."""
     d_model = attn.in_proj.in_features
     blocks = []
-    for roles, width in zip(attn.spec.projections, attn.proj_widths):
-        full = _normal(seed, f"{prefix}{roles[0]}_proj.weight", (attn.n_head * attn.head_dim, d_model), std)
+    projections = attn.spec.projections
+    if attn.latent is not None:  # the query's projection, then the latent's own draw
+        projections = [*(roles for roles in projections if "q" in roles), ("latent",)]
+    for roles, width in zip(projections, attn.proj_widths):
+        rows = attn.latent if roles == ("latent",) else attn.n_head * attn.head_dim
+        full = _normal(seed, f"{prefix}{roles[0]}_proj.weight", (rows, d_model), std)
         blocks.append(full[:width])
     return torch.cat(blocks)
 
@@ -76,6 +80,8 @@ def init_gpt2(model: nn.Module, cfg: ModelConfig, seed: int, prefix: str = "") -
             continue
         if name in fused:
             p.copy_(_projection_rows(fused[name], full[: -len("in_proj.weight")], seed, cfg.init_std))
+        elif name.endswith("kv_up.weight"):  # keys and values at the scale a direct projection gives them
+            p.copy_(_normal(seed, full, tuple(p.shape), p.shape[1] ** -0.5))
         elif p.dim() >= 2:
             std = cfg.init_std / (math.sqrt(2 * cfg.n_layer) if name.endswith(RESIDUAL_OUTPUTS) else 1.0)
             p.copy_(_normal(seed, full, tuple(p.shape), std))

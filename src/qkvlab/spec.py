@@ -21,6 +21,7 @@ from qkvlab.errors import UserError
 
 ROLES = ("q", "k", "v")
 IDENTITY = -1
+LATENT = -2  # the cached source of a low-rank key/value latent (ModelConfig.kv_latent), not a role's projection
 
 # Schemes the papers name, with one line on what each means (shown by docs and `qkvlab info`).
 KNOWN_SCHEMES = {

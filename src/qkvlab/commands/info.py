@@ -56,6 +56,11 @@ def run(args) -> int:
         ("scheme", f"{info['scheme']}" + (f"  ({meaning})" if meaning else "")),
         ("layers x heads x d_head", f"{cfg.n_layer} x {cfg.n_head} x {cfg.head_dim} (kv_heads {cfg.n_kv_heads})"),
         *([("per-layer scheme/kv_heads", " ".join(info["layers"]))] if info["layers"] else []),
+        *(
+            [("kv latent", f"{cfg.kv_latent} numbers per token and layer, keys and values read back")]
+            if cfg.kv_latent
+            else []
+        ),
         ("d_model / MLP hidden", f"{cfg.d_model} / {cfg.hidden}"),
         ("attention scale", f"{cfg.scale:.6g}"),
         ("params total", f"{info['params_total']:,} ({human(info['params_total'])})"),

@@ -93,9 +93,19 @@ def _by_role(parts: dict, spec: ProjectionSpec) -> dict[str, tuple[torch.Tensor,
     return {r: None if spec.is_identity(r) else parts[spec.role_source(r)] for r in ROLES}
 
 
+def refuse_latent(attn) -> None:
+    """Conversions read a projection per role; a latent layer (kv_latent) has none for its keys and values."""
+    if attn.latent is not None:
+        raise UserError(
+            f"this model caches a key/value latent (kv_latent={attn.latent}): its keys and values have no "
+            "projection of their own, which conversion, export, retrofit and similarity read"
+        )
+
+
 def split_in_proj(block, spec: ProjectionSpec) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
     """{source index: (weight rows (out, d), bias or None)} of one block's fused in_proj."""
     attn = block.attn
+    refuse_latent(attn)
     if attn.in_proj is None:
         return {}
     return _split_rows(attn.in_proj.weight, attn.in_proj.bias, attn.proj_widths)
@@ -110,6 +120,7 @@ def _state_roles(
     st: dict[str, torch.Tensor], i: int, attn
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None] | None]:
     """`role_weights` of block i read from a state dict (attn: that block's module, for the widths)."""
+    refuse_latent(attn)
     p = f"trunk.blocks.{i}.attn.in_proj."
     return _by_role(_split_rows(st.get(p + "weight"), st.get(p + "bias"), attn.proj_widths), attn.spec)
 

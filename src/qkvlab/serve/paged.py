@@ -36,10 +36,10 @@ class BlockPool:
         p = next(model.parameters())
         self.blocks, self.block_size, self.device = blocks, block_size, p.device
         slots = blocks * block_size
-        self.stores = [  # per layer: source -> (slots, kvh, hd)
+        self.stores = [  # per layer: source -> (slots, kvh, hd), or (slots, 1, r) for a latent
             {
-                s: torch.zeros(slots, c.n_kv_heads, c.head_dim, device=p.device, dtype=p.dtype)
-                for s in c.spec.cached_sources()
+                s: torch.zeros(slots, heads, width, device=p.device, dtype=p.dtype)
+                for s, (heads, width) in c.cached_tensors().items()
             }
             for c in model.cfg.layer_configs()
         ]
