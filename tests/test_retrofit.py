@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -447,3 +448,37 @@ def test_with_layers_is_the_fit_of_those_layers():
     assert built_cfg == one.cfg and [lc.spec.name for lc in built_cfg.layer_configs()] == ["Q-K-V", "Q-K=V", "Q-K-V"]
     mine, theirs = built.state_dict(), one.model.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_retrofit_to_a_latent_end_to_end(trained, capsys, monkeypatch):
+    """--to Q-K-V --kv-latent R: every layer caches R numbers per token (a quarter of the tiny model's
+    2 x 4 heads x 16), distillation lowers the fit's perplexity, OUT decodes through its latent cache,
+    --resume reuses the fit; what a latent cannot be is refused in one line before any text is read."""
+    from qkvlab.cache import KVCache
+    from qkvlab.convert import retrofit as rf
+    from qkvlab.io import load_model
+
+    out = trained / "rf_latent"
+    argv = ["retrofit", str(trained / "teacher"), str(out), "--data", str(trained / "plays.txt"), "--quiet"]
+    argv += ["--steps", "30", "--batch-size", "16", "--lr", "2e-3", "--eval-every", "30", "--refine-steps", "20"]
+    argv += ["--calib-tokens", "1024", "--eval-tokens", "4096", "--to", "Q-K-V"]
+    for bad, needle in [
+        (["--kv-latent", "32", "--to", "Q-K=V"], "--kv-latent 32 with --to Q-K=V: a latent keeps the query"),
+        (["--kv-latent", "32", "--kv-heads", "2"], "--kv-latent 32 with --kv-heads: a latent is one rank"),
+        (["--kv-latent", "128"], r"kv_latent=128 must be below 2 \* kv_heads \* d_head = 128"),
+    ]:
+        assert main(argv + bad) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and re.search(needle, err), err
+        assert not (out / "tokens.safetensors").exists()
+    assert main(argv + ["--kv-latent", "32"]) == 0
+    report = json.loads((out / "retrofit.json").read_text())
+    assert report["cache_ratio"] == 0.25 and report["converted_layers"] == [0, 1]
+    assert report["ppl_uptrained"] < report["ppl_fit"] and 0 < report["layers"][0]["r2"] <= 1
+    model, cfg, _ = load_model(out)
+    assert cfg.kv_latent == 32 and cfg.spec.name == "Q-K-V"
+    cache = KVCache(cfg, 1, 8)
+    model(torch.tensor([[1, 2, 3]]), cache=cache)
+    assert {tuple(t.shape) for layer in cache.layers for t in layer.store.values()} == {(1, 1, 8, 32)}
+    monkeypatch.setattr(rf, "fit_latent", lambda *a, **k: pytest.fail("fitted again on --resume"))
+    assert main(argv + ["--kv-latent", "32", "--resume"]) == 0

@@ -1,7 +1,8 @@
 """The cheapest layers of a distilled all-layer retrofit, alone: the original model with the K lowest-
 output-error layers taken from the distilled model (no further training), scored like curves.py.
 A run that trained more than the converted layers' attention (--rest-lr, --train all) is scored only
-whole (K = its converted layers: the distilled model as it is), since its other weights moved too.
+whole (K = its converted layers: the distilled model as it is), since its other weights moved too; so is
+a latent run (--kv-latent), whose rank is one setting for every layer.
 
 Run: python docs/results/retrofit/subset_of_distilled.py SOURCE RUN OUT.json K [K ...] [--text NAME=PATH ...]
 """
@@ -44,13 +45,16 @@ def main() -> None:
         texts[name] = text_tokens(src.encode, path, src.eot_id)
     by_cost = [lf["layer"] for lf in sorted(report["layers"], key=lambda lf: (lf["error"], lf["layer"]))]
     options, whole = report["options"], len(report["converted_layers"])
-    beyond_attention = options.get("train") == "all" or bool(options.get("rest_lr"))
-    if beyond_attention and set(args.ks) != {whole}:
-        raise SystemExit(f"{args.run} trained weights beyond the converted layers' attention: only K = {whole}")
+    whole_only = options.get("train") == "all" or bool(options.get("rest_lr"))
+    whole_only |= options.get("kv_latent") is not None  # not a per-layer choice: scored whole too
+    if whole_only and set(args.ks) != {whole}:
+        raise SystemExit(
+            f"{args.run} is a latent run or trained beyond the converted layers' attention: only K = {whole}"
+        )
     rows = []
     for k in args.ks:
         layers = sorted(by_cost[:k])
-        if beyond_attention:  # k == whole
+        if whole_only:  # k == whole
             m, m_cfg = distilled.model.float().eval(), distilled.cfg  # the distilled model as it is
         else:
             m, m_cfg = with_layers(model, cfg, distilled.model.float(), distilled.cfg, layers)

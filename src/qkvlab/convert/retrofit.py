@@ -42,6 +42,8 @@ from qkvlab.convert.retrofit_fit import (
     fit,
     fit_layer,
 )
+from qkvlab.convert.retrofit_latent import check_source as check_latent_source
+from qkvlab.convert.retrofit_latent import fit_latent
 from qkvlab.convert.retrofit_refine import REFINE_INPUTS, RefineOptions
 from qkvlab.data.text import describe_source, load_corpus
 from qkvlab.data.tokenizer import load_tokenizer
@@ -164,6 +166,12 @@ class RetrofitOptions:
     kv_heads: int | None = setting(
         None, help="key/value heads after pooling (GQA; 1: MQA; default: unchanged)", minimum=1
     )
+    kv_latent: int | None = setting(
+        None,
+        help="with --to Q-K-V: every layer caches a latent of this many numbers per token, its keys and values "
+        "read back from it (a joint low-rank fit; docs/retrofit.md)",
+        minimum=1,
+    )
     layers: str | None = setting(
         None,
         help="layers to convert: 'every4', '0,5,7', '-4:' (default: all, or as --cache-budget picks)",
@@ -252,6 +260,16 @@ class RetrofitOptions:
             )
         if self.layers is not None and self.cache_budget is not None:
             raise UserError("give --layers or --cache-budget, not both (the budget chooses the layers)")
+        if self.kv_latent is not None:
+            if self.to != "Q-K-V":
+                raise UserError(
+                    f"--kv-latent {self.kv_latent} with --to {self.to}: a latent keeps the query and replaces separate "
+                    "keys and values; give --to Q-K-V"
+                )
+            extra = [f for f in ("kv_heads", "layers", "cache_budget") if getattr(self, f) is not None]
+            if extra:
+                flags = ", ".join("--" + f.replace("_", "-") for f in extra)
+                raise UserError(f"--kv-latent {self.kv_latent} with {flags}: a latent is one rank for every layer")
         check_target(self.to, self.pool, self.cache_budget)  # before any model is loaded
         check_dtype(self.dtype, TRAIN_DTYPES)
         check_device(self.device)
@@ -337,7 +355,10 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     src = load_source(source)
     check_layers((src.cfg.n_layer, src.cfg.n_head), opts)  # a .gguf: known only now, still before any perplexity
     model, cfg = src.model.float().to(device), src.cfg
-    candidate_layers(cfg, opts.layers, opts.kv_heads, opts.to)  # refused before any text is read or scored
+    if opts.kv_latent is None:  # refused before any text is read or scored
+        candidate_layers(cfg, opts.layers, opts.kv_heads, opts.to)
+    else:
+        check_latent_source(cfg, opts.kv_latent)
     block = opts.block_size or min(cfg.context, 256)
     train_ids, held_ids = corpus_tokens(src, opts.data, opts.heldout_fraction)
     if len(train_ids) - 1 < opts.calib_tokens:  # calibration_windows would quietly take fewer windows than asked
@@ -354,6 +375,10 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     res = _reuse_fit(out / "fit", opts) if resume else None
     if res is not None:
         say(f"fit: reused {out / 'fit'} (written by the run being resumed)")
+    elif opts.kv_latent is not None:
+        refine = RefineOptions(opts.refine_steps, opts.refine_lr, seed=opts.seed, inputs="original")
+        res = fit_latent(model, cfg, train_ids, rank=opts.kv_latent, refine=refine, calib_tokens=opts.calib_tokens,
+                         block=block, seed=opts.seed, say=say)  # fmt: skip
     else:
         res = fit(
             model,
