@@ -94,9 +94,10 @@ class Attention(nn.Module):
             q = apply_rotary(q, *rope)
             if not self.keys_rotate_on_read:
                 new[src[1]] = apply_rotary(new[src[1]], *rope)  # store keys rotated
+        lift = None
         if self.latent is not None:
             latent = new[LATENT] if cache is None else cache.update(LATENT, new[LATENT])  # (B, 1, S, r)
-            k, v = self.read_latent(latent)
+            k, v, lift = self.read_latent(latent, T)
         else:
             if cache is not None:
                 stored = {s: cache.update(s, new[s]) for s in self.spec.cached_sources()}  # (B, h, S, hd)
@@ -110,16 +111,31 @@ class Attention(nn.Module):
             k_pos = q_pos if cache is None else cache.key_positions()  # (B, S)
             q, k, v = ride_key_term(self.score_term, q, k, v, k_pos, self.scale)
         y = _sdpa(q, k, v, attn_mask, is_causal, self.scale, self.dropout if self.training else 0.0)
+        if lift is not None:
+            y = lift(y)  # (B, nh, T, r) -> (B, nh, T, hd)
         if self.score_term is not None:
             y = y[..., : self.head_dim]  # drop the "+" term's padding channels
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
         return self.resid_dropout(self.out_proj(y))
 
-    def read_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent (B, 1, S, r) -> keys (un-rotated) and values, each (B, kvh, S, hd)."""
-        B, _, S, _ = latent.shape
-        kv = self.kv_up(latent[:, 0]).view(B, S, 2 * self.kv_heads, self.head_dim).transpose(1, 2)
-        return kv[:, : self.kv_heads], kv[:, self.kv_heads :]
+    def read_latent(self, latent: torch.Tensor, queries: int):
+        """latent (B, 1, S, r) -> keys (B, kvh, S, hd), un-rotated, and either the values (B, kvh, S, hd) and
+        None, or, when few queries read many tokens (a decode step), the latent itself as the values and the
+        map that lifts attention's output (B, nh, T, r) to (B, nh, T, hd): sum_j p_j (W_uv c_j) =
+        W_uv (sum_j p_j c_j), exactly, without rebuilding every cached token's values."""
+        B, _, S, r = latent.shape
+        kvh, hd, n = self.kv_heads, self.head_dim, self.kv_heads * self.head_dim
+        w_k, w_v = self.kv_up.weight[:n], self.kv_up.weight[n:]
+        k = F.linear(latent[:, 0], w_k).view(B, S, kvh, hd).transpose(1, 2)
+        if queries * self.n_head >= S * kvh:  # values for every token cost no more than lifting every query's
+            return k, F.linear(latent[:, 0], w_v).view(B, S, kvh, hd).transpose(1, 2), None
+        group, w_v = self.n_head // kvh, w_v.view(kvh, hd, r)
+
+        def lift(y: torch.Tensor) -> torch.Tensor:
+            y = y.view(B, kvh, group, -1, r)  # query heads in kv-head order, as GQA groups them
+            return torch.einsum("bgqtr,gdr->bgqtd", y, w_v).reshape(B, self.n_head, -1, hd)
+
+        return k, latent.expand(B, kvh, S, r), lift
 
 
 def ride_key_term(term: ScoreTerm2D, q, k, v, k_pos: torch.Tensor, scale: float):

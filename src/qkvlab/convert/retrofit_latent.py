@@ -19,7 +19,7 @@ the factors themselves, so the rows stay of rank r.
 the latent (attention.py) and whose outputs equal those of the plain layers with the fitted rows. Its
 decode step rebuilds every cached key before RoPE (r · kv_heads · head_dim multiply-adds per cached
 token and layer), the price of keeping RoPE exact; MHA2MLA avoids it with partial RoPE, which changes
-the model. (Values could fold into out_proj; attention.py reads them back plainly.)
+the model. Values are not rebuilt in a decode step (attention.py weights the latents, then lifts).
 """
 
 from __future__ import annotations
