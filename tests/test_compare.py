@@ -33,6 +33,7 @@ from qkvlab.variants import parse_variant, parse_variants
         ("Q-K=V/GQA4", "Q-K=V/GQA-4", 4, None),
         ("Id-K-V/mlp", "Id-K-V/mlp", None, "Q-K-V"),
         ("Q=K-V+/GQA-2/mlp=Q-K=V", "(Q=K-V)+/GQA-2/mlp=Q-K=V", 2, "Q-K=V"),
+        ("id-k-v/latent=32/mqa", "Id-K-V/MQA/latent=32", 1, None),
     ],
 )
 def test_parse_variant(text, name, kv, match):
@@ -50,6 +51,8 @@ def test_parse_variant(text, name, kv, match):
         ("Q-K=V/MQA/MQA", "at most once"),
         ("", "names no variant"),
         ("Q-K-V/GQA-0", "'GQA-0'"),
+        ("Q-K-V/latent=0", "latent='0' must be a positive whole number"),
+        ("Q-K-V/latent=8/latent=8", "at most once"),
     ],
 )
 def test_parse_variant_errors(text, needle):
@@ -65,6 +68,10 @@ def test_variant_apply():
     assert kv_cache_bytes_per_token(parse_variant("Q-K=V/MQA").apply(base)) * 8 == kv_cache_bytes_per_token(base)
     with pytest.raises(UserError, match="variant Q=K-V/MQA"):
         parse_variant("Q=K-V/MQA").apply(base)  # one projection serves q and k: no fewer k heads
+    latent = parse_variant("Q-K-V/latent=16").apply(base)  # 16 of 2 x 4 heads x 16 numbers per token and layer
+    assert latent.kv_latent == 16 and kv_cache_bytes_per_token(latent) * 8 == kv_cache_bytes_per_token(base)
+    with pytest.raises(UserError, match="variant Q-K=V/latent=16: kv_latent=16 with Q-K=V"):
+        parse_variant("Q-K=V/latent=16").apply(base)
 
 
 # ---- results from run folders ------------------------------------------------------------------

@@ -8,11 +8,13 @@ SCHEME is a projection scheme (``Q-K-V``, ``Id-K-V``, ``Q-K=V``, ``(Q=K-V)+`` ..
 - ``mlp``: MLP widened so the parameter count equals Q-K-V's (Paper A's identity_larger_mlp);
   ``mlp=SCHEME`` matches another scheme's count (``Q-K-V/mlp=Id-K-V``: Paper A's
   original_smaller_mlp, MLP 3.5x at GPT-2 small);
+- ``latent=R``: keys and values read back from one cached latent of R numbers per token
+  (ModelConfig.kv_latent; Q-K-V and Id-K-V);
 - ``width=SCHEME``: d_model shrunk to the smallest multiple of n_head whose non-embedding
   parameters are at least SCHEME's (``Q-K-V/width=Id-K-V``: Paper A's original_smaller_overall,
   d_model 744 at GPT-2 small).
 
-e.g. ``Id-K-V/mlp``, ``Q-K=V/MQA``, ``Q-K=V/GQA-4``. ``/`` rather than the paper's "Q-K=V+MQA",
+e.g. ``Id-K-V/mlp``, ``Q-K=V/MQA``, ``Q-K=V/GQA-4``, ``Id-K-V/MQA/latent=32``. ``/`` rather than the paper's "Q-K=V+MQA",
 because ``+`` already means the 2D positional score term. A list is comma-separated.
 """
 
@@ -38,12 +40,15 @@ class Variant:
     kv_heads: int | None = None  # None: as many as query heads (MHA); 1: MQA; g: GQA-g
     match: str | None = None  # match_params scheme (MLP re-spends saved params)
     width: str | None = None  # d_model shrunk to this scheme's parameter count
+    latent: int | None = None  # kv_latent: one cached latent of this many numbers per token
 
     @property
     def name(self) -> str:
         out = self.scheme
         if self.kv_heads is not None:
             out += f"/{format_kv_heads(self.kv_heads)}"
+        if self.latent is not None:
+            out += f"/latent={self.latent}"
         if self.match is not None:
             out += "/mlp" if self.match == BASELINE else f"/mlp={self.match}"
         if self.width is not None:
@@ -58,7 +63,9 @@ class Variant:
     def apply(self, cfg: ModelConfig) -> ModelConfig:
         """The variant's model config on top of a base config (validated: one-line errors)."""
         try:
-            out = cfg.replace(attn=self.scheme, kv_heads=self.kv_heads, match_params=self.match).validate()
+            out = cfg.replace(
+                attn=self.scheme, kv_heads=self.kv_heads, kv_latent=self.latent, match_params=self.match
+            ).validate()
             if self.width is not None:
                 out = out.replace(d_model=matched_width(out, self.width), d_head=None)
                 if cfg.mlp_hidden is not None and cfg.mlp_hidden == 4 * cfg.d_model:
@@ -93,7 +100,7 @@ def parse_variant(text: str) -> Variant:
         scheme = parse_scheme(parts[0]).name
     except UserError as e:
         raise UserError(f"variant {text!r}: {e}") from None
-    kv, match, width, kv_given = None, None, None, False
+    kv, match, width, latent, kv_given = None, None, None, None, False
     for opt in parts[1:]:
         if is_kv_heads(opt) and not kv_given:
             try:
@@ -107,6 +114,13 @@ def parse_variant(text: str) -> Variant:
                 match = parse_scheme(opt[4:]).name
             except UserError as e:
                 raise UserError(f"variant {text!r}: {e}") from None
+        elif opt.lower().startswith("latent=") and latent is None:
+            value = opt[len("latent=") :]
+            if not (value.isdigit() and int(value) > 0):
+                raise UserError(
+                    f"variant {text!r}: latent={value!r} must be a positive whole number (numbers per token)"
+                )
+            latent = int(value)
         elif opt.lower().startswith("width=") and width is None and match is None:
             try:
                 width = parse_scheme(opt[6:]).name
@@ -114,12 +128,13 @@ def parse_variant(text: str) -> Variant:
                 raise UserError(f"variant {text!r}: {e}") from None
         else:
             raise UserError(
-                f"variant {text!r}: option {opt!r} is not kv heads ({KV_HEADS_FORMS}), mlp, mlp=SCHEME or width=SCHEME "
+                f"variant {text!r}: option {opt!r} is not kv heads ({KV_HEADS_FORMS}), mlp, mlp=SCHEME, width=SCHEME "
+                "or latent=R "
                 "(each at most once; mlp or width, not both), e.g. Q-K=V/MQA or Id-K-V/mlp"
             )
     if width is not None and match is not None:
         raise UserError(f"variant {text!r}: mlp and width both match parameters; give one (each at most once)")
-    return Variant(scheme, kv, match, width)
+    return Variant(scheme, kv, match, width, latent)
 
 
 def parse_variants(text: str | Sequence[str]) -> list[Variant]:
