@@ -414,7 +414,7 @@ def test_retrofit_refuses_a_corpus_smaller_than_the_calibration(trained, capsys)
 
 def test_retrofit_reads_and_keeps_a_transformers_tokenizer_in_a_qkvlab_folder(tmp_path, capsys):
     """A qkvlab folder whose tokenizer/ holds transformers' files (what `convert --from-hf` writes)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from qkvlab.convert.load import save_hf_tokenizer
@@ -424,6 +424,7 @@ def test_retrofit_reads_and_keeps_a_transformers_tokenizer_in_a_qkvlab_folder(tm
     text = "the quick brown fox jumps over the lazy dog. " * 200
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=40, special_tokens=["<eot>"]))
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eot>")
     model, cfg = model_with(n_layer=2, vocab_size=len(hf))
@@ -436,6 +437,17 @@ def test_retrofit_reads_and_keeps_a_transformers_tokenizer_in_a_qkvlab_folder(tm
     assert main(argv + ["--calib-tokens", "256", "--eval-tokens", "256", "--refine-steps", "2", "--quiet"]) == 0
     kept = AutoTokenizer.from_pretrained(tmp_path / "rf" / "tokenizer")
     assert kept.encode("the lazy dog") == hf.encode("the lazy dog")
+    # `qkvlab generate` reads text through those files too (it once wanted a qkvlab tokenizer only)
+    from qkvlab.generate import Sampling, generate
+    from qkvlab.io import load_model
+
+    capsys.readouterr()
+    argv = ["generate", str(tmp_path / "rf"), "--prompt", "the lazy", "--max-new-tokens", "6", "--temperature", "0"]
+    assert main(argv + ["--dtype", "fp32"]) == 0
+    rf_model, _, _ = load_model(tmp_path / "rf", dtype=torch.float32)
+    ids = hf("the lazy")["input_ids"]
+    greedy = generate(rf_model, [ids], 6, Sampling(temperature=0.0), eot_id=hf.eos_token_id)[0]
+    assert capsys.readouterr().out.strip() == hf.decode(ids + greedy, skip_special_tokens=True).strip()
 
 
 def test_with_layers_is_the_fit_of_those_layers():

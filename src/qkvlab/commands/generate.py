@@ -1,8 +1,9 @@
 """Generate text from a model folder with a KV cache, streaming tokens to the terminal.
 
-The tokenizer comes from the model folder (a `tokenizer/` folder beside the weights, or the GPT-2
-tokenizer its training config names); otherwise pass --tokenizer (gpt2, bytes, or a folder holding a
-saved qkvlab tokenizer), or give token ids with --prompt-ids. The settings: GenerateConfig
+The tokenizer comes from the model folder (a `tokenizer/` folder beside the weights: a qkvlab tokenizer,
+or transformers' files as `retrofit` and `convert --from-hf` write them; or the GPT-2 tokenizer its
+training config names); otherwise pass --tokenizer (gpt2, bytes, or a folder holding a saved qkvlab or
+transformers tokenizer), or give token ids with --prompt-ids. The settings: GenerateConfig
 (qkvlab/generate_config.py); the decoding: qkvlab.generate.
 """
 
@@ -11,12 +12,13 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 
-from qkvlab.data.tokenizer import resolve_tokenizer
+from qkvlab.convert.load import model_tokenizer
 from qkvlab.devices import compile_mode, select_device, torch_dtype
 from qkvlab.errors import UserError
 from qkvlab.generate import FINISHED, check_prompts, generate, stream
 from qkvlab.generate_config import GenerateConfig
 from qkvlab.io import find_model_dir, load_model, read_config
+from qkvlab.serve.tokens import serve_tokenizer
 from qkvlab.settings import add_config_options, add_options, load, print_config
 from qkvlab.train.dtype_probe import inference_dtype
 
@@ -43,7 +45,9 @@ def run(args) -> int:
     sampling = cfg.sampling
     model_dir = find_model_dir(cfg.model_dir)
     model_cfg, body = read_config(model_dir)  # validates the folder before weights are read
-    tok = resolve_tokenizer(cfg.tokenizer, model_dir, body)
+    tok, tok_dir = model_tokenizer(cfg.tokenizer, model_dir, body)
+    if hasattr(tok, "apply_chat_template"):  # transformers' files: read as serve reads them (stop ids included)
+        tok = serve_tokenizer(tok, tok_dir)
     prompts = encode_prompts(cfg, tok, model_cfg.vocab_size)
     device = select_device(cfg.device)
     dname, probe = inference_dtype(cfg.dtype, device.type, model_cfg, (len(prompts),))  # auto on the CPU: timed

@@ -79,6 +79,7 @@ class HFTokenizer(ServeTokenizer):
         super().__init__(Path(getattr(tok, "name_or_path", "") or "hf").name, len(tok), sorted(stops))
         self.chat_template = tok.chat_template if isinstance(tok.chat_template, str) else None
         self.tok = tok
+        self.eot_id = tok.eos_token_id  # where `qkvlab generate` stops (serve stops at any of stop_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # the __call__ path encodes through the Rust batch API, which releases the GIL (encode() does not)
