@@ -405,6 +405,26 @@ def test_health_models_and_a_greedy_completion(server):
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
 
 
+def test_a_kv_latent_model_is_served_with_its_latent_named_and_its_smaller_cache(tmp_path):
+    """A latent of r numbers per token (retrofit --kv-latent) is what the pool's blocks hold: at one cache
+    memory the server admits (2 * kv_heads * d_head) / r times the tokens of the plain layout, says the
+    latent in /health, and answers greedy requests with generate's tokens."""
+    plain = tiny_model("Q-K-V", "rope", 2, dtype=torch.float32)
+    latent = tiny_model("Q-K-V", "rope", 2, dtype=torch.float32, kv_latent=8)
+    for name, model in (("plain", plain), ("latent", latent)):
+        save_model(tmp_path / name, model, model.cfg)
+    with Running(tmp_path / "plain", cache_memory="64KB") as s:
+        h_plain = s.client.get("/health").json()
+    with Running(tmp_path / "latent", cache_memory="64KB") as s:
+        h = s.client.get("/health").json()
+        r = s.post({"prompt": [5, 6, 7], "max_tokens": 9, "temperature": 0}).json()
+        assert r["choices"][0]["token_ids"] == greedy(s, [5, 6, 7], 9)
+    assert h_plain["cache_bytes_per_token"] == 2 * (2 * 2 * 8) * 4  # 2 layers x K and V of 2 heads x 8 x fp32
+    assert h["cache_bytes_per_token"] == 2 * 8 * 4 and h["scheme"] == "Q-K-V (kv_latent=8), kv heads 2"
+    assert (h_plain["capacity_tokens"], h["capacity_tokens"]) == (64_000 // (256 * 16) * 16, 64_000 // (64 * 16) * 16)
+    assert h["capacity_tokens"] >= 4 * h_plain["capacity_tokens"]  # 4x the tokens, blocks rounded down
+
+
 def test_stream_is_the_completion_in_pieces(server):
     body = {"prompt": "Hello", "max_tokens": 12, "temperature": 0, "stream_options": {"include_usage": True}}
     whole = server.post(body).json()["choices"][0]

@@ -184,7 +184,7 @@ def build(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> Buil
         log(f"qkvlab serve: compiled the decode step in {engine.warm_up():.1f} s")
     if metrics is not None:
         metrics.watch(engine)
-    scheme = model_cfg.spec.name + (
+    scheme = model_cfg.scheme_label + (  # the latent and per-layer schemes named too
         f", kv heads {model_cfg.n_kv_heads}" if model_cfg.n_kv_heads != model_cfg.n_head else ""
     )
     served = ServedModel(
