@@ -30,7 +30,9 @@ if [ ! -f "$ARCHIVE" ]; then
     exit 1
   fi
   apt-get update -qq
-  apt-cache policy linux-source-6.12 | grep -q "$VERSION" || {
+  # not `apt-cache ... | grep -q`: grep's early exit gives apt-cache SIGPIPE, which pipefail reports as a failure
+  offered=$(apt-cache policy linux-source-6.12)
+  grep -qF "$VERSION" <<<"$offered" || {
     echo "setup_sweep_corpus: linux-source-6.12=$VERSION is not offered by apt here (apt-cache policy linux-source-6.12)" >&2
     exit 1
   }
