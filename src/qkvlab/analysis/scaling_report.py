@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from qkvlab.analysis.factorial import analyse_factorial
 from qkvlab.analysis.rules import provenance_lines
 from qkvlab.analysis.rules import rules as rules_of
 from qkvlab.analysis.runs import MANIFEST, read_manifest, write_manifest
@@ -215,6 +216,41 @@ def _gap_section(sc: Scaling) -> list[str]:
     ]
 
 
+def _factorial_section(sc: Scaling) -> list[str]:
+    """Where the sizes are the cells of a two-level grid at one N: each variant's cells and contrasts."""
+    out: list[str] = []
+    for v in sc.variants:
+        f = analyse_factorial(sc.runs, v.variant)
+        if f is None:
+            continue
+        names = list(f.factors)
+        if not out:
+            out += [
+                "## The grid's contrasts (one N, two levels a factor)",
+                "",
+                "Cells: the mean of d = loss − loss of Q-K-V per seed (nats) and its perplexity change. "
+                "Effects: contrasts of the cell means (a factor's second level minus its first; an interaction: "
+                "the first factor's effect at the second's second level minus at its first), 95% t interval from "
+                f"the pooled within-cell variance of d ({f.df} df; seed spread only, every cell scored on the same "
+                "test windows); `qkvlab.analysis.factorial`.",
+                "",
+            ]
+        out += [
+            f"`{v.variant}`:",
+            "",
+            "| " + " | ".join(names) + " | seeds | d per seed (nats) | mean d | gap |",
+            "| " + "--- | " * len(names) + "---: | --- | ---: | ---: |",
+        ]
+        for cell, d in sorted(f.cells.items()):
+            mean = sum(d) / len(d)
+            per_seed = ", ".join(f"{x:+.4f}" for x in d)
+            out.append("| " + " | ".join(cell) + f" | {len(d)} | {per_seed} | {mean:+.4f} | {gap_pct(mean):+.2f}% |")
+        out += ["", "| effect on d | nats (95% CI) | reading |", "| --- | ---: | --- |"]
+        out += [f"| {e.name} | {_iv(e.interval, 4)} | {e.word} |" for e in f.effects]
+        out.append("")
+    return out
+
+
 def to_markdown(
     sc: Scaling,
     plots: Sequence[str] = (),
@@ -227,7 +263,7 @@ def to_markdown(
     if command:
         out += [f"Command: `{command}`", ""]
     out += provenance_lines(sc.rules.version, (manifest or {}).get("trained_under_analysis")) + [""]
-    out += _sizes_section(sc) + _corpus_line(manifest) + _gap_section(sc)
+    out += _sizes_section(sc) + _corpus_line(manifest) + _gap_section(sc) + _factorial_section(sc)
     if plots:
         out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     if unfinished:
