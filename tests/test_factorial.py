@@ -99,3 +99,10 @@ def test_results_md_has_the_grid_section_only_for_a_grid():
     sweep = {f"d{w}-L2": [0.05, 0.06] for w in widths}
     runs = [replace(r, size_params=N * w, params=N * w) for r in _runs(sweep) for w in widths if r.size == f"d{w}-L2"]
     assert "grid's contrasts" not in to_markdown(analyse(runs))
+
+
+def test_grid_plot_draws_every_cell(tmp_path):
+    from qkvlab.analysis.scaling_report import plot_grid
+
+    path = plot_grid(analyse(_runs(KNOWN)), tmp_path / "grid_gaps.png")
+    assert path.stat().st_size > 10_000

@@ -50,7 +50,8 @@ class Factorial:
     df: int
 
 
-def _settings(label: str) -> list[tuple[str, str]]:
+def settings(label: str) -> list[tuple[str, str]]:
+    """'d128-L2-b16-lr0.001' -> [('d', '128'), ('L', '2'), ('b', '16'), ('lr', '0.001')]."""
     return [(m.group(1), m.group(2)) for m in map(_SETTING.fullmatch, label.split("-")) if m]
 
 
@@ -65,7 +66,7 @@ def grid_factors(sizes: Sequence[str]) -> dict[str, tuple[str, str]] | None:
     """The factors of a complete two-level grid over the size labels (each setting that differs between
     labels, with its two levels), or None when the labels are not one: fewer than 4, settings that do not
     line up, a factor with other than 2 levels, or a missing cell."""
-    parsed = [_settings(s) for s in sizes]
+    parsed = [settings(s) for s in sizes]
     if len(sizes) < 4 or any(len(p) != len(parsed[0]) or len(p) != len(s.split("-")) for p, s in zip(parsed, sizes)):
         return None
     if any([k for k, _ in p] != [k for k, _ in parsed[0]] for p in parsed):
@@ -105,7 +106,7 @@ def analyse_factorial(runs, variant: str, level: float = LEVEL) -> Factorial | N
     loss = {(r.size, r.variant, r.seed): r.val_loss for r in runs}
     cells: dict[tuple[str, ...], list[float]] = {}
     for size in sizes:
-        key = tuple(v for k, v in _settings(size) if k in factors)
+        key = tuple(v for k, v in settings(size) if k in factors)
         cells[key] = [
             loss[(size, variant, seed)] - loss[(size, BASELINE, seed)]
             for seed in sorted({r.seed for r in runs if r.size == size})

@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from qkvlab.analysis.factorial import analyse_factorial
+from qkvlab.analysis.factorial import analyse_factorial, grid_factors, settings
 from qkvlab.analysis.rules import provenance_lines
 from qkvlab.analysis.rules import rules as rules_of
 from qkvlab.analysis.runs import MANIFEST, read_manifest, write_manifest
@@ -331,6 +331,47 @@ def plot_scaling(sc: Scaling, path: str | Path, *, against: str = "params") -> P
     return path
 
 
+def plot_grid(sc: Scaling, path: str | Path) -> Path:
+    """Cells of a grid at one N (a factorial): each variant's gap per cell against the last factor's
+    levels, one line per setting of the others (lines that are not parallel are an interaction)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    factors = grid_factors(sc.sizes)
+    names = list(factors)
+    x_name, others = names[-1], names[:-1]
+    fig, axes = plt.subplots(1, len(sc.variants), figsize=(5.5 * len(sc.variants), 4.5), squeeze=False)
+    for ax, v in zip(axes[0], sc.variants):
+        lines: dict[tuple[str, ...], list[tuple[int, str]]] = {}
+        for s in sc.sizes:
+            setting = dict(settings(s))
+            lines.setdefault(tuple(setting[n] for n in others), []).append((factors[x_name].index(setting[x_name]), s))
+        for k, (key, cells) in enumerate(sorted(lines.items())):
+            cells.sort()
+            xs = [i + 0.03 * (k - (len(lines) - 1) / 2) for i, _ in cells]
+            ivs = [v.gaps[s] for _, s in cells]
+            err = [[iv.estimate - iv.lo for iv in ivs], [iv.hi - iv.estimate for iv in ivs]]
+            label = ", ".join(f"{n} {val}" for n, val in zip(others, key)) or v.variant
+            ax.errorbar(xs, [iv.estimate for iv in ivs], yerr=err, fmt="o-", capsize=3, label=label)
+            for x, (_, s) in zip(xs, cells):
+                seeds = [gap_pct(d) for size, d in v.points if size == s]
+                ax.plot([x] * len(seeds), seeds, "x", color="grey", ms=4)
+        ax.set_xticks(range(2), [f"{x_name} {lv}" for lv in factors[x_name]])
+        ax.set_xlim(-0.5, 1.5)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_ylabel(f"{v.variant}: perplexity vs Q-K-V (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"gap per cell at N {human(sc.largest)} (dots: mean, 95% CI over seeds; x: each seed)", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    save_figure(fig, path, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def write_scaling_results(
     runs_dir: str | Path,
     out_dir: str | Path,
@@ -341,7 +382,8 @@ def write_scaling_results(
 ) -> Scaling:
     """Read the sweep's finished runs under runs_dir (or, with no run folders there, its
     results.csv: the per-seed scores); write results.md, results.csv, gap_vs_params.png and
-    gap_vs_compute.png into out_dir (created; only these files written), scored under the analysis
+    gap_vs_compute.png (for a grid of cells at one N, grid_gaps.png) into out_dir (created; only these
+    files written), scored under the analysis
     rules of analysis_version (default: the current one)."""
     runs, unfinished, source = read_runs(runs_dir)
     note = ""
@@ -358,7 +400,10 @@ def write_scaling_results(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    if plots and any(v.gaps for v in sc.variants):
+    grid = len(sc.size_params) > 1 and len(set(sc.size_params.values())) == 1 and grid_factors(sc.sizes)
+    if plots and grid and all(len(v.gaps) == len(sc.sizes) for v in sc.variants):
+        written = [plot_grid(sc, out / "grid_gaps.png")]  # one N: a line in N or C has nothing to show
+    elif plots and any(v.gaps for v in sc.variants):
         written = [
             plot_scaling(sc, out / "gap_vs_params.png"),
             plot_scaling(sc, out / "gap_vs_compute.png", against="compute"),
