@@ -273,15 +273,21 @@ def to_markdown(
     return "\n".join(out)
 
 
-def plot_scaling(sc: Scaling, path: str | Path, *, against: str = "params") -> Path:
-    """Gap vs N (against='params') or vs compute 6ND ('compute'), log x: per variant the per-size
-    mean with its interval and the fitted line with its 95% confidence band, over the sizes trained."""
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend."""
     # startup: matplotlib (0.6 s), imported when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # startup: as above
 
+    return plt
+
+
+def plot_scaling(sc: Scaling, path: str | Path, *, against: str = "params") -> Path:
+    """Gap vs N (against='params') or vs compute 6ND ('compute'), log x: per variant the per-size
+    mean with its interval and the fitted line with its 95% confidence band, over the sizes trained."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 5.5))
     cmap = plt.get_cmap("tab10")
     xs = {s: sc.size_params[s] if against == "params" else sc.size_compute(s) for s in sc.sizes}
@@ -334,11 +340,7 @@ def plot_scaling(sc: Scaling, path: str | Path, *, against: str = "params") -> P
 def plot_grid(sc: Scaling, path: str | Path) -> Path:
     """Cells of a grid at one N (a factorial): each variant's gap per cell against the last factor's
     levels, one line per setting of the others (lines that are not parallel are an interaction)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     factors = grid_factors(sc.sizes)
     names = list(factors)
     x_name, others = names[-1], names[:-1]
