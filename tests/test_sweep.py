@@ -3,6 +3,7 @@ end: trained once, then only re-rendered."""
 
 import csv
 import dataclasses
+import shutil
 
 import pytest
 
@@ -221,6 +222,17 @@ def test_lr_scan_then_sweep_at_qkv_best_validation_lr(tmp_path, corpus, monkeypa
     assert {r.seed for r in p.runs} == {0, 1} and {r.variant.name for r in p.runs} == {"Q-K-V", "Q-K=V"}
     for g in p.grid:  # compare.json records each size's lr and the scan it came from
         assert g["lr"] == g["lr_scan"]["lr"] and g["lr_scan"]["dir"] == str(scan) and len(g["lr_scan"]["tried"]) == 2
+    # the choice committed without the run folders (a later session's checkout) plans the same sweep
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    shutil.copy(scan / "lr_scan.json", committed / "lr_scan.json")
+    assert scan_lrs(committed) == chosen
+    assert [r.cfg.lr for r in plan(dataclasses.replace(sweep_cfg, lr_scan=str(committed))).runs] == [
+        r.cfg.lr for r in p.runs
+    ]
+    (committed / "lr_scan.json").write_text('{"d8-L2": {"lr": 0.1}}')
+    with pytest.raises(UserError, match="not an lr scan's choice"):
+        scan_lrs(committed)
     with pytest.raises(UserError, match="no finished Q-K-V run at d24-L2-h2"):
         plan(dataclasses.replace(sweep_cfg, sizes="d8-L2-h2-b4-s2,d24-L2-h2-b4-s2"))
     with pytest.raises(UserError, match="no such folder"):

@@ -26,6 +26,7 @@ from qkvlab.analysis.runs import MANIFEST, read_manifest, write_manifest
 from qkvlab.compare.pace import choose_layout
 from qkvlab.compare.planning import Plan, PlannedRun, run_state
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
+from qkvlab.compare.sweep import write_scan_choice
 from qkvlab.devices import cpu_name, select_device, torchrun_env
 from qkvlab.errors import UserError
 from qkvlab.folders import check_folder, claim_folder, inspect
@@ -419,6 +420,8 @@ def _write(
         from qkvlab.analysis.scaling_report import write_scaling_results
 
         outcome.results = write_scaling_results(out, out, command=command or "", plots=cfg.plots)
+        if (choice := write_scan_choice(out)) is not None:
+            say(f"compare: wrote {choice}, the lr each size's sweep takes (--lr-scan {out})")
     else:
         outcome.results = write_results(out, res, plots=cfg.plots)
     plots = " and plots" if cfg.plots else ""
@@ -439,6 +442,7 @@ def render(out: str | Path, analysis_version: int | None = None, *, plots: bool 
         from qkvlab.analysis.scaling_report import write_scaling_results
 
         result = write_scaling_results(out, out, plots=plots, analysis_version=analysis_version)
+        write_scan_choice(out)
     elif (out / MANIFEST).is_file():
         from qkvlab.analysis.report import write_results
 

@@ -20,6 +20,7 @@ validation loss). A sweep trains every size in one dtype (execute refuses an `au
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ from qkvlab.compare.planning import MAX_SEEDS, Plan, PlannedRun
 from qkvlab.compare.recipes import RECIPES, SWEEP_RECIPES
 from qkvlab.config import ModelConfig
 from qkvlab.errors import UserError
+from qkvlab.files import atomic_write
 from qkvlab.io import read_config, read_metrics
 from qkvlab.train.config import TrainConfig, default_weight_decay
 from qkvlab.variants import parse_variants
@@ -148,10 +150,14 @@ def apply_recipe(cfg):
     return dataclasses.replace(cfg, **fill), recipe
 
 
+LR_SCAN_FILE = "lr_scan.json"  # a finished scan's choice, written beside its results: what a later sweep reads
+
+
 def scan_lrs(scan_dir: str | Path) -> dict[tuple[int, int, int], dict]:
     """The lr scan's choice per shape (d_model, n_layer, n_head): the lr of the finished Q-K-V run with
     the lowest final validation loss (the fixed validation windows; the test split is never looked
-    at), with every lr tried and its loss, and whether the choice lies at the edge of the grid."""
+    at), with every lr tried and its loss, and whether the choice lies at the edge of the grid. From the
+    run folders when they are on disk, else from the scan's lr_scan.json (a committed scan whose runs are gone)."""
     root = Path(scan_dir)
     if not root.is_dir():
         raise UserError(f"--lr-scan {scan_dir}: no such folder (run the scan's recipe first)")
@@ -165,11 +171,56 @@ def scan_lrs(scan_dir: str | Path) -> dict[tuple[int, int, int], dict]:
         lr = ((body.get("train") or {}).get("config") or {}).get("lr")
         if rows and lr is not None:
             tried.setdefault((cfg.d_model, cfg.n_layer, cfg.n_head), {})[float(lr)] = float(rows[-1]["val_loss"])
+    if not tried and (root / LR_SCAN_FILE).is_file():
+        return read_scan_choice(root / LR_SCAN_FILE)
     out = {}
     for shape, losses in tried.items():
         best = min(losses, key=losses.get)
         out[shape] = {"lr": best, "tried": dict(sorted(losses.items())), "edge": best in (min(losses), max(losses))}
     return out
+
+
+def _shape_key(shape: tuple[int, int, int]) -> str:
+    d, n_layer, n_head = shape
+    return f"d{d}-L{n_layer}-h{n_head}"
+
+
+def write_scan_choice(out: str | Path) -> Path | None:
+    """OUT/lr_scan.json: scan_lrs of a sweep that tried more than one lr at some shape (a scan), else nothing."""
+    chosen = scan_lrs(out)
+    if not any(len(c["tried"]) > 1 for c in chosen.values()):
+        return None
+    body = {
+        _shape_key(shape): {
+            "lr": c["lr"],
+            "tried": {f"{lr:g}": loss for lr, loss in c["tried"].items()},
+            "edge": c["edge"],
+        }
+        for shape, c in sorted(chosen.items())
+    }
+    path = Path(out) / LR_SCAN_FILE
+    atomic_write(path, json.dumps(body, indent=1) + "\n")
+    return path
+
+
+def read_scan_choice(path: str | Path) -> dict[tuple[int, int, int], dict]:
+    """What write_scan_choice wrote, back as scan_lrs returns it."""
+    try:
+        body = json.loads(Path(path).read_text())
+        out = {}
+        for key, c in body.items():
+            m = re.fullmatch(r"d(\d+)-L(\d+)-h(\d+)", key)
+            if m is None:
+                raise ValueError(f"shape {key!r}")
+            shape = (int(m[1]), int(m[2]), int(m[3]))
+            out[shape] = {
+                "lr": float(c["lr"]),
+                "tried": {float(lr): float(loss) for lr, loss in c["tried"].items()},
+                "edge": bool(c["edge"]),
+            }
+        return out
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path}: not an lr scan's choice ({e})") from None
 
 
 def _scan_lr(size: SweepSize, chosen: dict, scan: str, recipe_name: str) -> float:
