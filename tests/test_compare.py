@@ -473,13 +473,14 @@ def test_compare_help_names_the_default_lm_variants():
     "family, scores",
     [
         ("lm-v5", "scores.json"),
+        ("lm-v5-1500", "scores.json"),
         ("synthetic-v5", "scores.json.xz"),
         ("synthetic-v5-len32/reverse", "scores.json.xz"),
         ("synthetic-v5-len32/swap", "scores.json.xz"),
     ],
 )
 def test_committed_families_rerender_from_their_scores(tmp_path, family, scores):
-    """docs/results/lm-v5, synthetic-v5 and synthetic-v5-len32 (analysis version 5, fixed before their runs) are what
+    """docs/results/lm-v5, lm-v5-1500, synthetic-v5 and synthetic-v5-len32 (analysis version 5, fixed before their runs) are what
     `compare --render` derives from their committed scores alone (xz-compressed where per-unit scores
     are many): every figure and word, no run folder needed."""
     import re
