@@ -207,7 +207,7 @@ def test_test_split_when_every_run_has_it(tmp_path):
     assert source == "test split" and all(r.se == 0.002 for r in runs)
     for r in runs:  # the LM task's test.json calls the loss "loss": it stands for val_loss
         metrics = [json.loads(x) for x in (tmp_path / "runs" / r.dir / "metrics.jsonl").read_text().splitlines()]
-        assert r.val_loss == pytest.approx(metrics[-1]["val_loss"] + 0.01, abs=1e-12)
+        assert r.val_loss == pytest.approx(metrics[-1]["val_loss"] + 0.01, abs=5e-7)  # to results.csv's 6 digits
     sc = write_scaling_results(tmp_path / "runs", tmp_path / "out", plots=False)
     assert sc.source == "test split" and "test split" in (tmp_path / "out" / "results.md").read_text()
 

@@ -91,6 +91,31 @@ def test_tiny_sweep_end_to_end_then_render_only(tmp_path, corpus, capsys, monkey
     assert calls == [] and "8 finished already, 0 to train" in capsys.readouterr().out
     assert (out / "results.md").is_file()
 
+    # Another checkout: only the committed table and scores, the run folders of two sizes gone. What the
+    # table records stands for those runs (scored again, never retrained), and the figures stay the same.
+    table = (out / "results.csv").read_text()
+    assert "config" in table.splitlines()[0]
+    for size in ("d8-L1", "d24-L1"):
+        shutil.rmtree(out / size)
+    assert main(args + ["--no-plots"]) == 0
+    assert calls == [] and "8 finished already, 0 to train" in capsys.readouterr().out
+    assert (out / "results.csv").read_text() == table and not (out / "d8-L1").exists()
+    assert "4 runs from results.csv: their folders are not on disk" in (out / "results.md").read_text()
+    # other settings: a recorded row is refused as a folder would be, in one line (all folders gone now)
+    for size in ("d16-L1", "d32-L2"):
+        shutil.rmtree(out / size)
+    assert main(args + ["--no-plots"]) == 0 and calls == []
+    assert (out / "results.csv").read_text() == table
+    assert "rendered from results.csv: the run folders are not on disk" in (out / "results.md").read_text()
+    assert main(args + ["--no-plots", "--lr", "0.01"]) != 0
+    assert "records d8-L1/Q-K-V/seed0 trained with other settings" in capsys.readouterr().err
+    # a run the table does not record trains again, alone (the dry run says which)
+    rows = table.splitlines()
+    (out / "results.csv").write_text("\n".join(r for r in rows if "d8-L1/Q-K=V/seed0" not in r) + "\n")
+    assert main(args + ["--no-plots", "--dry-run"]) == 0
+    states = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  d")]
+    assert [(rel, state) for rel, state in states if state != "[finished]"] == [("d8-L1/Q-K=V/seed0", "[new]")]
+
 
 def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(monkeypatch, tmp_path):
     """--dtype is one setting for the whole comparison (grid and sweep); machine_info records the

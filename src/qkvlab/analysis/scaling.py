@@ -42,6 +42,7 @@ from qkvlab.errors import UserError
 from qkvlab.files import atomic_write
 from qkvlab.io import read_config, read_metrics
 from qkvlab.spec import parse_scheme
+from qkvlab.train.config import config_fingerprint
 from qkvlab.variants import BASELINE, Variant
 
 NO_LINE = "no line"  # the slope's word when a lack-of-fit test rejects the straight line
@@ -72,6 +73,7 @@ class ScalingRun:
     train_s: float = 0.0  # training time of the run (its last row's elapsed_s)
     se: float = 0.0  # the evaluation's own standard error of val_loss (test split; 0: unknown)
     per_unit: tuple[float, ...] | None = None  # every test window's loss (test.json; scores.json beside the csv)
+    config: str = ""  # the run's config_fingerprint (""; unknown): what lets a recorded row stand for a planned run
 
     @property
     def compute(self) -> float:
@@ -235,6 +237,7 @@ def _read_one(root: Path, d: Path) -> tuple[ScalingRun, dict | None] | None:
         steps=int(train.get("step") or rows[-1].get("step") or 0),
         train_s=float(rows[-1].get("elapsed_s") or 0.0),
         dir=str(rel),
+        config=config_fingerprint(train["config"]) if isinstance(train.get("config"), dict) else "",
     )
     return run, read_test(d)
 
@@ -257,8 +260,14 @@ def read_runs(runs_dir: str | Path) -> tuple[list[ScalingRun], list[str], str]:
     tests = [test_value(t, "val_loss") for _, t in done]
     if done and all(tests):
         runs = [replace(r, val_loss=tv[0], se=tv[1], per_unit=tv[3]) for (r, _), tv in zip(done, tests)]
-        return runs, unfinished, "test split"
-    return [r for r, _ in done], unfinished, "validation"
+        return [_as_recorded(r) for r in runs], unfinished, "test split"
+    return [_as_recorded(r) for r, _ in done], unfinished, "validation"
+
+
+def _as_recorded(r: ScalingRun) -> ScalingRun:
+    """The run to the digits results.csv keeps, so a run scored from its folder and the same run read
+    back from the table give the same figures (a sweep may mix both)."""
+    return replace(r, val_loss=round(r.val_loss, 6), se=round(r.se, 6), train_s=round(r.train_s, 1))
 
 
 SCORES = "scores.json"  # beside a sweep's results.csv: every run's per-window test losses
@@ -306,6 +315,7 @@ def read_runs_csv(path: str | Path) -> list[ScalingRun]:
             train_s=float(r.get("train_s") or 0.0),
             se=float(r.get("val_loss_se") or 0.0),
             per_unit=units.get(r.get("dir", "")),
+            config=r.get("config") or "",
         )
         for r in rows
     ]

@@ -18,6 +18,7 @@ from qkvlab.analysis.scaling import (
     MAX_EXTRAPOLATION,
     PAPER_SIZES,
     Scaling,
+    ScalingRun,
     analyse,
     gap_pct,
     paper_size_params,
@@ -53,7 +54,8 @@ CSV_COLUMNS = (
 def to_csv(sc: Scaling) -> str:
     base = {(r.size, r.seed): r.val_loss for r in sc.runs if r.variant == BASELINE}
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    fingerprinted = any(r.config for r in sc.runs)  # tables written before fingerprints keep their columns
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS + (("config",) if fingerprinted else ()), lineterminator="\n")
     w.writeheader()
     order = {s: i for i, s in enumerate(sc.sizes)}
     for r in sorted(sc.runs, key=lambda r: (order[r.size], r.variant != BASELINE, r.variant, r.seed)):
@@ -77,6 +79,7 @@ def to_csv(sc: Scaling) -> str:
                 "dir": r.dir,
                 "val_loss_se": round(r.se, 6) if r.se else "",
             }
+            | ({"config": r.config} if fingerprinted else {})
         )
     return buf.getvalue()
 
@@ -374,6 +377,31 @@ def plot_grid(sc: Scaling, path: str | Path) -> Path:
     return path
 
 
+def recorded_runs(runs_dir: str | Path) -> dict[str, ScalingRun]:
+    """The runs runs_dir's results.csv records (with scores.json's per-window losses), by folder."""
+    table = Path(runs_dir) / "results.csv"
+    return {r.dir: r for r in read_runs_csv(table)} if table.is_file() else {}
+
+
+def _with_recorded(root: Path, runs, unfinished, source) -> tuple[list[ScalingRun], str, str]:
+    """The run folders' runs plus the runs results.csv records whose folders are gone (a sweep resumed
+    in another checkout from its committed table), and the note results.md says about them."""
+    on_disk = {r.dir for r in runs} | set(unfinished)
+    recorded = [r for d, r in recorded_runs(root).items() if d not in on_disk]
+    if not recorded:
+        return runs, source, ""
+    recorded_source = "test split" if all(r.se > 0 for r in recorded) else "validation"
+    if runs and recorded_source != source:
+        raise UserError(
+            f"{root}: its run folders are scored on the {source} and the runs results.csv records on the "
+            f"{recorded_source}; one sweep is scored on one"
+        )
+    if not runs and not unfinished:
+        return recorded, recorded_source, "rendered from results.csv: the run folders are not on disk"
+    n = len(recorded)
+    return runs + recorded, source, f"{n} run{'s' if n > 1 else ''} from results.csv: their folders are not on disk"
+
+
 def write_scaling_results(
     runs_dir: str | Path,
     out_dir: str | Path,
@@ -388,11 +416,7 @@ def write_scaling_results(
     files written), scored under the analysis
     rules of analysis_version (default: the current one)."""
     runs, unfinished, source = read_runs(runs_dir)
-    note = ""
-    table = Path(runs_dir) / "results.csv"
-    if not runs and not unfinished and table.is_file():
-        runs, note = read_runs_csv(table), f"rendered from {table.name}: the run folders are not on disk"
-        source = "test split" if runs and all(r.se > 0 for r in runs) else "validation"
+    runs, source, note = _with_recorded(Path(runs_dir), runs, unfinished, source)
     manifest = read_manifest(runs_dir) if (Path(runs_dir) / MANIFEST).is_file() else None
     command = command or (manifest or {}).get("command") or ""
     if not runs:

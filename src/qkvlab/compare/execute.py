@@ -24,7 +24,7 @@ import torch
 from qkvlab.analysis.rules import ANALYSIS_VERSION
 from qkvlab.analysis.runs import MANIFEST, read_manifest, write_manifest
 from qkvlab.compare.pace import choose_layout
-from qkvlab.compare.planning import Plan, PlannedRun, run_state
+from qkvlab.compare.planning import Plan, PlannedRun, run_states
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
 from qkvlab.compare.sweep import write_scan_choice
 from qkvlab.devices import cpu_name, select_device, torchrun_env
@@ -336,7 +336,7 @@ def _runs_to_train(plan: Plan, env, say) -> tuple[list[PlannedRun], dict[str, An
     if env is not None:
         plan_rel, metrics = D.all_gather_object(env, ([r.rel for r in runs], metrics))[0]
         runs = [r for r in runs if r.rel in set(plan_rel)]
-    states = [run_state(r) for r in runs]
+    states = run_states(runs, plan.out, plan.config.sweep)
     if env is not None:
         states = D.all_gather_object(env, states)[0]
     return runs, metrics, [r for r, s in zip(runs, states) if s != "finished"]
@@ -407,15 +407,20 @@ def _write(
     from qkvlab.analysis.results import collect
 
     out, cfg = plan.out, plan.config
-    res = collect(out)
+    if cfg.sweep:  # its scores.json is the sweep's own (per-window losses), not a family's
+        from qkvlab.analysis.scaling import read_runs
+
+        train_s = [r.train_s for r in read_runs(out)[0]]
+    else:
+        res = collect(out)
+        train_s = [float(r.final.get("elapsed_s") or 0) for r in res.runs]
     manifest["timing"] = (trained_before or {}).get("timing") or {
         "wall_s": round(wall, 1),
         "trained": n_trained,
         "skipped": n_runs - n_trained,
-        "train_s_total": round(sum(float(r.final.get("elapsed_s") or 0) for r in res.runs), 1),
+        "train_s_total": round(sum(train_s), 1),
     }
     write_manifest(out, manifest)
-    res.manifest = manifest
     if cfg.sweep:
         from qkvlab.analysis.scaling_report import write_scaling_results
 
@@ -423,6 +428,7 @@ def _write(
         if (choice := write_scan_choice(out)) is not None:
             say(f"compare: wrote {choice}, the lr each size's sweep takes (--lr-scan {out})")
     else:
+        res.manifest = manifest
         outcome.results = write_results(out, res, plots=cfg.plots)
     plots = " and plots" if cfg.plots else ""
     say(

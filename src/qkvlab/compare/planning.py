@@ -31,7 +31,7 @@ from qkvlab.errors import UserError
 from qkvlab.io import read_config
 from qkvlab.settings import check, resolve, setting
 from qkvlab.tasks import FAMILIES, TASK_MODULES
-from qkvlab.train.config import TRAIN_PRESETS, TrainConfig, changed_fields, default_weight_decay
+from qkvlab.train.config import TRAIN_PRESETS, TrainConfig, changed_fields, config_fingerprint, default_weight_decay
 from qkvlab.train.run_folder import first_difference
 from qkvlab.variants import Variant, parse_variants
 
@@ -216,7 +216,8 @@ class Plan:
                 f"  per run{' at ' + where if where else ''}: {c.max_steps} steps x {c.batch_size} examples, "
                 f"lr {c.lr:.3g}, model d{c.model.d_model} L{c.model.n_layer} h{c.model.n_head}"
             )
-        lines += [f"  {r.rel}  [{run_state(r)}]" for r in self.runs[:limit]]
+        shown = self.runs[:limit]
+        lines += [f"  {r.rel}  [{state}]" for r, state in zip(shown, run_states(shown, self.out, self.config.sweep))]
         if len(self.runs) > limit:
             lines.append(f"  ... {len(self.runs) - limit} more")
         return lines
@@ -360,6 +361,30 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     except UserError:
         return None
     return (body.get("train") or {}).get("config")
+
+
+def run_states(runs: list[PlannedRun], out: Path, sweep: bool) -> list[str]:
+    """run_state of each run; in a sweep, a run with no folder that OUT/results.csv records with the same
+    config is 'finished': a sweep continues in another checkout from its committed table and scores.json
+    (what it records is scored again, never retrained). A recorded row with another config is refused in
+    one line, as run_state refuses a folder."""
+    states = [run_state(r) for r in runs]
+    if not sweep:
+        return states
+    # startup: scaling_report imports scipy (about 1 s); only a sweep with a table pays it
+    from qkvlab.analysis.scaling_report import recorded_runs
+
+    recorded = recorded_runs(out)
+    for i, r in enumerate(runs):
+        row = recorded.get(r.rel)
+        if states[i] == "new" and row is not None and not r.dir.exists():
+            if not row.config or row.config != config_fingerprint(r.cfg):
+                raise UserError(
+                    f"{Path(out) / 'results.csv'} records {r.rel} trained with other settings (or without a "
+                    "config fingerprint); use another --out or the same settings"
+                )
+            states[i] = "finished"
+    return states
 
 
 def run_state(run: PlannedRun) -> str:

@@ -8,6 +8,7 @@ declared fields (help text each) and the papers' recipes as data.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import warnings
 from collections.abc import Mapping
@@ -283,6 +284,18 @@ def changed_fields(saved: Mapping[str, Any], now: TrainConfig) -> dict[str, tupl
     new = now.to_dict()
     keys = sorted(set(old) | set(new))
     return {k: (old.get(k), new.get(k)) for k in keys if k not in RESUMABLE_FIELDS and old.get(k) != new.get(k)}
+
+
+def config_fingerprint(cfg: TrainConfig | Mapping[str, Any]) -> str:
+    """16 hex digits of the sha256 of the fields changed_fields compares (max_steps added back): equal
+    for a planned run and the saved config of the run it would be, so a run recorded only in a results
+    table (its folder gone) can stand for the planned one."""
+    try:
+        body = (cfg if isinstance(cfg, TrainConfig) else TrainConfig.from_dict(dict(cfg))).to_dict()
+    except (UserError, TypeError):
+        return ""
+    kept = {k: v for k, v in body.items() if k not in RESUMABLE_FIELDS or k == "max_steps"}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def train_preset(name: str, **overrides: Any) -> TrainConfig:
