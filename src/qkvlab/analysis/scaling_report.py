@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -261,12 +262,14 @@ def to_markdown(
     command: str = "",
     manifest: dict | None = None,
     note: str = "",
+    scan: dict | None = None,
 ) -> str:
     out = ["# Scaling: gap to Q-K-V against model size", ""]
     if command:
         out += [f"Command: `{command}`", ""]
     out += provenance_lines(sc.rules.version, (manifest or {}).get("trained_under_analysis")) + [""]
-    out += _sizes_section(sc) + _corpus_line(manifest) + _gap_section(sc) + _factorial_section(sc)
+    out += _sizes_section(sc) + _corpus_line(manifest)
+    out += (_gap_section(sc) if sc.variants else []) + _factorial_section(sc) + _scan_section(scan)
     if plots:
         out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     if unfinished:
@@ -274,6 +277,25 @@ def to_markdown(
         out += [f"Not finished ({len(unfinished)}): " + ", ".join(unfinished[:12]) + more, ""]
     out += _run_section(sc, manifest, note)
     return "\n".join(out)
+
+
+def _scan_section(scan: dict | None) -> list[str]:
+    """An lr scan's choice (its lr_scan.json) as a table: every lr tried with its validation loss."""
+    if not scan:
+        return []
+    out = [
+        "## The lr scan",
+        "",
+        "Q-K-V's final validation loss (the fixed validation windows; the test split is never read) per lr; "
+        "the sweep takes each shape's lowest (compare/sweep.py scan_lrs), used even at the grid's edge, and flagged.",
+        "",
+        "| shape | validation loss per lr | chosen lr | at the grid's edge |",
+        "| --- | --- | ---: | --- |",
+    ]
+    for shape, c in scan.items():
+        tried = ", ".join(f"{lr}: {loss:.4f}" for lr, loss in c["tried"].items())
+        out.append(f"| {shape} | {tried} | {c['lr']:g} | {'**yes**' if c['edge'] else 'no'} |")
+    return out + [""]
 
 
 def _pyplot():
@@ -438,5 +460,9 @@ def write_scaling_results(
     write_unit_scores(out, sc.runs)
     if manifest is not None and Path(out).resolve() == Path(runs_dir).resolve():
         write_manifest(out, {**manifest, "analysis_version": sc.rules.version})
-    atomic_write(out / "results.md", to_markdown(sc, [str(p) for p in written], unfinished, command, manifest, note))
+    scan_file = Path(runs_dir) / "lr_scan.json"
+    scan = json.loads(scan_file.read_text()) if scan_file.is_file() else None
+    atomic_write(
+        out / "results.md", to_markdown(sc, [str(p) for p in written], unfinished, command, manifest, note, scan)
+    )
     return sc

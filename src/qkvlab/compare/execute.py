@@ -424,9 +424,9 @@ def _write(
     if cfg.sweep:
         from qkvlab.analysis.scaling_report import write_scaling_results
 
-        outcome.results = write_scaling_results(out, out, command=command or "", plots=cfg.plots)
-        if (choice := write_scan_choice(out)) is not None:
+        if (choice := write_scan_choice(out)) is not None:  # first: results.md shows it
             say(f"compare: wrote {choice}, the lr each size's sweep takes (--lr-scan {out})")
+        outcome.results = write_scaling_results(out, out, command=command or "", plots=cfg.plots)
     else:
         res.manifest = manifest
         outcome.results = write_results(out, res, plots=cfg.plots)
@@ -447,8 +447,8 @@ def render(out: str | Path, analysis_version: int | None = None, *, plots: bool 
     if sweep:
         from qkvlab.analysis.scaling_report import write_scaling_results
 
-        result = write_scaling_results(out, out, plots=plots, analysis_version=analysis_version)
         write_scan_choice(out)
+        result = write_scaling_results(out, out, plots=plots, analysis_version=analysis_version)
     elif (out / MANIFEST).is_file():
         from qkvlab.analysis.report import write_results
 
