@@ -24,6 +24,7 @@ MANIFEST = "compare.json"
 SCORES = "scores.json"  # every run's scores, curves and model config: what --render re-derives results from
 # the same, compressed (a committed copy of many per-unit scores); read when scores.json is not there
 SCORES_XZ = SCORES + ".xz"
+LR_SCAN_FILE = "lr_scan.json"  # an lr scan's choice per shape, beside a sweep's results (compare/sweep.py)
 UNIT_DIGITS = 6  # per-unit scores are kept to 1e-6 (a loss of ~4 nats: 7 significant digits)
 
 # ---- runs -------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 from qkvlab.analysis.factorial import analyse_factorial, grid_factors, settings
 from qkvlab.analysis.rules import provenance_lines
 from qkvlab.analysis.rules import rules as rules_of
-from qkvlab.analysis.runs import MANIFEST, read_manifest, write_manifest
+from qkvlab.analysis.runs import LR_SCAN_FILE, MANIFEST, read_manifest, write_manifest
 from qkvlab.analysis.scaling import (
     MAX_EXTRAPOLATION,
     PAPER_SIZES,
@@ -460,7 +460,7 @@ def write_scaling_results(
     write_unit_scores(out, sc.runs)
     if manifest is not None and Path(out).resolve() == Path(runs_dir).resolve():
         write_manifest(out, {**manifest, "analysis_version": sc.rules.version})
-    scan_file = Path(runs_dir) / "lr_scan.json"
+    scan_file = Path(runs_dir) / LR_SCAN_FILE
     scan = json.loads(scan_file.read_text()) if scan_file.is_file() else None
     atomic_write(
         out / "results.md", to_markdown(sc, [str(p) for p in written], unfinished, command, manifest, note, scan)

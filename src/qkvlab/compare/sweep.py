@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qkvlab.accounting import analytic_params
-from qkvlab.analysis.runs import run_finished
+from qkvlab.analysis.runs import LR_SCAN_FILE, run_finished
 from qkvlab.compare.planning import MAX_SEEDS, Plan, PlannedRun
 from qkvlab.compare.recipes import RECIPES, SWEEP_RECIPES
 from qkvlab.config import ModelConfig
@@ -150,9 +150,6 @@ def apply_recipe(cfg):
     return dataclasses.replace(cfg, **fill), recipe
 
 
-LR_SCAN_FILE = "lr_scan.json"  # a finished scan's choice, written beside its results: what a later sweep reads
-
-
 def scan_lrs(scan_dir: str | Path) -> dict[tuple[int, int, int], dict]:
     """The lr scan's choice per shape (d_model, n_layer, n_head): the lr of the finished Q-K-V run with
     the lowest final validation loss (the fixed validation windows; the test split is never looked
@@ -180,18 +177,13 @@ def scan_lrs(scan_dir: str | Path) -> dict[tuple[int, int, int], dict]:
     return out
 
 
-def _shape_key(shape: tuple[int, int, int]) -> str:
-    d, n_layer, n_head = shape
-    return f"d{d}-L{n_layer}-h{n_head}"
-
-
 def write_scan_choice(out: str | Path) -> Path | None:
     """OUT/lr_scan.json: scan_lrs of a sweep that tried more than one lr at some shape (a scan), else nothing."""
     chosen = scan_lrs(out)
     if not any(len(c["tried"]) > 1 for c in chosen.values()):
         return None
     body = {
-        _shape_key(shape): {
+        "d{}-L{}-h{}".format(*shape): {  # the size notation (SIZE_FORM) without options
             "lr": c["lr"],
             "tried": {f"{lr:g}": loss for lr, loss in c["tried"].items()},
             "edge": c["edge"],
@@ -209,8 +201,8 @@ def read_scan_choice(path: str | Path) -> dict[tuple[int, int, int], dict]:
         body = json.loads(Path(path).read_text())
         out = {}
         for key, c in body.items():
-            m = re.fullmatch(r"d(\d+)-L(\d+)-h(\d+)", key)
-            if m is None:
+            m = _SIZE.match(key)  # the size notation, options left out
+            if m is None or m.group(4):
                 raise ValueError(f"shape {key!r}")
             shape = (int(m[1]), int(m[2]), int(m[3]))
             out[shape] = {
