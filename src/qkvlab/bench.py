@@ -34,12 +34,11 @@ from qkvlab.convert.hf import to_hf
 from qkvlab.devices import (
     DEVICE_HELP,
     DTYPE_BYTES,
-    INFERENCE_DTYPES,
     check_device,
     compile_mode,
     compile_setting,
-    dtype_choices,
     dtype_name,
+    inference_dtype_setting,
     select_device,
     torch_dtype,
 )
@@ -81,11 +80,9 @@ class BenchConfig:
         None, help="capacity budget, e.g. 24GB or 80GiB (default: this device's memory)", metavar="SIZE"
     )
     device: str = setting("auto", help=DEVICE_HELP, metavar="DEVICE")
-    dtype: str = setting(
-        "auto",
-        help="weights and cache dtype (auto: bf16 on GPU; on the CPU bf16 where a timed decode step at these shapes "
-        "says it is faster, and training's autocast likewise from a timed training step)",
-        choices=dtype_choices(INFERENCE_DTYPES),
+    dtype: str = inference_dtype_setting(
+        "weights and cache dtype (auto: bf16 on GPU; on the CPU bf16 where a timed decode step at these shapes "
+        "says it is faster, and training's autocast likewise from a timed training step)"
     )
     compile: str = compile_setting(
         "off",

@@ -146,6 +146,14 @@ def select_device(requested: str = "auto", local_rank: int = 0, world: int = 1, 
     return torch.device("cuda", index)
 
 
+def inference_dtype_setting(
+    help: str = "weights and cache dtype (auto: bf16 on GPU; on CPU bf16 or fp32, whichever a short timing of "
+    "the model's decode step finds faster, cached per machine)",
+) -> Any:
+    """--dtype of the commands that decode (generate, serve, bench): INFERENCE_DTYPES or auto."""
+    return setting("auto", help=help, choices=dtype_choices(INFERENCE_DTYPES))
+
+
 def compile_setting(default: str, help: str) -> Any:
     """--compile [MODE], one spelling in generate, bench and serve: a torch.compile mode, off or auto
     (`compile_mode` resolves it); the bare flag means default."""

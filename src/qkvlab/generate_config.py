@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qkvlab.devices import DEVICE_HELP, INFERENCE_DTYPES, check_device, compile_setting, dtype_choices
+from qkvlab.devices import DEVICE_HELP, check_device, compile_setting, inference_dtype_setting
 from qkvlab.errors import UserError
 from qkvlab.generate import Sampling
 from qkvlab.settings import check, seed_setting, setting
@@ -27,12 +27,7 @@ class GenerateConfig:
     seed: int | None = seed_setting(None, help="seed for sampling (default: random)")
     tokenizer: str | None = setting(None, help="tokenizer when the model folder records none", metavar="gpt2|bytes|DIR")
     device: str = setting("auto", help=DEVICE_HELP, metavar="DEVICE")
-    dtype: str = setting(
-        "auto",
-        help="weights and cache dtype (auto: bf16 on GPU; on CPU bf16 or fp32, whichever a short timing of "
-        "the model's decode step finds faster, cached per machine)",
-        choices=dtype_choices(INFERENCE_DTYPES),
-    )
+    dtype: str = inference_dtype_setting()
     compile: str = compile_setting(
         "auto",
         "torch.compile the static decode step with this mode (bare --compile: default). auto: "

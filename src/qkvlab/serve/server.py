@@ -29,12 +29,11 @@ from typing import Any
 
 from qkvlab.devices import (
     DEVICE_HELP,
-    INFERENCE_DTYPES,
     check_device,
     compile_mode,
     compile_setting,
-    dtype_choices,
     dtype_name,
+    inference_dtype_setting,
 )
 from qkvlab.errors import UserError
 from qkvlab.settings import check, setting
@@ -56,12 +55,7 @@ class ServeConfig:
     block_size: int = setting(16, help="tokens per cache block (vLLM's default 16)", minimum=1, maximum=4096)
     max_batch: int | None = setting(None, help="most sequences at once (default: all the cache blocks hold)", minimum=1)
     device: str = setting("auto", help=DEVICE_HELP, metavar="DEVICE")
-    dtype: str = setting(
-        "auto",
-        help="weights and cache dtype (auto: bf16 on GPU; on CPU bf16 or fp32, whichever a short timing of "
-        "the model's decode step finds faster, cached per machine)",
-        choices=dtype_choices(INFERENCE_DTYPES),
-    )
+    dtype: str = inference_dtype_setting()
     tokenizer: str | None = setting(
         None,
         help="tokenizer instead of the model's own: gpt2, bytes, or a folder (qkvlab's or transformers' files)",
