@@ -3,6 +3,7 @@ end: trained once, then only re-rendered."""
 
 import csv
 import dataclasses
+import json
 import shutil
 
 import pytest
@@ -80,6 +81,24 @@ def test_tiny_sweep_end_to_end_then_render_only(tmp_path, corpus, capsys, monkey
     md = (out / "results.md").read_text()
     assert "4 sizes spanning" in md and "`Q-K=V`" in md and "gap with N" in md and "at 300M" not in md
     assert {"gap_vs_params.png", "gap_vs_compute.png", "compare.json"} <= {p.name for p in out.iterdir()}
+
+    # Stopped before its end (no results.csv yet): --render still reads it as a sweep, per size, and
+    # names the runs not begun; so do the compare.json files written before the manifest said "sweep".
+    stopped = tmp_path / "stopped"
+    shutil.copytree(out, stopped)
+    for name in ("results.csv", "results.md", "scores.json"):
+        (stopped / name).unlink()
+    shutil.rmtree(stopped / "d32-L2" / "Q-K=V")
+    manifest = json.loads((stopped / "compare.json").read_text())
+    assert manifest["sweep"] is True
+    for old_manifest in (False, True):
+        if old_manifest:
+            del manifest["sweep"]
+            (stopped / "compare.json").write_text(json.dumps(manifest))
+        assert main(["compare", "--render", "--no-plots", "--out", str(stopped)]) == 0
+        md = (stopped / "results.md").read_text()
+        assert "## Sizes" in md and "d32-L2/Q-K=V/seed0 (not started)" in md
+        assert len(list(csv.DictReader((stopped / "results.csv").open()))) == 7
 
     # Again: every run is finished, nothing trains, the results are rendered again.
     import qkvlab.train.loop as loop

@@ -441,6 +441,8 @@ def write_scaling_results(
     runs, source, note = _with_recorded(Path(runs_dir), runs, unfinished, source)
     manifest = read_manifest(runs_dir) if (Path(runs_dir) / MANIFEST).is_file() else None
     command = command or (manifest or {}).get("command") or ""
+    seen = {r.dir for r in runs} | set(unfinished)  # a sweep stopped early: its planned runs not begun
+    unfinished += [f"{p['dir']} (not started)" for p in (manifest or {}).get("runs", []) if p["dir"] not in seen]
     if not runs:
         raise UserError(f"{runs_dir}: no finished run (expected run folders at <size>/<variant>/seed<k>)")
     lm = ((manifest or {}).get("metrics") or {}).get("lm") or {}

@@ -443,8 +443,7 @@ def render(out: str | Path, analysis_version: int | None = None, *, plots: bool 
     out = Path(out)
     if not out.is_dir():
         raise UserError(f"{out}: no such folder (--render re-derives the results of a compare folder)")
-    sweep = (out / "results.csv").is_file() and _is_sweep(out)
-    if sweep:
+    if _is_sweep(out):
         from qkvlab.analysis.scaling_report import write_scaling_results
 
         write_scan_choice(out)
@@ -460,6 +459,16 @@ def render(out: str | Path, analysis_version: int | None = None, *, plots: bool 
 
 
 def _is_sweep(out: Path) -> bool:
-    """A sweep's results.csv has one row per run with a size column."""
-    with (out / "results.csv").open() as f:
-        return "size" in f.readline().split(",")
+    """OUT holds a sweep: its compare.json says so (manifests before that key: every grid point carries
+    its own steps, as only a sweep's sizes do), or its results.csv has a size column. Deciding by the
+    results.csv alone rendered a sweep stopped before its end as one pooled grid point."""
+    if (out / MANIFEST).is_file():
+        m = read_manifest(out)
+        if "sweep" in m:
+            return bool(m["sweep"])
+        if m.get("grid") and all("steps" in g for g in m["grid"]):
+            return True
+    if (out / "results.csv").is_file():
+        with (out / "results.csv").open() as f:
+            return "size" in f.readline().split(",")
+    return False

@@ -200,6 +200,7 @@ class Plan:
             "variants": [v.name for v in self.variants],
             "seeds": self.seeds,
             "grid": [{"label": point_label(p) or "default", **p} for p in self.grid],
+            "sweep": bool(self.config.sweep),
             "out": str(self.out),
         }
 
