@@ -740,3 +740,29 @@ def test_bench_auto_dtype_on_the_cpu_follows_the_decode_probe(tmp_path, decode_p
     assert main([*args, "--dtype", "fp32", "--json", str(tmp_path / "fp32.json")]) == 0
     fixed = json.loads((tmp_path / "fp32.json").read_text())
     assert fixed["dtype"] == "fp32" and fixed["decode_dtype_probe"] is None and asked == [(1, 2)]
+
+
+def test_a_large_models_layout_is_chosen_by_timing_and_may_be_the_weights_as_stored(monkeypatch):
+    """Past LAYOUT_PROBE_MIN_BYTES of weights the order comes from layout_by_timing (once a process per
+    key); when the weights as stored win, hold packs nothing yet counts as held, and outputs stay equal."""
+    import qkvlab.generate as gen
+
+    monkeypatch.setattr(gen, "LAYOUT_PROBE_MIN_BYTES", 0)
+    monkeypatch.setattr(gen, "LAYOUT_PROBE_BYTES", 1 << 16)
+    monkeypatch.setattr(gen, "_layout_choices", {})
+    model = make_model(cfg_for("Q-K-V"), dtype=torch.float64)
+    x = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    want = model(x)[0]
+    with decode_layout(model, 2):
+        orders = {getattr(vars(m).get("forward"), "order", None) for m in model.modules() if isinstance(m, nn.Linear)}
+        assert len(orders) == 1 and orders <= {None, "rows", "columns"}
+        torch.testing.assert_close(model(x)[0], want, rtol=0, atol=1e-12)
+    assert list(gen._layout_choices) == [(2, torch.get_num_threads(), torch.float64, "cpu")]
+    for chosen in (None, "columns"):
+        gen._layout_choices[(2, 2, torch.float64, "cpu")] = chosen
+        layout = DecodeLayout(model, parts=2)
+        layout.hold(2)
+        assert layout.held and bool(layout.packed) == (chosen is not None)
+        torch.testing.assert_close(model(x)[0], want, rtol=0, atol=1e-12)
+        layout.release()
+        assert not layout.held and all("forward" not in vars(m) for m in model.modules())

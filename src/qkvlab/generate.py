@@ -40,6 +40,13 @@ STOP_CHECK_EVERY = 8  # steps between end-of-text checks (each check waits for t
 # at 16 (benchmarks/linear_layouts.py); 1.27x / 1.18x at 32 / 64 rows, but whole steps there are not measured
 LAYOUT_MAX_BATCH = 16
 LAYOUT_ROWS_MAX_BATCH = 4  # PackedProduct's block order: "rows" up to this many rows, "columns" above
+# A model whose Linear weights reach LAYOUT_PROBE_MIN_BYTES (a real model, streamed from memory each step)
+# gets its layout by timing on this machine instead (layout_by_timing): row blocks, chosen on an
+# avx512_bf16 EPYC where they ran 2.33x the weights as stored at one row, ran 0.39x on a Xeon with AMX
+# (docs/results/speed, 2026-12-05). Below it the weights sit in cache and the constants above decide.
+LAYOUT_PROBE_MIN_BYTES = 64 << 20
+LAYOUT_PROBE_BYTES = 128 << 20  # the weights timed: past the last-level cache, as in a real step
+LAYOUT_PROBE_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -281,6 +288,7 @@ class DecodeLayout:
         self.model = model
         self.parts = parts
         self.packed: list[nn.Linear] = []  # the Linears whose forward is a PackedProduct
+        self.holding = False  # hold() called and not released (the timing may have chosen the weights as stored)
 
     @staticmethod
     def applies(model) -> bool:
@@ -289,25 +297,66 @@ class DecodeLayout:
 
     @property
     def held(self) -> bool:
-        return bool(self.packed)
+        return self.holding
 
     def hold(self, batch: int = 1) -> None:
         """Pack for decoding `batch` rows (the block order suits it; held until release, whatever the
         batch does meanwhile)."""
         if self.held or not self.applies(self.model):
             return
+        self.holding = True
         parts = self.parts or torch.get_num_threads()
-        order = "rows" if batch <= LAYOUT_ROWS_MAX_BATCH else "columns"
-        for m in self.model.modules():
-            if isinstance(m, nn.Linear) and "forward" not in vars(m):
-                # an instance attribute: nn.Module.__call__ finds it first
-                m.forward = PackedProduct(m, parts, order=order)
-                self.packed.append(m)
+        linears = [m for m in self.model.modules() if isinstance(m, nn.Linear) and "forward" not in vars(m)]
+        if sum(m.weight.nbytes for m in linears) >= LAYOUT_PROBE_MIN_BYTES:
+            order = layout_by_timing(linears, batch, parts)
+        else:
+            order = "rows" if batch <= LAYOUT_ROWS_MAX_BATCH else "columns"
+        if order is None:
+            return
+        for m in linears:
+            # an instance attribute: nn.Module.__call__ finds it first
+            m.forward = PackedProduct(m, parts, order=order)
+            self.packed.append(m)
 
     def release(self) -> None:
         for m in self.packed:
             del m.forward
         self.packed.clear()
+        self.holding = False
+
+
+_layout_choices: dict[tuple, str | None] = {}
+
+
+@torch.inference_mode()
+def layout_by_timing(linears: list[nn.Linear], batch: int, parts: int) -> str | None:
+    """The fastest way to compute these Linears' products for `batch` rows on this machine: "rows" or
+    "columns" (PackedProduct's block orders) or None (the weights as stored), timed once a process per
+    (rows, parts, dtype) over the first LAYOUT_PROBE_BYTES of weights, alternating, best of
+    LAYOUT_PROBE_ROUNDS. A speed policy decided by measurement: the fastest order differs by CPU."""
+    w = linears[0].weight
+    key = (min(batch, LAYOUT_MAX_BATCH), parts, w.dtype, w.device.type)
+    if key not in _layout_choices:
+        subset, total = [], 0
+        for m in linears:
+            if total >= LAYOUT_PROBE_BYTES:
+                break
+            subset.append(m)
+            total += m.weight.nbytes
+        inputs = [torch.randn(key[0], m.in_features, dtype=w.dtype) for m in subset]
+        ways: dict[str | None, list[Callable]] = {None: [m.__call__ for m in subset]}
+        for order in ("rows", "columns"):
+            ways[order] = [PackedProduct(m, parts, order=order) for m in subset]
+        best = dict.fromkeys(ways, math.inf)
+        for r in range(LAYOUT_PROBE_ROUNDS + 1):  # round 0 warms up, untimed
+            for order in list(ways)[:: 1 if r % 2 else -1]:
+                t0 = time.perf_counter()
+                for product, x in zip(ways[order], inputs):
+                    product(x)
+                if r:
+                    best[order] = min(best[order], time.perf_counter() - t0)
+        _layout_choices[key] = min(best, key=best.get)
+    return _layout_choices[key]
 
 
 @contextlib.contextmanager
