@@ -70,6 +70,7 @@ from pathlib import Path
 import torch
 
 from qkvlab.accounting import kv_cache_bytes_per_token
+from qkvlab.generate import layout_decisions
 from qkvlab.loadavg import ScriptRun, add_options, fmt
 from qkvlab.settings import positive_int
 from qkvlab.speed import cache_bytes_per_token, copy_rate, time_decode, weight_bytes_per_step
@@ -549,6 +550,11 @@ def main() -> None:
                 flush=True,
             )
     files.close()
+    # the decode layouts generate timed on this machine (generate.layout_by_timing: fp32, up to 16 rows)
+    figures["decode_layouts"] = dict(layout_decisions)
+    for key, entry in layout_decisions.items():
+        ways = ", ".join(f"{w} {ms:.1f}" for w, ms in entry["ms"].items())
+        print(f"  decode layout {key}: {entry['choice']} (ms: {ways}; noise {entry['noise']:.0%}; {entry['source']})")
     sys.exit(run.finish(figures))
 
 

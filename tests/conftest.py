@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from qkvlab.measured import MIN_NOISE
 from qkvlab.spec import KNOWN_SCHEMES, ROLES, format_scheme, parse_scheme
 
 
@@ -46,24 +47,32 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def probe_cache(tmp_path_factory):
+    """Where in-process tests keep measured speed decisions (qkvlab.measured): never the user's cache."""
+    return tmp_path_factory.mktemp("measured") / "probe.json"
+
+
 @pytest.fixture(autouse=True)
-def dtype_probe_fixed(monkeypatch):
+def dtype_probe_fixed(monkeypatch, probe_cache):
     """`--dtype auto` on the CPU times a training step, or for generate and serve a decode step
     (qkvlab.train.dtype_probe); in-process tests get a fixed answer instead (fp32), so what a test
     trains or decodes in does not depend on this machine's speed or load, and no probe figures land
     in a cache. Tests that start a `qkvlab` process pass `--dtype fp32` themselves.
-    tests/test_dtype_probe.py overrides this."""
+    A real model's decode layout (generate.layout_by_timing) is timed as on a user's machine, its
+    decision kept in the session's own cache. tests/test_dtype_probe.py overrides this."""
+    from qkvlab import measured
     from qkvlab.train import dtype_probe
+
+    monkeypatch.setattr(measured, "probe_path", lambda: probe_cache)
 
     def fixed(model_cfg, rows, **_):
         shape = dtype_probe.ShapeClass.of(model_cfg, rows).key
-        return dtype_probe.Decision("fp32", 1.0, 1.0, dtype_probe.MIN_NOISE, shape, "tests", "fixed by the tests")
+        return dtype_probe.Decision("fp32", 1.0, 1.0, MIN_NOISE, shape, "tests", "fixed by the tests")
 
     def fixed_decode(model_cfg, batches=(1,), **_):
         shape = dtype_probe.DecodeShape.of(model_cfg, max(batches)).key
-        return dtype_probe.Decision(
-            "fp32", 1.0, 1.0, dtype_probe.MIN_NOISE, shape, "tests", "fixed by the tests", step="decode"
-        )
+        return dtype_probe.Decision("fp32", 1.0, 1.0, MIN_NOISE, shape, "tests", "fixed by the tests", step="decode")
 
     monkeypatch.setattr(dtype_probe, "cpu_autocast", fixed)
     monkeypatch.setattr(dtype_probe, "cpu_decode_dtype", fixed_decode)
@@ -95,7 +104,7 @@ def decode_probe_bf16(monkeypatch):
     def probe(model_cfg, batches=(1,), **_):
         calls.append(tuple(batches))
         shape = dtype_probe.DecodeShape.of(model_cfg, max(batches)).key
-        return dtype_probe.Decision("bf16", 2.0, 1.0, dtype_probe.MIN_NOISE, shape, "tests", "cached", step="decode")
+        return dtype_probe.Decision("bf16", 2.0, 1.0, MIN_NOISE, shape, "tests", "cached", step="decode")
 
     monkeypatch.setattr(dtype_probe, "cpu_decode_dtype", probe)
     return calls

@@ -11,8 +11,9 @@ import torch
 
 from qkvlab.config import ModelConfig
 from qkvlab.devices import cpu_has_bf16, cpu_name, dtype_name
+from qkvlab.measured import MIN_NOISE, PROBE_FILE, choose
 from qkvlab.train import dtype_probe
-from qkvlab.train.dtype_probe import ShapeClass, autocast_dtype, cpu_autocast, decide
+from qkvlab.train.dtype_probe import ShapeClass, autocast_dtype, cpu_autocast
 
 
 @pytest.fixture(autouse=True)
@@ -26,13 +27,20 @@ def fake(fp32: float, bf16: float, spread: float = 0.0, calls: list | None = Non
     def measure(shape):
         if calls is not None:
             calls.append(shape)
-        return [fp32 * (1 + spread * (i > 0)) for i in range(5)], [bf16 * (1 + spread * (i > 0)) for i in range(5)]
+        return {
+            "fp32": [fp32 * (1 + spread * (i > 0)) for i in range(5)],
+            "bf16": [bf16 * (1 + spread * (i > 0)) for i in range(5)],
+        }
 
     return measure
 
 
+def decide(fp32: list[float], bf16: list[float]) -> tuple[str, float]:
+    return choose({"fp32": fp32, "bf16": bf16}, "fp32")
+
+
 def test_bf16_only_when_faster_than_fp32_by_more_than_the_noise():
-    assert decide([1.0] * 5, [0.5] * 5) == ("bf16", dtype_probe.MIN_NOISE)
+    assert decide([1.0] * 5, [0.5] * 5) == ("bf16", MIN_NOISE)
     assert decide([1.0] * 5, [1.0] * 5)[0] == "fp32"  # a tie is fp32
     assert decide([1.0] * 5, [1.6] * 5)[0] == "fp32"  # slower: fp32
     assert decide([1.0] * 5, [0.99] * 5)[0] == "fp32"  # faster, but within the least noise
@@ -105,13 +113,14 @@ def test_only_auto_on_the_cpu_is_timed(monkeypatch, tmp_path):
     assert autocast_dtype("bfloat16", "cpu", cfg, 64) == ("bf16", None)
     assert autocast_dtype("auto", "mps", cfg, 64) == ("fp32", None)
     dtype, decision = autocast_dtype("auto", "cpu", cfg, 64)
-    assert dtype == decision.dtype == "bf16" and (tmp_path / dtype_probe.PROBE_FILE).is_file()
+    assert dtype == decision.dtype == "bf16" and (tmp_path / PROBE_FILE).is_file()
     assert dtype_name("auto", device_type="cpu") == "fp32"  # weights and caches (generate, serve): unchanged
 
 
 def test_the_timer_times_both_dtypes_in_rounds(one_thread):
-    fp32, bf16 = dtype_probe.time_rounds(ShapeClass(d_model=32, n_head=2, vocab=64, T=8, batch=2), rounds=3)
-    assert len(fp32) == len(bf16) == 3 and min(fp32) > 0 and min(bf16) > 0
+    times = dtype_probe.time_rounds(ShapeClass(d_model=32, n_head=2, vocab=64, T=8, batch=2), rounds=3)
+    fp32, bf16 = times["fp32"], times["bf16"]
+    assert list(times) == ["fp32", "bf16"] and len(fp32) == len(bf16) == 3 and min(fp32) > 0 and min(bf16) > 0
 
 
 def test_the_cpu_flags_describe_the_machine_and_decide_nothing():
@@ -131,7 +140,7 @@ def test_inference_auto_times_a_decode_step_per_batch_and_caches_each(tmp_path):
     def measure(shape):
         calls.append(shape)
         fp32, bf16 = timings[shape.batch]
-        return [fp32] * 5, [bf16] * 5
+        return {"fp32": [fp32] * 5, "bf16": [bf16] * 5}
 
     both = dtype_probe.cpu_decode_dtype(cfg, (1, 16), measure=measure, cache=cache)
     assert both.dtype == "bf16" and both.step == "decode" and both.source == "measured now"
@@ -177,5 +186,6 @@ def test_the_decode_probe_times_a_real_step_and_stays_small():
     cfg = ModelConfig(d_model=32, n_head=4, vocab_size=128, context=256, n_layer=12, pos="rope")
     shape = dtype_probe.DecodeShape.of(cfg, 2)
     assert shape.layers == dtype_probe.DECODE_LAYERS and shape.batch == 2
-    fp32, bf16 = dtype_probe.time_decode_rounds(shape, cfg, rounds=2)
+    times = dtype_probe.time_decode_rounds(shape, cfg, rounds=2)
+    fp32, bf16 = times["fp32"], times["bf16"]
     assert len(fp32) == len(bf16) == 2 and min(fp32) > 0 and min(bf16) > 0

@@ -37,6 +37,7 @@ from qkvlab.generate import (
     prefill,
     stream,
 )
+from qkvlab.measured import MIN_NOISE
 from qkvlab.model import GPT
 
 POS = ["learned", "rope", "none"]
@@ -579,7 +580,7 @@ def bf16_probe(calls: list):
     def probe(model_cfg, batches=(1,), **_):
         calls.append(tuple(batches))
         shape = dtype_probe.DecodeShape.of(model_cfg, max(batches)).key
-        return dtype_probe.Decision("bf16", 2.0, 1.0, dtype_probe.MIN_NOISE, shape, "tests", "cached", step="decode")
+        return dtype_probe.Decision("bf16", 2.0, 1.0, MIN_NOISE, shape, "tests", "cached", step="decode")
 
     return probe
 
@@ -742,14 +743,17 @@ def test_bench_auto_dtype_on_the_cpu_follows_the_decode_probe(tmp_path, decode_p
     assert fixed["dtype"] == "fp32" and fixed["decode_dtype_probe"] is None and asked == [(1, 2)]
 
 
-def test_a_large_models_layout_is_chosen_by_timing_and_may_be_the_weights_as_stored(monkeypatch):
-    """Past LAYOUT_PROBE_MIN_BYTES of weights the order comes from layout_by_timing (once a process per
-    key); when the weights as stored win, hold packs nothing yet counts as held, and outputs stay equal."""
+def test_a_large_models_layout_is_chosen_by_timing_and_may_be_the_weights_as_stored(monkeypatch, tmp_path):
+    """Past LAYOUT_PROBE_MIN_BYTES of weights the order comes from layout_by_timing (measured once a
+    machine and key, cached on disk and in the process); when the weights as stored win, hold packs
+    nothing yet counts as held; outputs stay equal whatever is chosen."""
     import qkvlab.generate as gen
+    from qkvlab import measured
 
+    monkeypatch.setattr(measured, "probe_path", lambda: tmp_path / "probe.json")
     monkeypatch.setattr(gen, "LAYOUT_PROBE_MIN_BYTES", 0)
     monkeypatch.setattr(gen, "LAYOUT_PROBE_BYTES", 1 << 16)
-    monkeypatch.setattr(gen, "_layout_choices", {})
+    monkeypatch.setattr(gen, "layout_decisions", {})
     model = make_model(cfg_for("Q-K-V"), dtype=torch.float64)
     x = torch.randint(0, model.cfg.vocab_size, (2, 9))
     want = model(x)[0]
@@ -757,12 +761,25 @@ def test_a_large_models_layout_is_chosen_by_timing_and_may_be_the_weights_as_sto
         orders = {getattr(vars(m).get("forward"), "order", None) for m in model.modules() if isinstance(m, nn.Linear)}
         assert len(orders) == 1 and orders <= {None, "rows", "columns"}
         torch.testing.assert_close(model(x)[0], want, rtol=0, atol=1e-12)
-    assert list(gen._layout_choices) == [(2, torch.get_num_threads(), torch.float64, "cpu")]
-    for chosen in (None, "columns"):
-        gen._layout_choices[(2, 2, torch.float64, "cpu")] = chosen
+    ((key, entry),) = gen.layout_decisions.items()
+    assert key.startswith(f"layout-float64-cpu-r2-p{torch.get_num_threads()}-") and entry["source"] == "measured now"
+    assert entry["default"] == "rows" and set(entry["ms"]) == {"stored", "rows", "columns", "kmajor"}
+    saved = json.loads((tmp_path / "probe.json").read_text())
+    assert [key] == [k for shapes in saved.values() for k in shapes]
+    gen.layout_decisions.clear()  # a new process: the machine's cache answers, nothing is timed again
+    with decode_layout(model, 2):
+        pass
+    assert gen.layout_decisions[key]["source"] == "cached"
+    for chosen in ("stored", "columns", "kmajor"):
+        gen.layout_decisions.clear()
         layout = DecodeLayout(model, parts=2)
+        key2 = f"layout-float64-cpu-r2-p2-{key.split('-p', 1)[1].split('-', 1)[1]}"
+        gen.layout_decisions[key2] = {**entry, "choice": chosen}
         layout.hold(2)
-        assert layout.held and bool(layout.packed) == (chosen is not None)
+        assert list(gen.layout_decisions) == [key2]  # the key names the weights' shapes, not only the rows
+        assert layout.held and bool(layout.packed) == (chosen != "stored")
+        packed = {(m.forward.order, m.forward.parts) for m in layout.packed}
+        assert packed <= {"columns": {("columns", 2)}, "kmajor": {("columns", 1)}}.get(chosen, set())
         torch.testing.assert_close(model(x)[0], want, rtol=0, atol=1e-12)
         layout.release()
         assert not layout.held and all("forward" not in vars(m) for m in model.modules())

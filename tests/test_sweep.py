@@ -156,7 +156,7 @@ def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(mo
 
     for has_bf16, grid_dtype, sweep_dtype in ((False, "fp32", "fp32"), (True, "bf16", "bf16, fp32")):
         # a fake timer: where bf16 pays, it pays from d_model 192 on
-        fast = lambda s, v=has_bf16: ([1.0] * 5, [0.5 if v and s.d_model >= 192 else 1.5] * 5)
+        fast = lambda s, v=has_bf16: {"fp32": [1.0] * 5, "bf16": [0.5 if v and s.d_model >= 192 else 1.5] * 5}
         cache = tmp_path / f"{has_bf16}.json"
         timed = lambda m, rows, f=fast, c=cache: real_cpu_autocast(m, rows, measure=f, cache=c)
         monkeypatch.setattr(dtype_probe, "cpu_autocast", timed)
@@ -215,6 +215,12 @@ def test_named_recipes_fix_batch_dtype_seeds_depth_arms_and_data():
             by_shape.setdefault(r.cfg.model.d_model, []).append(r.cfg.lr)
         for d, lrs in by_shape.items():  # 0.5x, 1x, 2x the 1/width rule
             assert sorted(lrs) == pytest.approx([x * 2e-3 * 64 / d for x in (0.5, 1, 2)], rel=5e-3)
+        up = plan(CompareConfig(sweep=True, recipe=f"lr-scan-up-L{L}", out="/nowhere"))  # the grid extended upward
+        assert {r.seed for r in up.runs} == {100} and {r.cfg.model.d_model for r in up.runs} == set(by_shape)
+        for r in up.runs:
+            assert r.cfg.lr / (2e-3 * 64 / r.cfg.model.d_model) == pytest.approx(4, rel=5e-3) or r.cfg.lr / (
+                2e-3 * 64 / r.cfg.model.d_model
+            ) == pytest.approx(8, rel=5e-3)
         assert "lr_scan" in SWEEP_RECIPES[f"next-L{L}"]
     for a, b in zip(n[2], n[4]):  # the depth arms are matched in N
         assert abs(a / b - 1) < 0.15
@@ -274,6 +280,19 @@ def test_lr_scan_then_sweep_at_qkv_best_validation_lr(tmp_path, corpus, monkeypa
     assert [r.cfg.lr for r in plan(dataclasses.replace(sweep_cfg, lr_scan=str(committed))).runs] == [
         r.cfg.lr for r in p.runs
     ]
+    # a later scan extends the grid: the lrs of both compete, and the edge is the union's
+    later = tmp_path / "later"
+    later.mkdir()
+    d8 = chosen[(8, 2, 2)]
+    best8 = min(d8["tried"].values())
+    (later / "lr_scan.json").write_text(
+        json.dumps({"d8-L2-h2": {"lr": 0.2, "tried": {"0.1": best8 + 1, "0.2": best8 - 0.01}, "edge": True}})
+    )
+    both = scan_lrs(f"{committed},{later}")
+    assert both[(8, 2, 2)]["lr"] == 0.2 and len(both[(8, 2, 2)]["tried"]) == 4 and both[(8, 2, 2)]["edge"]
+    assert both[(16, 2, 2)] == chosen[(16, 2, 2)]  # a shape only the first scan tried keeps its choice
+    two = plan(dataclasses.replace(sweep_cfg, lr_scan=f"{committed},{later}"))
+    assert {r.cfg.lr for r in two.runs if r.cfg.model.d_model == 8} == {0.2}
     (committed / "lr_scan.json").write_text('{"d8-L2": {"lr": 0.1}}')
     with pytest.raises(UserError, match="not an lr scan's choice"):
         scan_lrs(committed)
@@ -289,7 +308,7 @@ def test_a_sweep_refuses_an_auto_dtype_that_splits_its_sizes(monkeypatch, tmp_pa
     from qkvlab.compare import run
     from qkvlab.train import dtype_probe
 
-    fast = lambda s: ([1.0] * 5, [0.5 if s.d_model >= 32 else 1.5] * 5)  # noqa: E731  bf16 pays from d 32
+    fast = lambda s: {"fp32": [1.0] * 5, "bf16": [0.5 if s.d_model >= 32 else 1.5] * 5}  # noqa: E731  bf16 pays from d 32
     cache = tmp_path / "probe.json"
     monkeypatch.setattr(
         dtype_probe, "cpu_autocast", lambda m, rows: real_cpu_autocast(m, rows, measure=fast, cache=cache)

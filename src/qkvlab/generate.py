@@ -33,6 +33,7 @@ import torch.nn as nn
 from qkvlab.cache import KVCache
 from qkvlab.devices import COMPILE_MODES, PAGED_COMPILE_MODES
 from qkvlab.errors import UserError
+from qkvlab.measured import alternate, cached_or_measured, timed
 
 FINISHED = -1  # what `stream` yields for a row that already produced its end-of-text token
 STOP_CHECK_EVERY = 8  # steps between end-of-text checks (each check waits for the device)
@@ -308,11 +309,12 @@ class DecodeLayout:
         parts = self.parts or torch.get_num_threads()
         linears = [m for m in self.model.modules() if isinstance(m, nn.Linear) and "forward" not in vars(m)]
         if sum(m.weight.nbytes for m in linears) >= LAYOUT_PROBE_MIN_BYTES:
-            order = layout_by_timing(linears, batch, parts)
+            layout = layout_by_timing(linears, batch, parts)
         else:
-            order = "rows" if batch <= LAYOUT_ROWS_MAX_BATCH else "columns"
-        if order is None:
+            layout = "rows" if batch <= LAYOUT_ROWS_MAX_BATCH else "columns"
+        if layout == "stored":
             return
+        parts, order = (1, "columns") if layout == "kmajor" else (parts, layout)
         for m in linears:
             # an instance attribute: nn.Module.__call__ finds it first
             m.forward = PackedProduct(m, parts, order=order)
@@ -325,38 +327,49 @@ class DecodeLayout:
         self.holding = False
 
 
-_layout_choices: dict[tuple, str | None] = {}
+layout_decisions: dict[str, dict] = {}  # this process's timed layouts by key (measured.cached_or_measured's entries)
 
 
 @torch.inference_mode()
-def layout_by_timing(linears: list[nn.Linear], batch: int, parts: int) -> str | None:
-    """The fastest way to compute these Linears' products for `batch` rows on this machine: "rows" or
-    "columns" (PackedProduct's block orders) or None (the weights as stored), timed once a process per
-    (rows, parts, dtype) over the first LAYOUT_PROBE_BYTES of weights, alternating, best of
-    LAYOUT_PROBE_ROUNDS. A speed policy decided by measurement: the fastest order differs by CPU."""
-    w = linears[0].weight
-    key = (min(batch, LAYOUT_MAX_BATCH), parts, w.dtype, w.device.type)
-    if key not in _layout_choices:
-        subset, total = [], 0
-        for m in linears:
-            if total >= LAYOUT_PROBE_BYTES:
-                break
-            subset.append(m)
-            total += m.weight.nbytes
-        inputs = [torch.randn(key[0], m.in_features, dtype=w.dtype) for m in subset]
-        ways: dict[str | None, list[Callable]] = {None: [m.__call__ for m in subset]}
+def layout_by_timing(linears: list[nn.Linear], batch: int, parts: int) -> str:
+    """How to compute these Linears' products for `batch` rows on this machine: "rows" or "columns"
+    (PackedProduct's block orders, one block per thread), "kmajor" (the whole weight K-major, one
+    block: 1.14x as stored at one row on a Xeon with AMX, benchmarks/linear_layouts.py) or "stored"
+    (the weights as they are). A speed policy decided by
+    measurement (qkvlab.measured): the products of the first LAYOUT_PROBE_BYTES of weights timed each
+    way, alternating, best of LAYOUT_PROBE_ROUNDS; the constants' order (LAYOUT_ROWS_MAX_BATCH) is kept
+    unless another way beats it by more than the noise. Cached per machine on disk and per process,
+    keyed by rows, parts, dtype and the timed weights' shapes."""
+    rows = min(batch, LAYOUT_MAX_BATCH)
+    subset, total = [], 0
+    for m in linears:
+        if total >= LAYOUT_PROBE_BYTES:
+            break
+        subset.append(m)
+        total += m.weight.nbytes
+    w = subset[0].weight
+    shapes = ",".join(f"{n}x{k}" for n, k in dict.fromkeys(tuple(m.weight.shape) for m in subset))
+    key = f"layout-{str(w.dtype).removeprefix('torch.')}-{w.device.type}-r{rows}-p{parts}-{shapes}-n{len(subset)}"
+    default = "rows" if rows <= LAYOUT_ROWS_MAX_BATCH else "columns"
+
+    def measure() -> dict[str, list[float]]:
+        inputs = [torch.randn(rows, m.in_features, dtype=w.dtype, device=w.device) for m in subset]
+        ways = {"stored": [m.__call__ for m in subset]}
         for order in ("rows", "columns"):
             ways[order] = [PackedProduct(m, parts, order=order) for m in subset]
-        best = dict.fromkeys(ways, math.inf)
-        for r in range(LAYOUT_PROBE_ROUNDS + 1):  # round 0 warms up, untimed
-            for order in list(ways)[:: 1 if r % 2 else -1]:
-                t0 = time.perf_counter()
-                for product, x in zip(ways[order], inputs):
-                    product(x)
-                if r:
-                    best[order] = min(best[order], time.perf_counter() - t0)
-        _layout_choices[key] = min(best, key=best.get)
-    return _layout_choices[key]
+        ways["kmajor"] = [PackedProduct(m, 1, order="columns") for m in subset]
+
+        def products(way: list[Callable]) -> None:
+            for product, x in zip(way, inputs):
+                product(x)
+
+        return alternate(
+            {o: lambda way=way: timed(lambda: products(way)) for o, way in ways.items()}, LAYOUT_PROBE_ROUNDS
+        )
+
+    if key not in layout_decisions:
+        layout_decisions[key] = cached_or_measured(key, default, measure)
+    return layout_decisions[key]["choice"]
 
 
 @contextlib.contextmanager

@@ -147,6 +147,11 @@ SWEEP_SEEDS = 4
 # gap is Q-K=V's cost at Q-K-V's tuned lr; a per-variant best would select on the very difference tested.
 LR_SCAN_FACTORS = (0.5, 1.0, 2.0)
 LR_SCAN_SEED = 100
+# The grid extended upward, decided on 2026-12-06 AFTER the scans above (and next-L2) had run: every
+# depth-4 size and three of four depth-2 sizes chose 2x, the grid's top (docs/results/scaling/README.md,
+# "the lr grid's edge"). Same sizes, seed and budget, Q-K-V at 4x and 8x; `--lr-scan A,B` lets both
+# scans' lrs compete. The sweeps scored with the first grid stay the registered result.
+LR_SCAN_UP_FACTORS = (4.0, 8.0)
 # The GPU's lr is fixed now (no time to scan there): the CPU rule scaled by sqrt(batch ratio), Adam's
 # square-root rule for an 8x larger batch.
 GPU_LR_SCALE = (GPU_BATCH / SWEEP_BATCH) ** 0.5
@@ -180,6 +185,16 @@ SWEEP_RECIPES: dict[str, dict[str, Any]] = {
     **{
         f"lr-scan-L{L}": dict(
             sizes=_sizes(CPU_WIDTHS[L], L, SWEEP_BATCH, 1, LR_SCAN_FACTORS),
+            variants="Q-K-V",
+            first_seed=LR_SCAN_SEED,
+            dtype="fp32",
+            **_SWEEP_COMMON,
+        )
+        for L in (2, 4)
+    },
+    **{
+        f"lr-scan-up-L{L}": dict(
+            sizes=_sizes(CPU_WIDTHS[L], L, SWEEP_BATCH, 1, LR_SCAN_UP_FACTORS),
             variants="Q-K-V",
             first_seed=LR_SCAN_SEED,
             dtype="fp32",

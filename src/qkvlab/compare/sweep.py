@@ -150,14 +150,28 @@ def apply_recipe(cfg):
     return dataclasses.replace(cfg, **fill), recipe
 
 
-def scan_lrs(scan_dir: str | Path) -> dict[tuple[int, int, int], dict]:
+def scan_lrs(scan_dirs: str | Path) -> dict[tuple[int, int, int], dict]:
     """The lr scan's choice per shape (d_model, n_layer, n_head): the lr of the finished Q-K-V run with
     the lowest final validation loss (the fixed validation windows; the test split is never looked
-    at), with every lr tried and its loss, and whether the choice lies at the edge of the grid. From the
-    run folders when they are on disk, else from the scan's lr_scan.json (a committed scan whose runs are gone)."""
-    root = Path(scan_dir)
+    at), with every lr tried and its loss, and whether the choice lies at the edge of the grid.
+    `scan_dirs`: one scan's folder, or several separated by commas (a grid extended by a later scan,
+    e.g. lr-scan-up-L4 above lr-scan-L4: every lr tried in any of them competes)."""
+    tried: dict[tuple[int, int, int], dict[float, float]] = {}
+    for scan_dir in str(scan_dirs).split(","):
+        for shape, losses in _scan_losses(Path(scan_dir.strip())).items():
+            tried.setdefault(shape, {}).update(losses)
+    out = {}
+    for shape, losses in tried.items():
+        best = min(losses, key=losses.get)
+        out[shape] = {"lr": best, "tried": dict(sorted(losses.items())), "edge": best in (min(losses), max(losses))}
+    return out
+
+
+def _scan_losses(root: Path) -> dict[tuple[int, int, int], dict[float, float]]:
+    """{shape: {lr: final validation loss}} of one scan's finished Q-K-V runs: from the run folders when
+    they are on disk, else from the scan's lr_scan.json (a committed scan whose runs are gone)."""
     if not root.is_dir():
-        raise UserError(f"--lr-scan {scan_dir}: no such folder (run the scan's recipe first)")
+        raise UserError(f"--lr-scan {root}: no such folder (run the scan's recipe first)")
     tried: dict[tuple[int, int, int], dict[float, float]] = {}
     for metrics in sorted(root.glob("*/Q-K-V/*/metrics.jsonl")):
         d = metrics.parent
@@ -169,12 +183,8 @@ def scan_lrs(scan_dir: str | Path) -> dict[tuple[int, int, int], dict]:
         if rows and lr is not None:
             tried.setdefault((cfg.d_model, cfg.n_layer, cfg.n_head), {})[float(lr)] = float(rows[-1]["val_loss"])
     if not tried and (root / LR_SCAN_FILE).is_file():
-        return read_scan_choice(root / LR_SCAN_FILE)
-    out = {}
-    for shape, losses in tried.items():
-        best = min(losses, key=losses.get)
-        out[shape] = {"lr": best, "tried": dict(sorted(losses.items())), "edge": best in (min(losses), max(losses))}
-    return out
+        return {shape: c["tried"] for shape, c in read_scan_choice(root / LR_SCAN_FILE).items()}
+    return tried
 
 
 def write_scan_choice(out: str | Path) -> Path | None:

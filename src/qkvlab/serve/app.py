@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from qkvlab.errors import UserError
-from qkvlab.generate import Sampling
+from qkvlab.generate import Sampling, layout_decisions
 from qkvlab.serve import protocol as proto
 from qkvlab.serve.engine import Draining, Engine, Event
 from qkvlab.serve.engine import Request as EngineRequest
@@ -107,6 +107,7 @@ def create_app(engine: Engine, served: ServedModel, *, max_body: int = MAX_BODY_
             "cache_bytes": served.cache_bytes,
             "dtype": served.dtype,
             "dtype_probe": served.dtype_probe,
+            "decode_layouts": layout_decisions,  # timed on this machine once the first batch held one
             **engine.stats(),
         }
         return JSONResponse(body, status_code=503 if engine.draining else 200)

@@ -9,7 +9,8 @@ rounds, best of each, and takes bf16 only if it is faster by more than the round
 (matmuls alone are not enough: the casts, norms and softmax around them decide it at small
 widths). The figures are cached per machine (CPU, torch, threads) and shape class in
 `cache_dir()/dtype_probe.json`, so a machine measures a shape once; the decision and its figures
-go into the run's record.
+go into the run's record. The rounds, the rule and the cache are `qkvlab.measured`'s, shared with
+generate's decode layout.
 
 Inference's `auto` on the CPU is decided the same way (`cpu_decode_dtype`, `inference_dtype`): a
 greedy decode step of the model's own block shape (scheme, heads, MLP) and head, `DECODE_LAYERS`
@@ -25,8 +26,6 @@ measured bf16 ~1x fp32 at batch 1 and ~1.8x at 16 rows for SmolLM2-135M
 from __future__ import annotations
 
 import copy
-import json
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -36,16 +35,13 @@ from typing import Any
 import torch
 
 from qkvlab.config import ModelConfig
-from qkvlab.data.text import cache_dir
-from qkvlab.devices import cpu_name, dtype_name
+from qkvlab.devices import dtype_name
 from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, json_text
 from qkvlab.generate import decode_layout, decode_step, left_pad, new_cache, prefill
+from qkvlab.measured import alternate, cached_or_measured, machine_key, timed
 from qkvlab.model import GPT
 
-PROBE_FILE = "dtype_probe.json"
 ROUNDS = 5
-MIN_NOISE = 0.03  # the least margin bf16 must win by: below it two fp32 timings differ as much
 ROUND_S = 0.02  # each round repeats the step for about this long, so a round is not one clock tick
 # The timed step is capped (sequence length, rows = batch x length): past the caps the ratio no
 # longer moves much with size, and the probe stays near a second for any model a CPU trains.
@@ -111,6 +107,12 @@ class Decision:
             f"({self.bf16_ms:.2f} vs {self.fp32_ms:.2f} ms, noise {self.noise:.0%}; {self.source})"
         )
 
+    @classmethod
+    def of(cls, entry: dict[str, Any], shape: str, step: str = "training") -> Decision:
+        """The Decision of a `measured.cached_or_measured` entry for fp32 against bf16."""
+        ms = entry["ms"]
+        return cls(entry["choice"], ms["fp32"], ms["bf16"], entry["noise"], shape, machine_key(), entry["source"], step)
+
     def record(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "source"}
         if self.step == "training":
@@ -118,42 +120,29 @@ class Decision:
         return out
 
 
-def decide(fp32_s: list[float], bf16_s: list[float], min_noise: float = MIN_NOISE) -> tuple[str, float]:
-    """(dtype, noise) from the rounds' times: bf16 only if its best round beats fp32's best by more
-    than the noise, the larger of min_noise and each dtype's spread (median over best, minus 1)."""
-    if not fp32_s or not bf16_s or min(fp32_s) <= 0 or min(bf16_s) <= 0:
-        return "fp32", min_noise
-    noise = max(min_noise, *(statistics.median(t) / min(t) - 1 for t in (fp32_s, bf16_s)))
-    return ("bf16" if min(fp32_s) > min(bf16_s) * (1 + noise) else "fp32"), noise
-
-
 def time_rounds(
     shape: ShapeClass, rounds: int = ROUNDS, clock: Callable[[], float] = time.perf_counter
-) -> tuple[list[float], list[float]]:
+) -> dict[str, list[float]]:
     """Seconds per forward + backward step, fp32 and under bf16 autocast (fp32 weights, as training
-    runs), `rounds` each in alternating order (a drift in the machine's speed hits both), after a
-    warm-up step each."""
+    runs), `rounds` each in alternating order (`measured.alternate`)."""
     torch.manual_seed(0)
     model = shape.model()
     idx = torch.randint(0, shape.vocab, (shape.batch, shape.T))
 
-    def timed(bf16: bool, reps: int) -> float:
-        t0 = clock()
-        for _ in range(reps):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                _, loss = model(idx, idx)
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-        return (clock() - t0) / reps
+    def step(bf16: bool) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
 
-    one = timed(False, 1)
-    timed(True, 1)
-    reps = max(1, min(50, round(ROUND_S / max(one, 1e-9))))
-    fp32, bf16 = [], []
-    for r in range(rounds):
-        for use_bf16 in (r % 2 == 1, r % 2 == 0):
-            (bf16 if use_bf16 else fp32).append(timed(use_bf16, reps))
-    return fp32, bf16
+    reps = max(1, min(50, round(ROUND_S / max(timed(lambda: step(False), 1, clock), 1e-9))))
+    return alternate(
+        {
+            "fp32": lambda: timed(lambda: step(False), reps, clock),
+            "bf16": lambda: timed(lambda: step(True), reps, clock),
+        },
+        rounds,
+    )
 
 
 DECODE_LAYERS = 8  # blocks in the decode probe's model: with its head, more bytes than a CPU's caches hold
@@ -198,9 +187,9 @@ class DecodeShape:
 
 def time_decode_rounds(
     shape: DecodeShape, base, rounds: int = ROUNDS, clock: Callable[[], float] = time.perf_counter
-) -> tuple[list[float], list[float]]:
+) -> dict[str, list[float]]:
     """Seconds per greedy decode step (all rows), fp32 weights in generate's decode layout against
-    bf16 weights, `rounds` each in alternating order after a warm-up round each."""
+    bf16 weights, `rounds` each in alternating order (`measured.alternate`)."""
     torch.manual_seed(0)
     with torch.device("meta"):  # GPT's own init of a 49k vocabulary takes seconds; timing needs no init
         fp32 = GPT(shape.config(base, rounds))
@@ -215,7 +204,7 @@ def time_decode_rounds(
     state = {}
 
     @torch.inference_mode()
-    def timed(model) -> float:
+    def steps(model) -> float:
         if model not in state:  # its cache, prefilled once; every round continues it
             cache = new_cache(model, shape.batch, DECODE_FILL + (rounds + 1) * DECODE_STEPS)
             with decode_layout(model, shape.batch):
@@ -231,26 +220,7 @@ def time_decode_rounds(
         state[model] = (cache, tok, pos)
         return seconds
 
-    timed(fp32)  # warm-up rounds: first-call allocations
-    timed(bf16)
-    out32, out16 = [], []
-    for r in range(rounds):
-        for use_bf16 in (r % 2 == 1, r % 2 == 0):
-            (out16 if use_bf16 else out32).append(timed(bf16 if use_bf16 else fp32))
-    return out32, out16
-
-
-def machine_key() -> str:
-    """What the figures depend on besides the shapes: the CPU, torch and its thread count."""
-    return f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}  # a missing or damaged cache is measured again, never an error
-    return data if isinstance(data, dict) else {}
+    return alternate({"fp32": lambda: steps(fp32), "bf16": lambda: steps(bf16)}, rounds)
 
 
 def cpu_autocast(
@@ -264,35 +234,8 @@ def cpu_autocast(
     measured now by `measure` (default `time_rounds`) and cached (an unwritable cache only costs a
     measurement next time)."""
     shape = ShapeClass.of(model_cfg, rows)
-    path = cache if cache is not None else cache_dir() / PROBE_FILE
-    entry = _cached_or_measured(shape.key, lambda: (measure or time_rounds)(shape), path)
-    return Decision(**entry, shape=shape.key, machine=machine_key())
-
-
-def _cached_or_measured(shape_key: str, measure: Callable[[], tuple[list[float], list[float]]], path: Path) -> dict:
-    """The cache's entry for shape_key on this machine, or one measured now and written (an
-    unwritable cache only costs a measurement next time): {dtype, noise, fp32_ms, bf16_ms, source}."""
-    machine = machine_key()
-    data = _read(path)
-    hit = data.get(machine, {}).get(shape_key)
-    keys = ("dtype", "noise", "fp32_ms", "bf16_ms")
-    if isinstance(hit, dict) and hit.get("dtype") in ("fp32", "bf16") and all(k in hit for k in keys):
-        return {**{k: hit[k] for k in keys}, "source": "cached"}
-    fp32_s, bf16_s = measure()
-    dtype, noise = decide(fp32_s, bf16_s)
-    entry = {
-        "dtype": dtype,
-        "noise": round(noise, 4),
-        "fp32_ms": round(min(fp32_s) * 1e3, 4),
-        "bf16_ms": round(min(bf16_s) * 1e3, 4),
-    }
-    data.setdefault(machine, {})[shape_key] = entry
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json_text(data, indent=1))
-    except (OSError, UserError):
-        pass
-    return {**entry, "source": "measured now"}
+    entry = cached_or_measured(shape.key, "fp32", lambda: (measure or time_rounds)(shape), cache)
+    return Decision.of(entry, shape.key)
 
 
 def cpu_decode_dtype(
@@ -305,14 +248,14 @@ def cpu_decode_dtype(
     """The CPU's inference dtype for a model of `model_cfg` decoding at each of `batches` rows:
     bf16 weights when bf16 wins at one batch by more than the noise and loses at none by more than
     it; each batch's figures cached (or measured now by `measure`, default `time_decode_rounds`)."""
-    path = cache if cache is not None else cache_dir() / PROBE_FILE
     measure = measure or (lambda shape: time_decode_rounds(shape, model_cfg))
     shapes = [DecodeShape.of(model_cfg, b) for b in dict.fromkeys(max(1, int(b)) for b in batches)]
-    entries = [_cached_or_measured(s.key, lambda s=s: measure(s), path) for s in shapes]
-    wins = [e["dtype"] == "bf16" for e in entries]  # `decide`'s verdict per batch
-    losses = [e["bf16_ms"] > e["fp32_ms"] * (1 + e["noise"]) for e in entries]  # its mirror: bf16 slower
+    entries = [cached_or_measured(s.key, "fp32", lambda s=s: measure(s), cache) for s in shapes]
+    ms = [e["ms"] for e in entries]
+    wins = [e["choice"] == "bf16" for e in entries]  # `measured.choose`'s verdict per batch
+    losses = [m["bf16"] > m["fp32"] * (1 + e["noise"]) for m, e in zip(ms, entries)]  # its mirror: bf16 slower
     dtype = "bf16" if any(wins) and not any(losses) else "fp32"
-    per_token = [(e["fp32_ms"] / s.batch, e["bf16_ms"] / s.batch) for s, e in zip(shapes, entries)]
+    per_token = [(m["fp32"] / s.batch, m["bf16"] / s.batch) for s, m in zip(shapes, ms)]
     source = "cached" if all(e["source"] == "cached" for e in entries) else "measured now"
     return Decision(
         dtype=dtype,
