@@ -183,23 +183,14 @@ SWEEP_RECIPES: dict[str, dict[str, Any]] = {
         dtype="fp32",
     ),
     **{
-        f"lr-scan-L{L}": dict(
-            sizes=_sizes(CPU_WIDTHS[L], L, SWEEP_BATCH, 1, LR_SCAN_FACTORS),
+        f"{name}-L{L}": dict(
+            sizes=_sizes(CPU_WIDTHS[L], L, SWEEP_BATCH, 1, factors),
             variants="Q-K-V",
             first_seed=LR_SCAN_SEED,
             dtype="fp32",
             **_SWEEP_COMMON,
         )
-        for L in (2, 4)
-    },
-    **{
-        f"lr-scan-up-L{L}": dict(
-            sizes=_sizes(CPU_WIDTHS[L], L, SWEEP_BATCH, 1, LR_SCAN_UP_FACTORS),
-            variants="Q-K-V",
-            first_seed=LR_SCAN_SEED,
-            dtype="fp32",
-            **_SWEEP_COMMON,
-        )
+        for name, factors in (("lr-scan", LR_SCAN_FACTORS), ("lr-scan-up", LR_SCAN_UP_FACTORS))
         for L in (2, 4)
     },
     **{
