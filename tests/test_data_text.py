@@ -18,7 +18,6 @@ from qkvlab.data.prepare import PreparedData, fixed_val_batches, get_batch, load
 from qkvlab.data.text import (
     SHAKESPEARE_FILE,
     Document,
-    cache_dir,
     corpus_checksum,
     load_corpus,
     load_hf_dataset,
@@ -37,6 +36,7 @@ from qkvlab.data.tokenizer import (
     load_tokenizer,
 )
 from qkvlab.errors import UserError
+from qkvlab.files import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TRICKY = "Héllo, wörld!  Tabs\tand\nnewlines\r\n 🙂 <|endoftext|> 'tis  trailing "

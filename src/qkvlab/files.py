@@ -20,6 +20,13 @@ from typing import IO, Any
 from qkvlab.errors import UserError, as_user_error
 
 
+def cache_dir() -> Path:
+    """Where qkvlab caches derived files (`$QKVLAB_CACHE` or `~/.cache/qkvlab`); created lazily
+    by writers, not here, so importing has no side effects."""
+    env = os.environ.get("QKVLAB_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "qkvlab"
+
+
 def file_sha256(path: str | Path) -> str:
     """Hex sha256 of a file, read in blocks (weights and corpora can be large)."""
     h = hashlib.sha256()

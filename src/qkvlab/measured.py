@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 
-from qkvlab.data.text import cache_dir
 from qkvlab.devices import cpu_name
 from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, json_text
+from qkvlab.files import atomic_write, cache_dir, json_text
 
 PROBE_FILE = "dtype_probe.json"  # its name from when the dtype was the only policy timed
 MIN_NOISE = 0.03  # the least margin an option must win by: below it two timings of one option differ as much

@@ -24,9 +24,8 @@ from qkvlab.convert.hf_adapter import StateDictAdapter
 from qkvlab.convert.hf_gpt2 import GPT2Adapter
 from qkvlab.convert.hf_llama import LlamaAdapter
 from qkvlab.convert.reparam import role_weights
-from qkvlab.data.text import cache_dir
 from qkvlab.errors import UserError
-from qkvlab.files import atomic_dir, file_sha256, read_json
+from qkvlab.files import atomic_dir, cache_dir, file_sha256, read_json
 from qkvlab.io import build_model_from_state, is_model_folder
 from qkvlab.model import GPT
 from qkvlab.spec import ROLES

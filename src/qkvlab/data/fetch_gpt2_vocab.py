@@ -16,9 +16,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from qkvlab.data.text import cache_dir
 from qkvlab.errors import UserError
-from qkvlab.files import atomic_write
+from qkvlab.files import atomic_write, cache_dir
 
 WHISPER_REQUIREMENT = "openai-whisper==20250625"
 ASSET_SUFFIX = "whisper/assets/gpt2.tiktoken"

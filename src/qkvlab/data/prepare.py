@@ -53,7 +53,7 @@ from qkvlab.data.sources import (
     fingerprint,
     pieces,
 )
-from qkvlab.data.text import CorpusSource, cache_dir, describe_source
+from qkvlab.data.text import CorpusSource, describe_source
 from qkvlab.data.token_writer import TokenWriter
 from qkvlab.data.tokenizer import (
     DEFAULT_TOKENIZER,
@@ -64,7 +64,7 @@ from qkvlab.data.tokenizer import (
     load_tokenizer,
 )
 from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, file_sha256
+from qkvlab.files import atomic_write, cache_dir, file_sha256
 from qkvlab.folders import LOCK, no_lock_message
 from qkvlab.settings import setting
 

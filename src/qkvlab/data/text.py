@@ -33,13 +33,6 @@ class Document:
     text: str
 
 
-def cache_dir() -> Path:
-    """Where qkvlab caches derived files (`$QKVLAB_CACHE` or `~/.cache/qkvlab`); created lazily
-    by writers, not here, so importing has no side effects."""
-    env = os.environ.get("QKVLAB_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "qkvlab"
-
-
 def corpus_checksum(documents: Iterable[Document]) -> str:
     """sha256 over the documents' sha256 digests (so document boundaries count, and a streaming
     reader computes it without holding a document); names are left out so moving a folder does not

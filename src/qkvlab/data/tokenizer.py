@@ -20,9 +20,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from qkvlab.data.fetch_gpt2_vocab import GPT2_VOCAB_FILENAME, GPT2_VOCAB_SHA256
-from qkvlab.data.text import cache_dir
 from qkvlab.errors import UserError
-from qkvlab.files import atomic_write
+from qkvlab.files import atomic_write, cache_dir
 
 if TYPE_CHECKING:
     import tokenizers
