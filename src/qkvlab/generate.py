@@ -48,6 +48,7 @@ LAYOUT_ROWS_MAX_BATCH = 4  # PackedProduct's block order: "rows" up to this many
 LAYOUT_PROBE_MIN_BYTES = 64 << 20
 LAYOUT_PROBE_BYTES = 128 << 20  # the weights timed: past the last-level cache, as in a real step
 LAYOUT_PROBE_ROUNDS = 3
+LAYOUTS = ("stored", "rows", "columns", "kmajor")  # the ways layout_by_timing times (packed_product)
 
 
 @dataclass(frozen=True)
@@ -289,42 +290,53 @@ class DecodeLayout:
         self.model = model
         self.parts = parts
         self.packed: list[nn.Linear] = []  # the Linears whose forward is a PackedProduct
-        self.holding = False  # hold() called and not released (the timing may have chosen the weights as stored)
+        self.held = False  # hold() called and not released (the timing may have chosen the weights as stored)
 
     @staticmethod
     def applies(model) -> bool:
         p = next(model.parameters())
         return p.device.type == "cpu" and p.dtype in LAYOUT_DTYPES
 
-    @property
-    def held(self) -> bool:
-        return self.holding
-
     def hold(self, batch: int = 1) -> None:
         """Pack for decoding `batch` rows (the block order suits it; held until release, whatever the
         batch does meanwhile)."""
         if self.held or not self.applies(self.model):
             return
-        self.holding = True
+        self.held = True
         parts = self.parts or torch.get_num_threads()
         linears = [m for m in self.model.modules() if isinstance(m, nn.Linear) and "forward" not in vars(m)]
         if sum(m.weight.nbytes for m in linears) >= LAYOUT_PROBE_MIN_BYTES:
             layout = layout_by_timing(linears, batch, parts)
         else:
-            layout = "rows" if batch <= LAYOUT_ROWS_MAX_BATCH else "columns"
+            layout = default_layout(batch)
         if layout == "stored":
             return
-        parts, order = (1, "columns") if layout == "kmajor" else (parts, layout)
         for m in linears:
             # an instance attribute: nn.Module.__call__ finds it first
-            m.forward = PackedProduct(m, parts, order=order)
+            m.forward = packed_product(m, layout, parts)
             self.packed.append(m)
 
     def release(self) -> None:
         for m in self.packed:
             del m.forward
         self.packed.clear()
-        self.holding = False
+        self.held = False
+
+
+def default_layout(batch: int) -> str:
+    """The layout fixed by measurement on one machine (LAYOUT_ROWS_MAX_BATCH): what small models hold,
+    and what layout_by_timing keeps unless another way wins by more than the noise."""
+    return "rows" if batch <= LAYOUT_ROWS_MAX_BATCH else "columns"
+
+
+def packed_product(linear: nn.Linear, layout: str, parts: int) -> Callable:
+    """The product `layout` names for this Linear: "stored" its own forward, "kmajor" one K-major
+    block, "rows"/"columns" one block per part in that order."""
+    if layout == "stored":
+        return linear.__call__
+    return (
+        PackedProduct(linear, 1, order="columns") if layout == "kmajor" else PackedProduct(linear, parts, order=layout)
+    )
 
 
 layout_decisions: dict[str, dict] = {}  # this process's timed layouts by key (measured.cached_or_measured's entries)
@@ -350,14 +362,10 @@ def layout_by_timing(linears: list[nn.Linear], batch: int, parts: int) -> str:
     w = subset[0].weight
     shapes = ",".join(f"{n}x{k}" for n, k in dict.fromkeys(tuple(m.weight.shape) for m in subset))
     key = f"layout-{str(w.dtype).removeprefix('torch.')}-{w.device.type}-r{rows}-p{parts}-{shapes}-n{len(subset)}"
-    default = "rows" if rows <= LAYOUT_ROWS_MAX_BATCH else "columns"
 
     def measure() -> dict[str, list[float]]:
         inputs = [torch.randn(rows, m.in_features, dtype=w.dtype, device=w.device) for m in subset]
-        ways = {"stored": [m.__call__ for m in subset]}
-        for order in ("rows", "columns"):
-            ways[order] = [PackedProduct(m, parts, order=order) for m in subset]
-        ways["kmajor"] = [PackedProduct(m, 1, order="columns") for m in subset]
+        ways = {layout: [packed_product(m, layout, parts) for m in subset] for layout in LAYOUTS}
 
         def products(way: list[Callable]) -> None:
             for product, x in zip(way, inputs):
@@ -368,7 +376,7 @@ def layout_by_timing(linears: list[nn.Linear], batch: int, parts: int) -> str:
         )
 
     if key not in layout_decisions:
-        layout_decisions[key] = cached_or_measured(key, default, measure)
+        layout_decisions[key] = cached_or_measured(key, default_layout(rows), measure)
     return layout_decisions[key]["choice"]
 
 
