@@ -293,6 +293,18 @@ def test_lr_scan_then_sweep_at_qkv_best_validation_lr(tmp_path, corpus, monkeypa
     assert both[(16, 2, 2)] == chosen[(16, 2, 2)]  # a shape only the first scan tried keeps its choice
     two = plan(dataclasses.replace(sweep_cfg, lr_scan=f"{committed},{later}"))
     assert {r.cfg.lr for r in two.runs if r.cfg.model.d_model == 8} == {0.2}
+    # next-up: only the sizes whose lr the extended grid moved train again, both variants, the same seeds
+    up_cfg = dataclasses.replace(sweep_cfg, recipe="next-up-L2", lr_scan=f"{committed},{later}")
+    up = plan(up_cfg)
+    assert {(r.cfg.model.d_model, r.cfg.lr) for r in up.runs} == {(8, 0.2)}
+    assert {r.seed for r in up.runs} == {0, 1} and {r.variant.name for r in up.runs} == {"Q-K-V", "Q-K=V"}
+    with pytest.raises(UserError, match="give both scans"):
+        plan(dataclasses.replace(up_cfg, lr_scan=str(committed)))
+    (later / "lr_scan.json").write_text(
+        json.dumps({"d8-L2-h2": {"lr": 0.2, "tried": {"0.1": best8 + 1, "0.2": best8 + 0.5}, "edge": True}})
+    )
+    with pytest.raises(UserError, match="no size's lr moved"):
+        plan(up_cfg)
     (committed / "lr_scan.json").write_text('{"d8-L2": {"lr": 0.1}}')
     with pytest.raises(UserError, match="not an lr scan's choice"):
         scan_lrs(committed)

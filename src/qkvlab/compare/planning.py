@@ -78,7 +78,7 @@ class CompareConfig:
         choices=(*RECIPES, *SWEEP_RECIPES),
         help="cpu: the CPU-sized recipe (compare/recipes.py); paper: the papers' own recipe where the task "
         "module defines one (synthetic, vision, anomaly: PAPER_RECIPE); default: paper with --full-grid where one exists, else cpu. "
-        "With --sweep: a named sweep (SWEEP_RECIPES: factorial-d128, lr-scan-L2/L4, lr-scan-up-L2/L4, next-L2/L4, gpu-L2/L4) for every "
+        "With --sweep: a named sweep (SWEEP_RECIPES: factorial-d128, lr-scan-L2/L4, lr-scan-up-L2/L4, next-L2/L4, next-up-L2/L4, gpu-L2/L4) for every "
         "setting not given",
     )
     data: str | None = setting(
@@ -136,7 +136,7 @@ class CompareConfig:
     lr_scan: str | None = setting(
         None,
         help="sweep: a finished lr scan's folder, or several separated by commas (a grid extended upward); each "
-        "size trains at the lr of its Q-K-V run with the lowest validation loss (with --recipe next-L2 or next-L4)",
+        "size trains at the lr of its Q-K-V run with the lowest validation loss (with --recipe next-L2/L4, next-up-L2/L4)",
         metavar="DIR[,DIR]",
     )
     dry_run: bool = setting(False, help="print the plan, train nothing")

@@ -121,7 +121,8 @@ def recipe_name(requested: str | None, full_grid: bool, family: str) -> str:
 # sizes, tokens, epochs and estimated times. Each recipe fills the CompareConfig settings the command
 # line leaves unset (sizes, variants, data, tokenizer, tokens per parameter, dtype, device), plus two
 # keys no flag spells: first_seed (a scan's seeds never coincide with the sweep's, so the run an lr is
-# chosen on is not a run that is scored) and lr_scan (the recipe whose runs choose each size's lr).
+# chosen on is not a run that is scored), lr_scan (the recipe whose runs choose each size's lr) and
+# lr_scan_up (next-up: the recipe that extended that grid; only the sizes whose choice it moved train).
 #
 # The corpus: the Linux 6.12 sources from Debian's linux-source-6.12 (scripts/setup_sweep_corpus.sh),
 # 280 MB of text, about 155M BPE-1024 tokens (1.80 characters a token on a 20 MB sample), the held-out
@@ -199,6 +200,19 @@ SWEEP_RECIPES: dict[str, dict[str, Any]] = {
             variants="Q-K-V,Q-K=V",
             lr_scan=f"lr-scan-L{L}",
             dtype="fp32",  # one dtype at every size; on this project's EPYC bf16 autocast runs 0.75x fp32
+            **_SWEEP_COMMON,
+        )
+        for L in (2, 4)
+    },
+    # The rule recorded with LR_SCAN_UP_FACTORS: where the union of both grids moves a size's lr, that size's
+    # pair (the same 4 seeds, both variants) trains again at the new lr, reported beside next-L2/L4.
+    **{
+        f"next-up-L{L}": dict(
+            sizes=_sizes(CPU_WIDTHS[L], L, SWEEP_BATCH, SWEEP_SEEDS),
+            variants="Q-K-V,Q-K=V",
+            lr_scan=f"lr-scan-L{L}",
+            lr_scan_up=f"lr-scan-up-L{L}",
+            dtype="fp32",
             **_SWEEP_COMMON,
         )
         for L in (2, 4)

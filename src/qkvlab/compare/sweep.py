@@ -235,6 +235,25 @@ def _scan_lr(size: SweepSize, chosen: dict, scan: str, recipe_name: str) -> floa
     return found["lr"]
 
 
+def _moved_sizes(sizes: list[SweepSize], scan_dirs: str, recipe: dict) -> list[SweepSize]:
+    """next-up: the sizes whose lr the extended grid (every folder after the first) moved away from the first
+    scan's choice, which is the registered sweep's; the others would train the same runs again."""
+    dirs = [d.strip() for d in str(scan_dirs).split(",")]
+    if len(dirs) < 2:
+        raise UserError(
+            f"--lr-scan {scan_dirs}: this recipe reruns the sizes whose lr the extended grid moved; give both "
+            f"scans, e.g. --lr-scan runs/{recipe['lr_scan']},runs/{recipe['lr_scan_up']}"
+        )
+    first = scan_lrs(dirs[0])
+    moved = [s for s in sizes if s.shape in first and s.lr != first[s.shape]["lr"]]
+    if not moved:
+        raise UserError(
+            f"--lr-scan {scan_dirs}: no size's lr moved from {dirs[0]}'s choice, so nothing trains again "
+            "(the registered sweep stands)"
+        )
+    return moved
+
+
 def _check_sweep_settings(cfg) -> None:
     """Settings a sweep decides itself are refused with the reason."""
     for key, flag in (("max_steps", "--steps"), ("preset", "--preset"), ("full_grid", "--full-grid")):
@@ -254,7 +273,9 @@ def plan_sweep(cfg):
     r = SWEEP_RECIPE
     sizes = parse_sizes(cfg.sizes or SWEEP_SIZES)
     if cfg.lr_scan is not None and "lr_scan" not in recipe:
-        raise UserError("--lr-scan goes with a sweep recipe that takes its lr from a scan (--recipe next-L2, next-L4)")
+        raise UserError(
+            "--lr-scan goes with a sweep recipe that takes its lr from a scan (--recipe next-L2/L4, next-up-L2/L4)"
+        )
     chosen: dict = {}
     if "lr_scan" in recipe:
         if cfg.lr_scan is None:
@@ -264,6 +285,8 @@ def plan_sweep(cfg):
             )
         chosen = scan_lrs(cfg.lr_scan)
         sizes = [s if s.lr is not None else replace(s, lr=_scan_lr(s, chosen, cfg.lr_scan, cfg.recipe)) for s in sizes]
+        if "lr_scan_up" in recipe:
+            sizes = _moved_sizes(sizes, cfg.lr_scan, recipe)
     if any(s.lr is not None for s in sizes) and cfg.lr is not None:
         raise UserError("--lr sets the 1/width rule's base lr, and these sizes pin their own (-lr..)")
     if any(s.cell for s in sizes) and cfg.batch_size is not None:
