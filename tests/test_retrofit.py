@@ -267,6 +267,16 @@ def test_rest_lr_trains_the_unconverted_weights_at_their_rate(trained, capsys):
     state = json.loads((out / "uptrain" / "checkpoint" / "state.json").read_text())
     lrs = {g["lr_scale"]: g["lr"] for g in state["optimizer_param_groups"]}
     assert set(lrs) == {1.0, 0.25} and lrs[0.25] == pytest.approx(lrs[1.0] * 0.25, rel=1e-12)
+    # the default, decided by the pre-registered SmolLM2 run (docs/results/retrofit): a tenth of --lr; 0 freezes
+    for flags, scales in (([], [0.1, 1.0]), (["--rest-lr", "0"], [1.0])):
+        out = trained / f"rf_rest_default{len(flags)}"
+        assert main(argv[:2] + [str(out)] + argv[3:] + flags) == 0
+        rest_lr = json.loads((out / "retrofit.json").read_text())["options"]["rest_lr"]
+        assert rest_lr == pytest.approx(1e-4 if not flags else 0, abs=1e-15)
+        state = json.loads((out / "uptrain" / "checkpoint" / "state.json").read_text())
+        assert sorted({round(g["lr_scale"], 12) for g in state["optimizer_param_groups"]}) == pytest.approx(
+            sorted(scales)
+        )
 
 
 def test_a_fit_from_before_an_option_is_reused_only_for_what_it_did(trained, capsys):

@@ -8,10 +8,10 @@ set -e
 export OMP_NUM_THREADS=1
 qkvlab train --preset small --pos rope --attn Q-K-V --batch-size 16 --max-steps 300 --eval-every 100 \
   --warmup-steps 50 --no-tensorboard --out qkv
-qkvlab retrofit qkv rf2 --to Q-K=V --steps 23 --batch-size 16 --lr 3e-4 --warmup-steps 5 --eval-every 23 \
+qkvlab retrofit qkv rf2 --to Q-K=V --rest-lr 0 --steps 23 --batch-size 16 --lr 3e-4 --warmup-steps 5 --eval-every 23 \
   --eval-batches 10 --calib-tokens 2048 --eval-tokens 8192
 # the same with --lr 1e-3 (the second uptraining row of the table)
-qkvlab retrofit qkv rf --to Q-K=V --steps 23 --batch-size 16 --lr 1e-3 --warmup-steps 5 --eval-every 23 \
+qkvlab retrofit qkv rf --to Q-K=V --rest-lr 0 --steps 23 --batch-size 16 --lr 1e-3 --warmup-steps 5 --eval-every 23 \
   --eval-batches 10 --calib-tokens 2048 --eval-tokens 8192
 qkvlab train --preset small --pos rope --attn Q-K=V --batch-size 16 --max-steps 349 --eval-every 100 \
   --warmup-steps 50 --no-tensorboard --out qkeqv_scratch
