@@ -119,7 +119,7 @@ def recipe_name(requested: str | None, full_grid: bool, family: str) -> str:
 # ---- the scaling sweep's named recipes (`qkvlab compare --sweep --recipe NAME`) ---------------------
 # Fixed before any of their runs (issue 27); docs/results/scaling/README.md, "next sweep", gives their
 # sizes, tokens, epochs and estimated times. Each recipe fills the CompareConfig settings the command
-# line leaves unset (sizes, variants, data, tokenizer, tokens per parameter, dtype, device), plus two
+# line leaves unset (sizes, variants, data, tokenizer, tokens per parameter, dtype, device), plus three
 # keys no flag spells: first_seed (a scan's seeds never coincide with the sweep's, so the run an lr is
 # chosen on is not a run that is scored), lr_scan (the recipe whose runs choose each size's lr) and
 # lr_scan_up (next-up: the recipe that extended that grid; only the sizes whose choice it moved train).
