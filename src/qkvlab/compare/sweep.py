@@ -157,14 +157,19 @@ def scan_lrs(scan_dirs: str | Path) -> dict[tuple[int, int, int], dict]:
     `scan_dirs`: one scan's folder, or several separated by commas (a grid extended by a later scan,
     e.g. lr-scan-up-L4 above lr-scan-L4: every lr tried in any of them competes)."""
     tried: dict[tuple[int, int, int], dict[float, float]] = {}
-    for scan_dir in str(scan_dirs).split(","):
-        for shape, losses in _scan_losses(Path(scan_dir.strip())).items():
+    for scan_dir in scan_folders(scan_dirs):
+        for shape, losses in _scan_losses(scan_dir).items():
             tried.setdefault(shape, {}).update(losses)
     out = {}
     for shape, losses in tried.items():
         best = min(losses, key=losses.get)
         out[shape] = {"lr": best, "tried": dict(sorted(losses.items())), "edge": best in (min(losses), max(losses))}
     return out
+
+
+def scan_folders(scan_dirs: str | Path) -> list[Path]:
+    """--lr-scan's folders: one, or several separated by commas (the first is the registered grid)."""
+    return [Path(d.strip()) for d in str(scan_dirs).split(",")]
 
 
 def _scan_losses(root: Path) -> dict[tuple[int, int, int], dict[float, float]]:
@@ -238,7 +243,7 @@ def _scan_lr(size: SweepSize, chosen: dict, scan: str, recipe_name: str) -> floa
 def _moved_sizes(sizes: list[SweepSize], scan_dirs: str, recipe: dict) -> list[SweepSize]:
     """next-up: the sizes whose lr the extended grid (every folder after the first) moved away from the first
     scan's choice, which is the registered sweep's; the others would train the same runs again."""
-    dirs = [d.strip() for d in str(scan_dirs).split(",")]
+    dirs = scan_folders(scan_dirs)
     if len(dirs) < 2:
         raise UserError(
             f"--lr-scan {scan_dirs}: this recipe reruns the sizes whose lr the extended grid moved; give both "
