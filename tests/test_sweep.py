@@ -280,6 +280,15 @@ def test_lr_scan_then_sweep_at_qkv_best_validation_lr(tmp_path, corpus, monkeypa
     assert [r.cfg.lr for r in plan(dataclasses.replace(sweep_cfg, lr_scan=str(committed))).runs] == [
         r.cfg.lr for r in p.runs
     ]
+    # a scan resumed in a new checkout: the committed lr_scan.json (here d16 only) and the run folders
+    # finished since (d8) both count
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    for run in ("d8-L2-b4-lr0.0005", "d8-L2-b4-lr0.05"):
+        shutil.copytree(scan / run, resumed / run)
+    body = json.loads((scan / "lr_scan.json").read_text())
+    (resumed / "lr_scan.json").write_text(json.dumps({k: v for k, v in body.items() if k.startswith("d16-")}))
+    assert scan_lrs(resumed) == chosen
     # a later scan extends the grid: the lrs of both compete, and the edge is the union's
     later = tmp_path / "later"
     later.mkdir()

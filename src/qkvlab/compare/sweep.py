@@ -173,11 +173,14 @@ def scan_folders(scan_dirs: str | Path) -> list[Path]:
 
 
 def _scan_losses(root: Path) -> dict[tuple[int, int, int], dict[float, float]]:
-    """{shape: {lr: final validation loss}} of one scan's finished Q-K-V runs: from the run folders when
-    they are on disk, else from the scan's lr_scan.json (a committed scan whose runs are gone)."""
+    """{shape: {lr: final validation loss}} of one scan's finished Q-K-V runs: the scan's lr_scan.json (a
+    committed scan, whose runs may be gone) with every finished run folder on disk over it, so a scan that
+    stopped with its machine and resumed from its committed folder counts the runs of both sessions."""
     if not root.is_dir():
         raise UserError(f"--lr-scan {root}: no such folder (run the scan's recipe first)")
     tried: dict[tuple[int, int, int], dict[float, float]] = {}
+    if (root / LR_SCAN_FILE).is_file():
+        tried = {shape: dict(c["tried"]) for shape, c in read_scan_choice(root / LR_SCAN_FILE).items()}
     for metrics in sorted(root.glob("*/Q-K-V/*/metrics.jsonl")):
         d = metrics.parent
         if not run_finished(d):
@@ -187,8 +190,6 @@ def _scan_losses(root: Path) -> dict[tuple[int, int, int], dict[float, float]]:
         lr = ((body.get("train") or {}).get("config") or {}).get("lr")
         if rows and lr is not None:
             tried.setdefault((cfg.d_model, cfg.n_layer, cfg.n_head), {})[float(lr)] = float(rows[-1]["val_loss"])
-    if not tried and (root / LR_SCAN_FILE).is_file():
-        return {shape: c["tried"] for shape, c in read_scan_choice(root / LR_SCAN_FILE).items()}
     return tried
 
 
