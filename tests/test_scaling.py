@@ -292,7 +292,9 @@ def test_per_window_scores_pair_the_sweep_and_survive_the_csv(tmp_path):
             assert (v.gaps[s].lo, v.gaps[s].hi) == pytest.approx((w.gaps[s].lo, w.gaps[s].hi), abs=1e-3)
 
 
-@pytest.mark.parametrize("folder", ["", "factorial-d128", "lr-scan-L2", "lr-scan-L4", "next-L2", "next-L4"])
+@pytest.mark.parametrize(
+    "folder", ["", "factorial-d128", "lr-scan-L2", "lr-scan-L4", "next-L2", "next-L4", "lr-scan-up-L4"]
+)
 def test_committed_sweep_rerenders_to_its_committed_results(tmp_path, folder):
     """A committed sweep's results.md is what `compare --render` derives from the folder's own
     per-seed rows (and per-window scores, where committed) and compare.json: re-scoring reproduces
