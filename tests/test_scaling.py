@@ -293,7 +293,18 @@ def test_per_window_scores_pair_the_sweep_and_survive_the_csv(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "folder", ["", "factorial-d128", "lr-scan-L2", "lr-scan-L4", "next-L2", "next-L4", "lr-scan-up-L4", "next-up-L4"]
+    "folder",
+    [
+        "",
+        "factorial-d128",
+        "lr-scan-L2",
+        "lr-scan-L4",
+        "next-L2",
+        "next-L4",
+        "lr-scan-up-L4",
+        "next-up-L4",
+        "lr-scan-up-L2",
+    ],
 )
 def test_committed_sweep_rerenders_to_its_committed_results(tmp_path, folder):
     """A committed sweep's results.md is what `compare --render` derives from the folder's own
