@@ -180,7 +180,7 @@ def _scan_losses(root: Path) -> dict[tuple[int, int, int], dict[float, float]]:
         raise UserError(f"--lr-scan {root}: no such folder (run the scan's recipe first)")
     tried: dict[tuple[int, int, int], dict[float, float]] = {}
     if (root / LR_SCAN_FILE).is_file():
-        tried = {shape: dict(c["tried"]) for shape, c in read_scan_choice(root / LR_SCAN_FILE).items()}
+        tried = {shape: c["tried"] for shape, c in read_scan_choice(root / LR_SCAN_FILE).items()}
     for metrics in sorted(root.glob("*/Q-K-V/*/metrics.jsonl")):
         d = metrics.parent
         if not run_finished(d):
