@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -34,11 +35,13 @@ from qkvlab.generate import (
     left_pad,
     new_cache,
     next_token,
+    packed_product,
     prefill,
+    split_outputs,
     stream,
 )
 from qkvlab.measured import MIN_NOISE
-from qkvlab.model import GPT
+from qkvlab.model import GPT, MLP
 
 POS = ["learned", "rope", "none"]
 VOCAB = 50
@@ -232,6 +235,49 @@ def test_packed_product_equals_the_linear(parts, lead, bias, order):
     assert got.is_contiguous()
     with pytest.raises(ValueError, match="order='diagonal'"):
         PackedProduct(lin, parts, order="diagonal")
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("lead", [(1,), (2, 1), (3,), (5,)], ids=str)
+@pytest.mark.parametrize("bias", ["none", "first", "both"])
+@pytest.mark.parametrize("order", ["rows", "columns"])
+def test_packed_product_of_two_linears_is_theirs_side_by_side(parts, lead, bias, order):
+    """A SwiGLU's gate and up as one product: fp64, both orders, splits that do and do not divide
+    the 16 stacked outputs, a missing bias read as zeros, and 5 rows > max_rows (their own products)."""
+    torch.manual_seed(parts)
+    a = nn.Linear(6, 8, bias=bias != "none").double()
+    b = nn.Linear(6, 8, bias=bias == "both").double()
+    x = torch.randn(*lead, 6, dtype=torch.float64)
+    product = PackedProduct((a, b), parts, max_rows=4, order=order)
+    assert product.parts == (parts if 16 % parts == 0 else 1) and product.in_features == 6
+    want = torch.cat((F.linear(x, a.weight, a.bias), F.linear(x, b.weight, b.bias)), dim=-1)
+    torch.testing.assert_close(product(x), want, rtol=0, atol=1e-12)
+    gate, up = split_outputs(product, 8)(x)
+    torch.testing.assert_close(gate, F.linear(x, a.weight, a.bias), rtol=0, atol=1e-12)
+    torch.testing.assert_close(up, F.linear(x, b.weight, b.bias), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [1, LAYOUT_ROWS_MAX_BATCH + 1])
+def test_decode_layout_computes_a_swiglu_gate_and_up_as_one_product(batch):
+    """A SwiGLU MLP's gate and up are one PackedProduct while held (no copy of them alone), the
+    model's outputs and greedy tokens stay those of its own weights (fp64, 1e-12), and release
+    gives the MLPs their own method back."""
+    model = make_model(cfg_for("Q-K=V", "rope", 2, mlp="swiglu", norm="rmsnorm"))
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    x = torch.randint(0, VOCAB, (batch, 1))
+    want = model(x)[0]
+    tokens = generate(model, [[1, 2, 3]] * batch, 5, Sampling(temperature=0), static=True)
+    layout = DecodeLayout(model, parts=2)
+    layout.hold(batch)
+    assert layout.fused == mlps and all(isinstance(m.gate_up, types.FunctionType) for m in mlps)
+    assert not any("forward" in vars(lin) for m in mlps for lin in (m.gate, m.up))
+    assert all(isinstance(vars(m).get("forward"), PackedProduct) for m in layout.packed) and layout.packed
+    torch.testing.assert_close(model(x)[0], want, rtol=0, atol=1e-12)
+    assert generate(model, [[1, 2, 3]] * batch, 5, Sampling(temperature=0), static=False) == tokens
+    layout.release()
+    assert all("gate_up" not in vars(m) for m in mlps) and not layout.fused
+    with pytest.raises(ValueError, match="as stored"):
+        packed_product((mlps[0].gate, mlps[0].up), "stored", 2)
 
 
 def test_decode_layout_block_order_follows_the_batch():
