@@ -1,15 +1,20 @@
-"""What two decode-step savings are worth on SmolLM2-135M, fp32, one stream (issue 28).
+"""What three decode-step savings are worth on SmolLM2-135M, fp32, one stream (issue 28).
 
 1. A SwiGLU's gate and up computed as one product of both weights while the decode layout is held
    (generate.DecodeLayout, `fuse`): one matrix-vector product fewer a layer.
 2. A compiled step's calls after the first of a decode run with dynamo's guards skipped, bar those
    that tell its compiled graphs apart (generate.steady).
+3. In a compiled CPU step a one-token query's attention is written out (attention.decode_attention:
+   two products and a softmax for inductor to fuse) instead of calling SDPA's flash kernel
+   (attention.COMPILED_CPU_DECODE_WRITTEN_OUT).
 
 Contestants, each on its own copy of the model (so each keeps its layout and compiled graph while
 rounds alternate; ~1.1 GB a copy with its layout):
   eager fused / eager separate           generate's eager step (dynamic cache)
   compiled fused / compiled separate     the static step compiled (inductor, C++ wrapper), guards skipped
   compiled fused, guards checked         the same step with every guard evaluated on every call
+  compiled fused, SDPA kernel            the same step compiled with SDPA's kernel (its own function, so
+                                         its own compiled graph; guards skipped as the first two)
 Each round decodes --new-tokens greedy tokens after a prompt of random tokens, every contestant once,
 in alternating order; the best and the median step of each are printed with ratios, and the tokens
 every contestant produced are checked equal to the first's (a fused product changes only rounding).
@@ -29,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+import qkvlab.attention as attention
 from qkvlab.convert.load import load_any
 from qkvlab.generate import DecodeLayout, compiled_step, decode_step, left_pad, new_cache, prefill, steady, warm_up
 from qkvlab.loadavg import ScriptRun, add_options
@@ -43,7 +49,27 @@ CONTESTANTS = {  # name: (path, gate/up fused, guards skipped after the first st
     "compiled fused": ("compiled", True, True),
     "compiled separate": ("compiled", False, True),
     "compiled fused, guards checked": ("compiled", True, False),
+    "compiled fused, SDPA kernel": ("compiled-kernel", True, True),
 }
+
+
+def sdpa_kernel_step():
+    """The compiled step (generate.compiled_step's options) with attention through SDPA's kernel: a
+    function of its own, so torch.compile keeps its graphs apart from the default step's."""
+
+    def step_with_sdpa_kernel(model, cache, tokens, positions):
+        return decode_step(model, cache, tokens, positions)
+
+    compiled = torch.compile(step_with_sdpa_kernel, dynamic=False, fullgraph=True, options={"cpp_wrapper": True})
+
+    def run(*args):
+        attention.COMPILED_CPU_DECODE_WRITTEN_OUT = False  # read while tracing, and guarded on
+        try:
+            return compiled(*args)
+        finally:
+            attention.COMPILED_CPU_DECODE_WRITTEN_OUT = True
+
+    return run
 
 
 @torch.inference_mode()
@@ -85,13 +111,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     base = load_any(src).model.eval()
     prompt = torch.randint(0, base.cfg.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(1))
-    chosen = {n: c for n, c in CONTESTANTS.items() if c[0] in paths}
+    chosen = {n: c for n, c in CONTESTANTS.items() if c[0].split("-")[0] in paths}
     setups = {}
     for name, (path, fuse, skip) in chosen.items():
         model = copy.deepcopy(base)
         DecodeLayout(model, fuse=fuse).hold(1)  # held for the whole run (released with the process)
-        static = path == "compiled"
-        step = compiled_step() if static else decode_step
+        static = path != "eager"
+        step = decode_step if path == "eager" else compiled_step() if path == "compiled" else sdpa_kernel_step()
         cache = new_cache(model, 1, args.prompt_len + args.new_tokens + 1, static=True) if static else None
         if static:
             print(f"  compiling for {name}: {warm_up(step, model, cache):.1f} s", flush=True)
@@ -121,6 +147,7 @@ def main() -> None:
         ("eager fused", "eager separate"),
         ("compiled fused", "compiled separate"),
         ("compiled fused", "compiled fused, guards checked"),
+        ("compiled fused", "compiled fused, SDPA kernel"),
     ]
     for a, b in pairs:
         if a in times and b in times:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from conftest import SCHEMES
 from qkvlab.accounting import kv_cache_bytes_per_token
+from qkvlab.attention import decode_attention
 from qkvlab.bench import BenchConfig, hf_twin, variant_configs
 from qkvlab.cache import KVCache
 from qkvlab.cli import main
@@ -345,6 +346,28 @@ def test_compiled_step_equals_eager_float64():
     eager = decode_batched(model, prompts, cont)
     compiled = decode_batched(model, prompts, cont, static=True, step=compiled_step(), layout=True)
     torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("slots", [1, 5, 33])
+@pytest.mark.parametrize("mask", ["none", "bool", "additive"])
+def test_written_out_decode_attention_equals_sdpa_float64(hq, hk, slots, mask):
+    """What a compiled CPU step computes for one query token (attention.decode_attention) is SDPA's
+    result with each kv head shared by its group, to 1e-12 in fp64: MHA, GQA, MQA; no mask, a bool one
+    and an additive one (the first slot always visible)."""
+    torch.manual_seed(slots)
+    q = torch.randn(2, hq, 1, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, hk, slots, 8, dtype=torch.float64)
+    visible = torch.rand(2, 1, 1, slots) > 0.4
+    visible[..., 0] = True
+    m = {"none": None, "bool": visible, "additive": torch.zeros(visible.shape, dtype=torch.float64)}[mask]
+    if mask == "additive":
+        m.masked_fill_(~visible, float("-inf"))
+    rep = hq // hk
+    want = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=m, scale=0.3
+    )
+    torch.testing.assert_close(decode_attention(q, k, v, m, 0.3), want, rtol=0, atol=1e-12)
 
 
 FP32_CASES = [
