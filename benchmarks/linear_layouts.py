@@ -50,7 +50,7 @@ def products(weights: list[torch.Tensor], layout: str, threads: int):
             lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
             lin.weight.data = w
             packed.append(PackedProduct(lin, threads, max_rows=2**31, order=order))  # blocks at any rows
-        return lambda xs: [p(xs[p.in_features]) for p in packed]
+        return lambda xs: [p(xs[p.linear.in_features]) for p in packed]
     if layout == "row-major":
         held = weights
     elif layout == "long-contiguous":

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import types
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ import torch.nn.functional as F
 
 from conftest import SCHEMES
 from qkvlab.accounting import kv_cache_bytes_per_token
-from qkvlab.attention import decode_attention
 from qkvlab.bench import BenchConfig, hf_twin, variant_configs
 from qkvlab.cache import KVCache
 from qkvlab.cli import main
@@ -36,13 +34,12 @@ from qkvlab.generate import (
     left_pad,
     new_cache,
     next_token,
-    packed_product,
     prefill,
-    split_outputs,
+    steady,
     stream,
 )
 from qkvlab.measured import MIN_NOISE
-from qkvlab.model import GPT, MLP
+from qkvlab.model import GPT
 
 POS = ["learned", "rope", "none"]
 VOCAB = 50
@@ -238,49 +235,6 @@ def test_packed_product_equals_the_linear(parts, lead, bias, order):
         PackedProduct(lin, parts, order="diagonal")
 
 
-@pytest.mark.parametrize("parts", [1, 2, 3])
-@pytest.mark.parametrize("lead", [(1,), (2, 1), (3,), (5,)], ids=str)
-@pytest.mark.parametrize("bias", ["none", "first", "both"])
-@pytest.mark.parametrize("order", ["rows", "columns"])
-def test_packed_product_of_two_linears_is_theirs_side_by_side(parts, lead, bias, order):
-    """A SwiGLU's gate and up as one product: fp64, both orders, splits that do and do not divide
-    the 16 stacked outputs, a missing bias read as zeros, and 5 rows > max_rows (their own products)."""
-    torch.manual_seed(parts)
-    a = nn.Linear(6, 8, bias=bias != "none").double()
-    b = nn.Linear(6, 8, bias=bias == "both").double()
-    x = torch.randn(*lead, 6, dtype=torch.float64)
-    product = PackedProduct((a, b), parts, max_rows=4, order=order)
-    assert product.parts == (parts if 16 % parts == 0 else 1) and product.in_features == 6
-    want = torch.cat((F.linear(x, a.weight, a.bias), F.linear(x, b.weight, b.bias)), dim=-1)
-    torch.testing.assert_close(product(x), want, rtol=0, atol=1e-12)
-    gate, up = split_outputs(product, 8)(x)
-    torch.testing.assert_close(gate, F.linear(x, a.weight, a.bias), rtol=0, atol=1e-12)
-    torch.testing.assert_close(up, F.linear(x, b.weight, b.bias), rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize("batch", [1, LAYOUT_ROWS_MAX_BATCH + 1])
-def test_decode_layout_computes_a_swiglu_gate_and_up_as_one_product(batch):
-    """A SwiGLU MLP's gate and up are one PackedProduct while held (no copy of them alone), the
-    model's outputs and greedy tokens stay those of its own weights (fp64, 1e-12), and release
-    gives the MLPs their own method back."""
-    model = make_model(cfg_for("Q-K=V", "rope", 2, mlp="swiglu", norm="rmsnorm"))
-    mlps = [m for m in model.modules() if isinstance(m, MLP)]
-    x = torch.randint(0, VOCAB, (batch, 1))
-    want = model(x)[0]
-    tokens = generate(model, [[1, 2, 3]] * batch, 5, Sampling(temperature=0), static=True)
-    layout = DecodeLayout(model, parts=2)
-    layout.hold(batch)
-    assert layout.fused == mlps and all(isinstance(m.gate_up, types.FunctionType) for m in mlps)
-    assert not any("forward" in vars(lin) for m in mlps for lin in (m.gate, m.up))
-    assert all(isinstance(vars(m).get("forward"), PackedProduct) for m in layout.packed) and layout.packed
-    torch.testing.assert_close(model(x)[0], want, rtol=0, atol=1e-12)
-    assert generate(model, [[1, 2, 3]] * batch, 5, Sampling(temperature=0), static=False) == tokens
-    layout.release()
-    assert all("gate_up" not in vars(m) for m in mlps) and not layout.fused
-    with pytest.raises(ValueError, match="as stored"):
-        packed_product((mlps[0].gate, mlps[0].up), "stored", 2)
-
-
 def test_decode_layout_block_order_follows_the_batch():
     model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
     for batch, order in ((1, "rows"), (LAYOUT_ROWS_MAX_BATCH, "rows"), (LAYOUT_ROWS_MAX_BATCH + 1, "columns")):
@@ -318,6 +272,24 @@ def test_prefill_updates_next_pos_in_place():
     assert {id(t): t.data_ptr() for t in cache.tensors()} == held
 
 
+def test_steady_skips_the_guards_of_a_compiled_step_only_and_generate_calls_it_after_the_first_step():
+    """generate.steady: the eager step is itself; any other step runs under skip_guard_eval_unsafe, and
+    generate's loop calls the step itself first (guards checked) and the steady one after it."""
+    import qkvlab.generate as gen
+
+    assert steady(decode_step) is decode_step
+    stances = []
+
+    def step(*args):
+        stances.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+        return decode_step(*args)
+
+    model = make_model(cfg_for("Q-K=V", "rope", 2), dtype=torch.float32)
+    cache = new_cache(model, 1, 8, static=True)
+    list(gen._steps(model, cache, left_pad([[1, 2, 3]]), 4, Sampling(temperature=0), None, None, step, None))
+    assert stances == [False, True, True] and not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
+
+
 def test_a_failing_compiler_falls_back_to_eager_with_one_line(monkeypatch, capsys):
     import qkvlab.generate as gen
 
@@ -346,28 +318,6 @@ def test_compiled_step_equals_eager_float64():
     eager = decode_batched(model, prompts, cont)
     compiled = decode_batched(model, prompts, cont, static=True, step=compiled_step(), layout=True)
     torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.parametrize("hq,hk", [(4, 4), (4, 2), (6, 1)])
-@pytest.mark.parametrize("slots", [1, 5, 33])
-@pytest.mark.parametrize("mask", ["none", "bool", "additive"])
-def test_written_out_decode_attention_equals_sdpa_float64(hq, hk, slots, mask):
-    """What a compiled CPU step computes for one query token (attention.decode_attention) is SDPA's
-    result with each kv head shared by its group, to 1e-12 in fp64: MHA, GQA, MQA; no mask, a bool one
-    and an additive one (the first slot always visible)."""
-    torch.manual_seed(slots)
-    q = torch.randn(2, hq, 1, 8, dtype=torch.float64)
-    k, v = torch.randn(2, 2, hk, slots, 8, dtype=torch.float64)
-    visible = torch.rand(2, 1, 1, slots) > 0.4
-    visible[..., 0] = True
-    m = {"none": None, "bool": visible, "additive": torch.zeros(visible.shape, dtype=torch.float64)}[mask]
-    if mask == "additive":
-        m.masked_fill_(~visible, float("-inf"))
-    rep = hq // hk
-    want = F.scaled_dot_product_attention(
-        q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=m, scale=0.3
-    )
-    torch.testing.assert_close(decode_attention(q, k, v, m, 0.3), want, rtol=0, atol=1e-12)
 
 
 FP32_CASES = [

@@ -18,10 +18,6 @@ from qkvlab.positions import ScoreTerm2D, apply_rotary, plus_channels_pad
 from qkvlab.spec import IDENTITY, LATENT
 
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA enable_gqa= is new in 2.5
-# A one-token query's attention inside a compiled CPU step is written out (two products and a softmax,
-# which inductor fuses with the mask) instead of calling SDPA's flash kernel, whose fixed cost (~50 us a
-# call at SmolLM2's 3 kv heads x 271 slots) is most of a layer's attention (benchmarks/decode_fusions.py).
-COMPILED_CPU_DECODE_WRITTEN_OUT = True
 
 
 def dropout(p: float) -> nn.Module:
@@ -160,16 +156,6 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
     """SDPA with GQA: kv heads are shared by groups of query heads."""
     B, hq, T, hd = q.shape
     hk = k.shape[1]
-    if (
-        T == 1
-        and not is_causal
-        and dropout_p == 0
-        and (attn_mask is None or attn_mask.shape[1] == 1)
-        and COMPILED_CPU_DECODE_WRITTEN_OUT
-        and q.device.type == "cpu"
-        and torch.compiler.is_compiling()
-    ):
-        return decode_attention(q, k, v, attn_mask, scale)
     if hq != hk and T == 1 and not is_causal and (attn_mask is None or attn_mask.shape[1] == 1):
         # Decoding: a group's one-token queries become the rows of one query against their kv head,
         # so each kv head is read once per group (what GQA/MQA save), not repeated per query head.
@@ -189,19 +175,3 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
     )
-
-
-def decode_attention(q, k, v, attn_mask, scale):
-    """One query token per row, written out: q (B, hq, 1, hd); k, v (B, hk, S, hd); attn_mask None or
-    (B, 1, 1, S), bool (True = attend) or additive -> (B, hq, 1, hd_v). A group's queries are the rows
-    of one product against their kv head, as in `_sdpa`'s decoding branch."""
-    B, hq, _, hd = q.shape
-    hk = k.shape[1]
-    scores = torch.matmul(q.reshape(B, hk, hq // hk, hd), k.transpose(-1, -2)) * scale  # (B, hk, g, S)
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(
-        v.dtype
-    )  # as SDPA: fp32 at least
-    y = torch.matmul(probs, v)  # (B, hk, g, hd_v)
-    return y.reshape(B, hq, 1, y.shape[-1])

@@ -34,7 +34,6 @@ from qkvlab.cache import KVCache
 from qkvlab.devices import COMPILE_MODES, PAGED_COMPILE_MODES
 from qkvlab.errors import UserError
 from qkvlab.measured import alternate, cached_or_measured, timed
-from qkvlab.model import MLP
 
 FINISHED = -1  # what `stream` yields for a row that already produced its end-of-text token
 STOP_CHECK_EVERY = 8  # steps between end-of-text checks (each check waits for the device)
@@ -237,10 +236,8 @@ class PackedProduct:
     blocks of output rows, multiplied by one `bmm` whose batch the CPU threads share. `order` "rows"
     keeps each block as stored, (parts, N/parts, K), and computes W_p x (a dot product per output,
     reading each weight row once); "columns" stores it K-major, (parts, K, N/parts), and computes
-    x W_p^T. Several Linears of one input (a SwiGLU's gate and up) are one product of their weights
-    stacked by outputs, whose output is theirs side by side. More rows than `max_rows` go to the
-    Linears' own weights. Installed as the Linear's `forward` (its parameters, names and state dict
-    untouched) by `DecodeLayout`.
+    x W_p^T. More rows than `max_rows` go to the Linear's own weight. Installed as the Linear's
+    `forward` (its parameters, names and state dict untouched) by `DecodeLayout`.
 
     Why: a one-token step is a chain of matrix-vector products bound by memory, and MKL runs a
     one-row product on one thread whatever torch.get_num_threads() says: SmolLM2's 151 products
@@ -249,36 +246,23 @@ class PackedProduct:
     column blocks, level at 8, 0.93x at 16 (benchmarks/linear_layouts.py, docs/results/speed). Outputs
     equal F.linear's to rounding (the same dot products; fp64 tests hold them within 1e-12)."""
 
-    def __init__(
-        self,
-        linear: nn.Linear | Sequence[nn.Linear],
-        parts: int,
-        max_rows: int = LAYOUT_MAX_BATCH,
-        order: str = "rows",
-    ):
-        self.linears = (linear,) if isinstance(linear, nn.Linear) else tuple(linear)
-        if order not in ("rows", "columns"):
-            raise ValueError(f"order={order!r}: 'rows' or 'columns'")
-        weight = torch.cat([m.weight.detach() for m in self.linears]) if len(self.linears) > 1 else linear.weight
-        n, k = weight.shape
-        self.in_features, self.max_rows, self.order = k, max_rows, order
+    def __init__(self, linear: nn.Linear, parts: int, max_rows: int = LAYOUT_MAX_BATCH, order: str = "rows"):
+        n, k = linear.weight.shape
+        self.linear, self.max_rows, self.order = linear, max_rows, order
         self.parts = parts if parts > 0 and n % parts == 0 else 1
-        w = weight.detach().view(self.parts, n // self.parts, k)  # (P, N/P, K)
-        self.blocks = w.contiguous() if order == "rows" else w.transpose(1, 2).contiguous()  # rows: (P, N/P, K)
-        biases = [m.bias for m in self.linears]
-        if all(b is None for b in biases):
-            self.bias = None
+        w = linear.weight.detach().view(self.parts, n // self.parts, k)  # (P, N/P, K)
+        if order == "rows":
+            self.blocks = w.contiguous()
+        elif order == "columns":
+            self.blocks = w.transpose(1, 2).contiguous()  # (P, K, N/P)
         else:
-            self.bias = torch.cat(
-                [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in self.linears]
-            )
+            raise ValueError(f"order={order!r}: 'rows' or 'columns'")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         *lead, k = x.shape
         rows = x.reshape(-1, k)  # (R, K)
         if rows.shape[0] > self.max_rows:
-            outs = [nn.functional.linear(x, m.weight, m.bias) for m in self.linears]
-            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            return nn.functional.linear(x, self.linear.weight, self.linear.bias)
         if self.order == "rows":
             y = torch.bmm(self.blocks, rows.t().expand(self.parts, -1, -1))  # (P, N/P, R)
             # (R, N) laid out row by row: a transposed view would carry stride R into q, k and v, and
@@ -287,7 +271,7 @@ class PackedProduct:
         else:
             y = torch.bmm(rows.expand(self.parts, -1, -1), self.blocks)  # (P, R, N/P)
             y = y.transpose(0, 1).reshape(*lead, -1)  # (..., N): block p's outputs at columns p*N/P onwards
-        return y if self.bias is None else y + self.bias
+        return y if self.linear.bias is None else y + self.linear.bias
 
 
 class DecodeLayout:
@@ -298,18 +282,14 @@ class DecodeLayout:
     The block order follows the batch given to `hold` (LAYOUT_ROWS_MAX_BATCH; whole SmolLM2 fp32 decode
     steps, 2 threads, benchmarks/block_orders.py: row blocks 1.12-1.29x column blocks at 1 row, 1.4x
     at 2-4, 0.96-1.00x at 8, 0.89-0.92x at 16).
-    A SwiGLU MLP's gate and up are one product of both weights (`MLP.gate_up`): one matrix-vector
-    product fewer a layer (SmolLM2's products at one row: 17.1 against 18.1 ms, benchmarks/decode_fusions.py).
     Costs one copy of every Linear weight while held (SmolLM2-135M fp32: 538 MB). Not for bf16
     weights: their product already uses every thread and is the faster as it is (SmolLM2's 151
     products: 14.7 ms as stored, 20.7 ms as blocks), nor above LAYOUT_MAX_BATCH rows."""
 
-    def __init__(self, model, parts: int | None = None, fuse: bool = True):
+    def __init__(self, model, parts: int | None = None):
         self.model = model
         self.parts = parts
-        self.fuse = fuse  # a SwiGLU's gate and up as one product (False: one each, for benchmarks/decode_fusions.py)
         self.packed: list[nn.Linear] = []  # the Linears whose forward is a PackedProduct
-        self.fused: list[MLP] = []  # the MLPs whose gate_up is one PackedProduct of both weights
         self.held = False  # hold() called and not released (the timing may have chosen the weights as stored)
 
     @staticmethod
@@ -331,29 +311,15 @@ class DecodeLayout:
             layout = default_layout(batch)
         if layout == "stored":
             return
-        # a SwiGLU's gate and up read one input: one product of both weights (an instance attribute,
-        # as forward below: found before the class's method)
-        pairs = [
-            m
-            for m in self.model.modules()
-            if self.fuse and isinstance(m, MLP) and m.kind == "swiglu" and "gate_up" not in vars(m)
-        ]
-        for m in pairs:
-            m.gate_up = split_outputs(packed_product((m.gate, m.up), layout, parts), m.gate.out_features)
-            self.fused.append(m)
-        in_pairs = {id(lin) for m in pairs for lin in (m.gate, m.up)}
         for m in linears:
-            if id(m) not in in_pairs:
-                m.forward = packed_product(m, layout, parts)  # an instance attribute: nn.Module.__call__ finds it first
-                self.packed.append(m)
+            # an instance attribute: nn.Module.__call__ finds it first
+            m.forward = packed_product(m, layout, parts)
+            self.packed.append(m)
 
     def release(self) -> None:
         for m in self.packed:
             del m.forward
-        for m in self.fused:
-            del m.gate_up
         self.packed.clear()
-        self.fused.clear()
         self.held = False
 
 
@@ -363,25 +329,14 @@ def default_layout(batch: int) -> str:
     return "rows" if batch <= LAYOUT_ROWS_MAX_BATCH else "columns"
 
 
-def packed_product(linear: nn.Linear | Sequence[nn.Linear], layout: str, parts: int) -> Callable:
-    """The product `layout` names for this Linear (or these Linears of one input, side by side): "stored"
-    its own forward, "kmajor" one K-major block, "rows"/"columns" one block per part in that order."""
+def packed_product(linear: nn.Linear, layout: str, parts: int) -> Callable:
+    """The product `layout` names for this Linear: "stored" its own forward, "kmajor" one K-major
+    block, "rows"/"columns" one block per part in that order."""
     if layout == "stored":
-        if not isinstance(linear, nn.Linear):
-            raise ValueError("the weights as stored are one product per Linear")
         return linear.__call__
     return (
         PackedProduct(linear, 1, order="columns") if layout == "kmajor" else PackedProduct(linear, parts, order=layout)
     )
-
-
-def split_outputs(product: Callable, width: int) -> Callable:
-    """A product of two Linears side by side -> a function giving their two outputs (views)."""
-
-    def both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return product(x).split(width, dim=-1)
-
-    return both
 
 
 layout_decisions: dict[str, dict] = {}  # this process's timed layouts by key (measured.cached_or_measured's entries)
@@ -459,11 +414,11 @@ def compile_or_fall_back(step: Callable, model, cache: KVCache) -> tuple[Callabl
 
 
 def steady(step: Callable) -> Callable:
-    """`step` for the calls after the first of one decode (the same model, cache and shapes, only the
+    """`step` for the calls after the first of one decode (the same model, cache and shapes; only the
     values change): a compiled step then runs with dynamo's guards skipped, bar those that tell its
     compiled graphs apart (torch.compiler.set_stance's skip_guard_eval_unsafe; safe here because
-    every guard passed on the first call and nothing it checks changes between steps). The guards of
-    SmolLM2-135M's compiled step cost ~0.9 ms of a ~23 ms step on 2 threads (docs/inference.md)."""
+    every guard passed on the first call and nothing they check changes between steps). SmolLM2-135M's
+    compiled step, fp32, one stream, 2 threads: 1.13x with the guards skipped (benchmarks/decode_guards.py)."""
     if step is decode_step:
         return step
 

@@ -64,15 +64,9 @@ class MLP(nn.Module):
         self.down = nn.Linear(h, cfg.d_model, bias=cfg.bias)
         self.dropout = dropout(cfg.dropout)
 
-    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate(x), up(x)): two products of one input, which generate.DecodeLayout replaces by one
-        product of both weights (one matrix-vector product fewer a layer when decoding)."""
-        return self.gate(x), self.up(x)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
-            gate, up = self.gate_up(x)
-            h = F.silu(gate) * up
+            h = F.silu(self.gate(x)) * self.up(x)
         elif self.kind == "relu":
             h = F.relu(self.up(x))
         elif self.kind == "gelu":
