@@ -418,7 +418,8 @@ def steady(step: Callable) -> Callable:
     values change): a compiled step then runs with dynamo's guards skipped, bar those that tell its
     compiled graphs apart (torch.compiler.set_stance's skip_guard_eval_unsafe; safe here because
     every guard passed on the first call and nothing they check changes between steps). SmolLM2-135M's
-    compiled step, fp32, one stream, 2 threads: 1.13x with the guards skipped (benchmarks/decode_guards.py)."""
+    compiled step, fp32, one stream, 2 threads, avx2 EPYC: 1.05x with the guards skipped (median round
+    1.02x; benchmarks/decode_guards.py), 1.13x in an earlier run with a copy of the model each way."""
     if step is decode_step:
         return step
 
