@@ -34,8 +34,8 @@ from decode_smollm2 import add_decode_options, start_decode_run  # noqa: E402  (
 
 
 @torch.inference_mode()
-def decode(model, step, later, prompt: torch.Tensor, steps: int, cache) -> tuple[float, list[list[int]]]:
-    """Prefill, then `steps` greedy steps -> (seconds a step, the tokens of every row)."""
+def decode(model, step, prompt: torch.Tensor, steps: int, cache) -> tuple[float, list[list[int]]]:
+    """Prefill, then `steps` greedy steps of `step` -> (seconds a step, the tokens of every row)."""
     if cache is None:  # the eager step: a dynamic cache
         cache = new_cache(model, prompt.shape[0], prompt.shape[1] + steps + 1)
     else:
@@ -44,8 +44,8 @@ def decode(model, step, later, prompt: torch.Tensor, steps: int, cache) -> tuple
     tok = prefill(model, cache, batch).argmax(-1)
     positions, out = batch.lengths.clone(), [tok]
     t0 = time.perf_counter()
-    for i in range(steps):
-        tok = (later if i else step)(model, cache, tok, positions).argmax(-1)
+    for _ in range(steps):
+        tok = step(model, cache, tok, positions).argmax(-1)
         positions += 1
         out.append(tok)
     seconds = (time.perf_counter() - t0) / steps
@@ -65,10 +65,10 @@ def main() -> None:
     cache = new_cache(model, args.batch, args.prompt_len + args.new_tokens + 1, static=True)
     compiled = compiled_step()
     print(f"  compiled in {warm_up(compiled, model, cache):.1f} s", flush=True)
-    contestants = {  # name: (first step, later steps, static cache or None)
-        "eager": (decode_step, decode_step, None),
-        "compiled, guards skipped": (compiled, steady(compiled), cache),
-        "compiled, guards checked": (compiled, compiled, cache),
+    contestants = {  # name: (a decode's step, made anew for each decode; static cache or None)
+        "eager": (lambda: decode_step, None),
+        "compiled, guards skipped": (lambda: steady(compiled), cache),
+        "compiled, guards checked": (lambda: compiled, cache),
     }
     print(
         f"{src.name}: fp32, {args.threads} thread(s), {args.batch} stream(s), prompt {args.prompt_len} + "
@@ -80,8 +80,8 @@ def main() -> None:
     names = list(contestants)
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            step, later, static_cache = contestants[name]
-            seconds, tokens[name] = decode(model, step, later, prompt, args.new_tokens, static_cache)
+            make_step, static_cache = contestants[name]
+            seconds, tokens[name] = decode(model, make_step(), prompt, args.new_tokens, static_cache)
             times[name].append(seconds)
     figures = {}
     print(f"  {'contestant':26s} {'best ms':>8} {'median ms':>9} {'tok/s':>7}  same tokens as eager")

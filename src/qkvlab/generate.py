@@ -414,20 +414,28 @@ def compile_or_fall_back(step: Callable, model, cache: KVCache) -> tuple[Callabl
 
 
 def steady(step: Callable) -> Callable:
-    """`step` for the calls after the first of one decode (the same model, cache and shapes; only the
-    values change): a compiled step then runs with dynamo's guards skipped, bar those that tell its
-    compiled graphs apart (torch.compiler.set_stance's skip_guard_eval_unsafe; safe here because
-    every guard passed on the first call and nothing they check changes between steps). SmolLM2-135M's
-    compiled step, fp32, one stream, 2 threads, avx2 EPYC: 1.05x with the guards skipped (median round
-    1.02x; benchmarks/decode_guards.py), 1.13x in an earlier run with a copy of the model each way."""
+    """`step` for one decode (make one per decode): its first call as it is, every later one (the same
+    model, cache and shapes; only the values change) with dynamo's guards skipped, bar those that tell
+    its compiled graphs apart (torch.compiler.set_stance's skip_guard_eval_unsafe; safe here because
+    every guard passed on the first call and nothing they check changes between steps). The eager step
+    is returned as it is. SmolLM2-135M's compiled step, fp32, one stream, 2 threads, avx2 EPYC: 1.05x
+    with the guards skipped (median round 1.02x; benchmarks/decode_guards.py), 1.13x in an earlier run
+    with a copy of the model each way."""
     if step is decode_step:
         return step
+    first = True
 
-    def skipping_guards(*args):
+    def call(*args):
+        nonlocal first
+        if first:
+            first = False
+            return step(*args)
+        # a context manager, not set_stance's decorator form: in torch 2.13 that form re-creates the stance
+        # per call without skip_guard_eval_unsafe (set_stance.clone), so it would skip nothing
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return step(*args)
 
-    return skipping_guards
+    return call
 
 
 def max_steps(model, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
@@ -500,7 +508,7 @@ def _steps(model, cache, batch, steps, sampling, eot_id, generator, step, vocab_
     logits = prefill(model, cache, batch)
     positions = batch.lengths.clone()  # (B,) position of the token about to be fed
     finished = torch.zeros(batch.idx.shape[0], dtype=torch.bool, device=device) if eot_id is not None else None
-    later = steady(step)
+    step = steady(step)
     for i in range(steps):
         tok = next_token(logits, sampling, generator, vocab_limit)
         if finished is None:
@@ -511,7 +519,7 @@ def _steps(model, cache, batch, steps, sampling, eot_id, generator, step, vocab_
             if (i + 1) % STOP_CHECK_EVERY == 0 and bool(finished.all()):  # the loop's only host sync
                 return
         if i + 1 < steps:
-            logits = (later if i else step)(model, cache, tok, positions)
+            logits = step(model, cache, tok, positions)
             positions += 1
 
 

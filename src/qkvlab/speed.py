@@ -116,7 +116,6 @@ def time_decode(model, prompt: torch.Tensor, new_tokens: int, mode: str = "eager
     before the compile, whose time is reported apart)."""
     device = prompt.device
     step, static = decode_step_fn(mode, device)
-    later = steady(step)
     B, T = prompt.shape
     batch = left_pad(prompt.tolist(), device=device)
     cache = new_cache(model, B, T + new_tokens - 1, static=static)
@@ -130,8 +129,9 @@ def time_decode(model, prompt: torch.Tensor, new_tokens: int, mode: str = "eager
         _sync(device)
         t1 = time.perf_counter()
         positions = batch.lengths.clone()
-        for i in range(new_tokens - 1):
-            tok = (later if i else step)(model, cache, tok, positions).argmax(-1)
+        decode = steady(step)
+        for _ in range(new_tokens - 1):
+            tok = decode(model, cache, tok, positions).argmax(-1)
             positions += 1
         _sync(device)
         t2 = time.perf_counter()
