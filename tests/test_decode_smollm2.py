@@ -174,3 +174,34 @@ def test_a_gguf_s_weight_type_and_bytes_name_llama_cpp_s_rows_and_set_its_limit(
     own = ds.limit_tokens_per_s(model, 1, 0.0, 1e9)
     assert ds.limit_tokens_per_s(model, 1, 0.0, 1e9, weight_bytes=bins.weight_bytes) == pytest.approx(1e9 / 8448)
     assert own != pytest.approx(1e9 / 8448)
+
+
+def test_each_gguf_is_a_contestant_with_its_cache_in_its_weight_type(tmp_path):
+    """--llama-gguf F32 BF16: two llama.cpp contestants in the same rounds, each KV cache in its weights'
+    type unless --llama-cache-type fixes one; two files of one type are refused."""
+    np = pytest.importorskip("numpy")
+    gguf = pytest.importorskip("gguf")
+
+    def write(name, dtype, ggml_type=None):
+        path = tmp_path / name
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_tensor("blk.0.attn_q.weight", np.ones((64, 64), dtype=dtype), raw_dtype=ggml_type)
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+        return path
+
+    f32, f16 = write("f32.gguf", np.float32), write("f16.gguf", np.float16)
+    folder = stand_ins(tmp_path / "bin", LLAMA_BENCH_JSON, BATCHED_JSONL)
+    bins = ds.llama_bins(folder, [f32, f16], 2, ds.WEIGHTS_CACHE, "off")
+    assert [x.weight_type for x in bins] == ["f32", "f16"]
+    assert [x.cache(f"llama-batched-bench {x.weight_type}") for x in bins] == ["f32", "f16"]
+    assert [x.cache(f"llama-bench {x.weight_type}") for x in bins] == ["f16", "f16"]  # llama-bench has no f32
+    assert [n for x in bins for n in x.names(1)] == [
+        "llama-batched-bench f32",
+        "llama-bench f32",
+        "llama-batched-bench f16",
+        "llama-bench f16",
+    ]
+    fixed = ds.llama_bins(folder, [f32, f16], 2, "bf16", "off")
+    assert {x.cache(f"llama-batched-bench {x.weight_type}") for x in fixed} == {"bf16"}
+    with pytest.raises(SystemExit, match="holds F32 weights as an earlier file does"):
+        ds.llama_bins(folder, [f32, write("again.gguf", np.float32)], 2, ds.WEIGHTS_CACHE, "off")

@@ -202,6 +202,20 @@ def add_options(parser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the figures and the load as JSON to FILE")
 
 
+_DROP = object()
+
+
+def _option_value(v):
+    """A command-line option as JSON holds it: paths as text (one or a list of them), other
+    non-JSON values (a callable default, an enum) left out."""
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if isinstance(v, (list, tuple)):
+        items = [_option_value(x) for x in v]
+        return _DROP if any(x is _DROP for x in items) else items
+    return v if isinstance(v, (int, float, str, bool, type(None))) else _DROP
+
+
 class ScriptRun:
     """A benchmark script's load record: `ScriptRun(args)` first (prints the load before, exits 3 under
     --require-quiet on a busy machine), `tag()` beside each printed figure, `finish(figures)` last
@@ -227,9 +241,7 @@ class ScriptRun:
         self.watch.finish()
         print(f"machine during the run: {self.watch.summary()}", flush=True)
         if getattr(self.args, "json", None):
-            options = {
-                k: v for k, v in vars(self.args).items() if isinstance(v, (int, float, str, bool, list, type(None)))
-            }
+            options = {k: v for k, v in ((k, _option_value(v)) for k, v in vars(self.args).items()) if v is not _DROP}
             body = {"benchmark": self.name, "options": options, "load": self.watch.to_dict(), **figures}
             atomic_write(self.args.json, json_text(body, indent=2))
         return QUIET_EXIT_CODE if getattr(self.args, "require_quiet", False) and self.watch.noisy else 0

@@ -1,0 +1,56 @@
+"""Fixed cost of a compiled decode step: SmolLM2's op graph (30 layers, 9/3 heads of 64, 272 cache slots) with tiny products."""
+import sys, time, dataclasses, torch
+sys.path.insert(0, "/work/main/benchmarks")
+from decode_smollm2 import default_gguf
+from qkvlab.convert.load import load_any
+from qkvlab.model import GPT
+from qkvlab import generate as G
+torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+cfg = load_any(default_gguf()).model.cfg
+tiny = dataclasses.replace(cfg, d_model=64, d_head=64, n_head=9, mlp_hidden=64, vocab_size=64)
+model = GPT(tiny).eval() if "--real" not in sys.argv else load_any(default_gguf()).model.eval()
+import qkvlab.attention as A
+ORIG = A._sdpa
+def mulsum_sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
+    B, hq, T, hd = q.shape
+    hk = k.shape[1]
+    if T == 1 and not is_causal and (attn_mask is None or attn_mask.shape[1] == 1):
+        qg = q.reshape(B, hk, hq // hk, 1, hd)
+        s = (qg * k[:, :, None]).sum(-1) * scale  # (B, hk, g, S)
+        if attn_mask is not None:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        p = s.softmax(-1)
+        return (p[..., None] * v[:, :, None]).sum(-2).reshape(B, hq, 1, hd)
+    return ORIG(q, k, v, attn_mask, is_causal, scale, dropout_p)
+if "--mulsum" in sys.argv: A._sdpa = mulsum_sdpa
+STEPS = 64
+import torch._inductor.config as ic
+if "--kprof" in sys.argv: ic.cpp.enable_kernel_profile = True
+for a in sys.argv:
+    if a.startswith("opt:"):
+        k, v = a[4:].split("="); setattr(ic, k, int(v)); print("set", k, v)
+with torch.inference_mode(), G.decode_layout(model, 1):
+    step = G.compiled_step()
+    cache = G.new_cache(model, 1, 272, static=True)
+    G.warm_up(step, model, cache)
+    best = 1e9
+    for r in range(5):
+        cache.reset()
+        b = G.left_pad([[1] * 200])
+        tok = G.prefill(model, cache, b).argmax(-1); pos = b.lengths.clone()
+        st = G.steady(step)
+        t0 = time.perf_counter()
+        for _ in range(STEPS):
+            tok = st(model, cache, tok, pos).argmax(-1); pos += 1
+        tok.item()
+        best = min(best, (time.perf_counter() - t0) / STEPS)
+    print(f"tiny-product step {best*1e3:.3f} ms")
+    if "--profile" in sys.argv:
+        from torch.profiler import ProfilerActivity, profile
+        cache.reset(); b = G.left_pad([[1] * 200])
+        tok = G.prefill(model, cache, b).argmax(-1); pos = b.lengths.clone()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                tok = st(model, cache, tok, pos).argmax(-1); pos += 1
+        rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        for e in rows[:25]: print(f"{e.self_cpu_time_total/20e3:8.3f} ms/step {e.count/20:6.1f}/step  {e.key[:50]}..{e.key[-20:]}")
