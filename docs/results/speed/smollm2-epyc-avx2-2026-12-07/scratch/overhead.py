@@ -9,20 +9,8 @@ torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 cfg = load_any(default_gguf()).model.cfg
 tiny = dataclasses.replace(cfg, d_model=64, d_head=64, n_head=9, mlp_hidden=64, vocab_size=64)
 model = GPT(tiny).eval() if "--real" not in sys.argv else load_any(default_gguf()).model.eval()
-import qkvlab.attention as A
-ORIG = A._sdpa
-def mulsum_sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
-    B, hq, T, hd = q.shape
-    hk = k.shape[1]
-    if T == 1 and not is_causal and (attn_mask is None or attn_mask.shape[1] == 1):
-        qg = q.reshape(B, hk, hq // hk, 1, hd)
-        s = (qg * k[:, :, None]).sum(-1) * scale  # (B, hk, g, S)
-        if attn_mask is not None:
-            s = s.masked_fill(~attn_mask, float("-inf"))
-        p = s.softmax(-1)
-        return (p[..., None] * v[:, :, None]).sum(-2).reshape(B, hq, 1, hd)
-    return ORIG(q, k, v, attn_mask, is_causal, scale, dropout_p)
-if "--mulsum" in sys.argv: A._sdpa = mulsum_sdpa
+# (attention written out: see ab2.py's mulsum_sdpa, which the variants' figures used)
+
 STEPS = 64
 import torch._inductor.config as ic
 if "--kprof" in sys.argv: ic.cpp.enable_kernel_profile = True
