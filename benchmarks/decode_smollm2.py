@@ -527,9 +527,13 @@ def main() -> None:
         if importlib.util.find_spec("llama_cpp") is None:
             print("llama-cpp-python: skipped, llama_cpp is not installed", flush=True)
         else:
-            path = bins[0].gguf if bins else ggufs()[0]
-            llama = LlamaCpp(path, threads, args.prompt_len + args.new_tokens + 8)
-            print(f"llama.cpp: {path} (F32), {threads} thread(s), batch 1 only", flush=True)
+            # its row is named and limited as F32: of several GGUFs it takes the F32 one
+            path = next((x.gguf for x in bins if x.weight_type == "f32"), None) if bins else ggufs()[0]
+            if path is None:
+                print("llama-cpp-python: skipped, no F32 file among --llama-gguf", flush=True)
+            else:
+                llama = LlamaCpp(path, threads, args.prompt_len + args.new_tokens + 8)
+                print(f"llama.cpp: {path} (F32), {threads} thread(s), batch 1 only", flush=True)
 
     g = torch.Generator().manual_seed(0)
     figures: dict = {"read_bytes_per_s": read, "copy_bytes_per_s": copy_bps, "threads": threads, "rows": []}
