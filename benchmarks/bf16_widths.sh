@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where CPU bf16 autocast pays: qkvlab fp32 vs qkvlab under bf16 autocast, one thread (compare's layout:
 # parallel one-thread jobs), 5 alternating rounds, at widths 64 .. 384. The crossover sets
-# the old `auto` rule (bf16 from d_model 192 on bf16-native CPUs; auto is now timed: qkvlab.train.dtype_probe).
+# the old `auto` rule (bf16 from d_model 192 on bf16-native CPUs; auto is now timed: qkvlab.decode.dtype_probe).
 #   bash benchmarks/bf16_widths.sh            # from the repository root; ~3 min; needs avx512_bf16/AMX
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

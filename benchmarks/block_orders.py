@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-import qkvlab.generate as generate
-from qkvlab.loadavg import ScriptRun, add_options
-from qkvlab.settings import positive_int
-from qkvlab.speed import time_decode
+import qkvlab.decode.generate as generate
+from qkvlab.base.loadavg import ScriptRun, add_options
+from qkvlab.base.settings import positive_int
+from qkvlab.decode.speed import time_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_smollm2 import add_decode_options, start_decode_run  # noqa: E402  (a sibling script, not a package)

@@ -13,7 +13,7 @@ the memory-bandwidth limit.
    prefill is generate(1), its step the difference of generate(new) and generate(1); "unmeasured"
    when that difference is not positive). All timed alternately, best of rounds. Eager paths on the
    CPU at batch <= generate.LAYOUT_MAX_BATCH (16) run with generate.decode_layout (set up inside the prefill's time).
-   Every figure carries the 1-min load when it was printed; the run's verdict (qkvlab.loadavg) comes
+   Every figure carries the 1-min load when it was printed; the run's verdict (qkvlab.base.loadavg) comes
    last; --require-quiet exits 3 on a noisy machine; --json writes the figures and the load.
    The bandwidth limit of a step reads the weights once and each row's cache at its mean fill
    (prompt + new/2 tokens); `of limit` is limit / measured.
@@ -34,14 +34,12 @@ import time
 
 import torch
 
+from qkvlab.base.devices import DTYPES, torch_dtype
+from qkvlab.base.errors import UserError
+from qkvlab.base.loadavg import ScriptRun, add_options, fmt, load1
+from qkvlab.base.settings import positive_int
 from qkvlab.bench import hf_twin
-from qkvlab.config import ModelConfig
-from qkvlab.devices import DTYPES, torch_dtype
-from qkvlab.errors import UserError
-from qkvlab.loadavg import ScriptRun, add_options, fmt, load1
-from qkvlab.model import GPT
-from qkvlab.settings import positive_int
-from qkvlab.speed import (
+from qkvlab.decode.speed import (
     bandwidth_limit_step_s,
     best_of,
     copy_rate,
@@ -49,7 +47,9 @@ from qkvlab.speed import (
     time_decode,
     time_hf,
 )
-from qkvlab.variants import parse_variants
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import GPT
+from qkvlab.model.variants import parse_variants
 
 
 def variant_configs(text: str, base: ModelConfig) -> list[tuple[str, ModelConfig]]:
@@ -152,7 +152,7 @@ def decode_table(args, base: ModelConfig, rate: float, figures: dict) -> None:
 
 @torch.inference_mode()
 def step_ms(model, fill: int, steps: int, rounds: int, batch: int, mode: str) -> float:
-    from qkvlab.generate import left_pad, new_cache, prefill
+    from qkvlab.decode.generate import left_pad, new_cache, prefill
 
     step, static = decode_step_fn(mode)
     prompt = torch.randint(0, model.cfg.vocab_size, (batch, fill)).tolist()

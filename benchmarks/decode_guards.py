@@ -25,9 +25,18 @@ from pathlib import Path
 
 import torch
 
-from qkvlab.generate import DecodeLayout, compiled_step, decode_step, left_pad, new_cache, prefill, steady, warm_up
-from qkvlab.loadavg import ScriptRun, add_options
-from qkvlab.settings import positive_int
+from qkvlab.base.loadavg import ScriptRun, add_options
+from qkvlab.base.settings import positive_int
+from qkvlab.decode.generate import (
+    DecodeLayout,
+    compiled_step,
+    decode_step,
+    left_pad,
+    new_cache,
+    prefill,
+    steady,
+    warm_up,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_smollm2 import add_decode_options, start_decode_run  # noqa: E402  (a sibling script, not a package)

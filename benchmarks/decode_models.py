@@ -17,11 +17,11 @@ import sys
 
 import torch
 
+from qkvlab.base.files import labelled_path
+from qkvlab.base.loadavg import ScriptRun, add_options, fmt
+from qkvlab.base.settings import positive_int
 from qkvlab.convert.load import load_any
-from qkvlab.files import labelled_path
-from qkvlab.loadavg import ScriptRun, add_options, fmt
-from qkvlab.settings import positive_int
-from qkvlab.speed import best_of, cache_bytes_per_token, time_decode
+from qkvlab.decode.speed import best_of, cache_bytes_per_token, time_decode
 
 
 def main() -> None:

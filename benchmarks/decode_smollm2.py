@@ -10,7 +10,7 @@ those. Absolute figures from different runs are not comparable on a shared machi
 one run are.
 
 Contestants (each a prompt of --prompt-len random tokens per stream, --new-tokens greedy tokens):
-  generate   qkvlab.generate's eager CPU path (speed.time_decode: the dynamic cache, the decode
+  generate   qkvlab.decode.generate's eager CPU path (speed.time_decode: the dynamic cache, the decode
              layout at batch <= 16): prefill and decode steps timed apart;
   compiled   `qkvlab generate --compile`: the static step compiled by torch.compile (on the CPU with
              inductor's C++ wrapper) with the same layout; its compile time printed apart, never in a step;
@@ -72,11 +72,11 @@ from pathlib import Path
 
 import torch
 
-from qkvlab.accounting import kv_cache_bytes_per_token
-from qkvlab.generate import layout_decisions
-from qkvlab.loadavg import ScriptRun, add_options, fmt
-from qkvlab.settings import positive_int
-from qkvlab.speed import cache_bytes_per_token, copy_rate, time_decode, weight_bytes_per_step
+from qkvlab.base.loadavg import ScriptRun, add_options, fmt
+from qkvlab.base.settings import positive_int
+from qkvlab.decode.generate import layout_decisions
+from qkvlab.decode.speed import cache_bytes_per_token, copy_rate, time_decode, weight_bytes_per_step
+from qkvlab.model.accounting import kv_cache_bytes_per_token
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PATHS = ("generate", "compiled", "serve", "serve-compiled")  # qkvlab contestants (module doc)
@@ -150,7 +150,7 @@ def time_serve(model, prompts: list[list[int]], new_tokens: int, compile: bool =
     """(prefill seconds: the engine's first step, which admits, prefills and decodes once; seconds
     per decode step after it), all `prompts` submitted at once, greedy, `new_tokens` each; with
     compile, the engine's step compiled first (`serve --compile`), its time printed, not counted."""
-    from qkvlab.generate import Sampling
+    from qkvlab.decode.generate import Sampling
     from qkvlab.serve.engine import Engine, Request
 
     context = max(len(p) for p in prompts) + new_tokens + 1
@@ -222,7 +222,7 @@ def profile_steps(step, steps: int, vocab: int) -> tuple[dict[str, float], float
 @torch.inference_mode()
 def profile_table(models: dict, batches: list[int], paths: list[str], prompt_len: int, steps: int = 8) -> dict:
     """Where a decode step's time goes, per path, dtype and batch (profiler overhead included)."""
-    from qkvlab.generate import Sampling, decode_layout, decode_step, left_pad, new_cache, prefill
+    from qkvlab.decode.generate import Sampling, decode_layout, decode_step, left_pad, new_cache, prefill
     from qkvlab.serve.engine import Engine, Request
 
     g = torch.Generator().manual_seed(1)

@@ -1,7 +1,7 @@
 """Exact GELU on the CPU in float32: oneDNN's kernel (PyTorch's default) against ATen's own, by size.
 
 oneDNN pays ~20 us a call whatever the size; ATen's kernel wins on small tensors (a decode step's
-(B, 1, 4d)), oneDNN on large ones. qkvlab.model.gelu takes ATen's up to GELU_ATEN_MAX elements;
+(B, 1, 4d)), oneDNN on large ones. qkvlab.model.transformer.gelu takes ATen's up to GELU_ATEN_MAX elements;
 this prints both kernels' time per call at sizes around it (alternating rounds, best of each), so
 the threshold can be checked on another machine.
 
@@ -17,9 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from qkvlab.loadavg import ScriptRun, add_options
-from qkvlab.model import GELU_ATEN_MAX
-from qkvlab.settings import positive_int
+from qkvlab.base.loadavg import ScriptRun, add_options
+from qkvlab.base.settings import positive_int
+from qkvlab.model.transformer import GELU_ATEN_MAX
 
 SIZES = (1536, 6144, 24576, 49152, 98304, 393216, 3 * 2**20)  # elements: decode b1 / b4 / b16 ... training
 

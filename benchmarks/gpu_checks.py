@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qkvlab.config import ModelConfig, preset
-from qkvlab.model import GPT
+from qkvlab.model.config import ModelConfig, preset
+from qkvlab.model.transformer import GPT
 
 SCHEMES = ("Q-K-V", "Id-K-V", "Q=K-V", "Q-K=V", "Q=K=V", "Id-K=V", "(Q=K-V)+", "(Q-K=V)+")
 
@@ -127,8 +127,8 @@ def check_flash(c: Checks):
 def check_plus(c: Checks):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from qkvlab.attention import ride_key_term
-    from qkvlab.positions import ScoreTerm2D
+    from qkvlab.model.attention import ride_key_term
+    from qkvlab.model.positions import ScoreTerm2D
 
     B, H, T, hd = (1, 2, 32, 64) if c.dry else (4, 16, 1024, 64)
     torch.manual_seed(0)
@@ -152,7 +152,7 @@ def check_plus(c: Checks):
 # ---- 3. memory estimate vs measured ----------------------------------------------------------------
 def check_memory(c: Checks):
     c.cuda_only("max_memory_allocated")
-    from qkvlab.accounting import memory_estimate
+    from qkvlab.model.accounting import memory_estimate
     from qkvlab.train.optim import make_optimizer
 
     cfg, batch = preset("gpt2-124m"), 8
@@ -180,8 +180,8 @@ def check_memory(c: Checks):
 
 # ---- 4. compiled gpt2-124m MFU ----------------------------------------------------------------------
 def check_mfu(c: Checks):
-    from qkvlab.accounting import flops_per_token
     from qkvlab.bench import matmul_flops_per_s
+    from qkvlab.model.accounting import flops_per_token
     from qkvlab.train.optim import make_optimizer
 
     if c.dry:  # tiny, eager: the code path, not a figure
@@ -279,7 +279,7 @@ def check_graphs(c: Checks):
     c.cuda_only("CUDA graphs")
     import torch._inductor.cudagraph_trees as trees
 
-    from qkvlab.generate import Sampling, generate
+    from qkvlab.decode.generate import Sampling, generate
 
     records = [0]
     init = trees.CUDAGraphNode.__init__

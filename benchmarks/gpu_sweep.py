@@ -174,7 +174,7 @@ def plans(data: Path, dry: bool, out: Path):
 def blocks(found: dict) -> list[tuple[int, str, str, list]]:
     """(N, arm, size label, runs) per size: the arms in ARMS order (depth 2 first: reaching far in N is
     what only the GPU can do; the CPU sweep has both arms up to 1M), each in ascending N."""
-    from qkvlab.accounting import analytic_params
+    from qkvlab.model.accounting import analytic_params
 
     out = []
     for arm, p in found.items():
@@ -206,7 +206,7 @@ class Pace:
         self.runs = 0
 
     def add(self, runs, wall_s: float, arm: str = "") -> None:
-        from qkvlab.io import read_metrics
+        from qkvlab.model.folder import read_metrics
 
         trained = 0.0
         for r in runs:

@@ -1,4 +1,4 @@
-"""What holding freed memory (qkvlab.heap) buys a CPU training step, measured alternately.
+"""What holding freed memory (qkvlab.base.heap) buys a CPU training step, measured alternately.
 
 The setting is process-wide, so the two ways cannot share a process: each round runs
 train_throughput.py's anchor (L6 H6 D384 T256 V4096 B8) twice, in child processes, once with
@@ -21,8 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from qkvlab.loadavg import ScriptRun, add_options
-from qkvlab.settings import positive_int
+from qkvlab.base.loadavg import ScriptRun, add_options
+from qkvlab.base.settings import positive_int
 from train_throughput import parse_contestants  # this folder: run as a script, it is on the path
 
 HERE = Path(__file__).resolve().parent

@@ -29,9 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qkvlab.generate import PackedProduct
-from qkvlab.loadavg import ScriptRun, add_options
-from qkvlab.settings import positive_int
+from qkvlab.base.loadavg import ScriptRun, add_options
+from qkvlab.base.settings import positive_int
+from qkvlab.decode.generate import PackedProduct
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LAYOUTS = ("row-major", "long-contiguous", "K-major", "blocks", "row-blocks")

@@ -5,7 +5,7 @@ forces SDPA off flash attention and makes autograd keep T x T tensors. Now (atte
 q' = [q sum(w), 1/scale, 0..], k' = [k, c(j), 0..], v' = [v, 0..] with is_causal=True. Both give the
 same output (tests/test_gpu_ready.py, float64, 1e-10). Measured in one run, the two alternated, median
 of --rounds: forward+backward time of one attention call and the bytes autograd keeps for backward.
-The machine's load is recorded (qkvlab.loadavg; --require-quiet exits 3 when noisy, --json FILE).
+The machine's load is recorded (qkvlab.base.loadavg; --require-quiet exits 3 when noisy, --json FILE).
 
     python benchmarks/plus_term.py                    # B 4, 8 heads, T 512, d_head 64, fp32, CPU
     python benchmarks/plus_term.py --T 1024 --device cuda --dtype bfloat16
@@ -21,10 +21,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from qkvlab.attention import ride_key_term
-from qkvlab.loadavg import ScriptRun, add_options
-from qkvlab.positions import ScoreTerm2D
-from qkvlab.settings import positive_int
+from qkvlab.base.loadavg import ScriptRun, add_options
+from qkvlab.base.settings import positive_int
+from qkvlab.model.attention import ride_key_term
+from qkvlab.model.positions import ScoreTerm2D
 
 
 def before(term, q, k, v, pos, scale):

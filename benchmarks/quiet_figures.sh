@@ -48,8 +48,8 @@ step train "$PY" "$ROOT/benchmarks/train_throughput.py" --threads 2 --rounds 7 -
 # 4. the reduced schemes keep their FLOP savings
 step schemes "$PY" "$ROOT/benchmarks/train_throughput.py" --threads 2 --rounds 7 \
   --schemes Q-K-V,Id-K-V,Q-K=V,Q=K=V --json "$OUT/schemes.json"
-# 5. what holding freed memory (qkvlab.heap, set by CPU training) buys the anchor, alternating child processes
+# 5. what holding freed memory (qkvlab.base.heap, set by CPU training) buys the anchor, alternating child processes
 step heap "$PY" "$ROOT/benchmarks/heap_hold.py" --threads 2 --rounds 4 --json "$OUT/heap.json"
-# 6. where CPU bf16 autocast pays (the crossover behind the old `auto` rule; auto is now timed: qkvlab.train.dtype_probe)
+# 6. where CPU bf16 autocast pays (the crossover behind the old `auto` rule; auto is now timed: qkvlab.decode.dtype_probe)
 step bf16_widths bash "$ROOT/benchmarks/bf16_widths.sh"
 grep -h "machine during the run" "$OUT"/*.txt 2>/dev/null

@@ -44,7 +44,7 @@ The metrics, with vLLM's meanings (vllm/benchmarks/serve.py, lib/endpoint_reques
 - each latency as mean, p50, p90, p99 (numpy's linear percentiles, as vLLM).
 
 Also per run: the server's peak concurrent sequences and capacity where it says (qkvlab's /health);
-the 1-minute load average at the run's start and end; for the whole measurement qkvlab.loadavg's
+the 1-minute load average at the run's start and end; for the whole measurement qkvlab.base.loadavg's
 record and verdict ("not measured quiet" when noisy; with --endpoint the server is not this script's
 child, so its CPU would count as "others": that rule is left out and the record says so).
 
@@ -78,16 +78,16 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from qkvlab.accounting import kv_cache_bytes_per_token
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_file, atomic_write, json_text, labelled_path
+from qkvlab.base.loadavg import LoadWatch, describe, load1, verdict
+from qkvlab.base.settings import positive_int
+from qkvlab.base.units import byte_size
 from qkvlab.data.text import load_shakespeare
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_file, atomic_write, json_text, labelled_path
-from qkvlab.io import save_model
-from qkvlab.loadavg import LoadWatch, describe, load1, verdict
-from qkvlab.settings import positive_int
-from qkvlab.units import byte_size
-from qkvlab.variants import parse_variants
+from qkvlab.model.accounting import kv_cache_bytes_per_token
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import save_model
+from qkvlab.model.variants import parse_variants
 
 START_TIMEOUT = 300.0  # seconds a server may take to print its start-up line (a GGUF is dequantized first)
 CORPUS_CHARS = 200_000  # characters of Shakespeare tokenized once for text prompts (under any body limit)
@@ -297,7 +297,7 @@ def write_models(args, folder: Path) -> list[Target]:
     """One random model per variant, identical shape (the default mode)."""
     import torch  # the default mode alone builds models
 
-    from qkvlab.model import GPT
+    from qkvlab.model.transformer import GPT
 
     base = ModelConfig(
         n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, vocab_size=args.vocab_size, context=args.context
@@ -581,7 +581,7 @@ def run_all(args, targets: list[Target], workload: dict, cache_bytes: int | None
 
 
 def load_average() -> float | None:
-    """The 1-minute load average now, rounded (qkvlab.loadavg.load1)."""
+    """The 1-minute load average now, rounded (qkvlab.base.loadavg.load1)."""
     now = load1()
     return None if now is None else round(now, 2)
 
@@ -751,7 +751,7 @@ def targets_of(args, tmp: Path) -> tuple[list[Target], int | None]:
 
 
 def load_record(watch: LoadWatch, endpoint: bool) -> tuple[dict, str, bool]:
-    """(record, one line, noisy?): qkvlab.loadavg's verdict; with --endpoint the server's CPU is
+    """(record, one line, noisy?): qkvlab.base.loadavg's verdict; with --endpoint the server's CPU is
     another process's, so the 'others' rule is left out (the record keeps the figure)."""
     record = watch.to_dict()
     if endpoint:

@@ -7,23 +7,23 @@ takes the same batch, computes its own loss in its own forward and is stepped by
 (qkvlab.train.optim.make_optimizer; nanoGPT's configure_optimizers). All are timed alternately,
 round after round, best and median of rounds reported as tokens/s, beside each one's FLOPs
 utilisation against the dense matmul rate of its dtype measured at the start (qkvlab.bench.
-matmul_flops_per_s; FLOPs per token from qkvlab.accounting). Ratios are within one run.
+matmul_flops_per_s; FLOPs per token from qkvlab.model.accounting). Ratios are within one run.
 
 The anchor (defaults): L6 H6 D384 T256 V4096 B8, no biases, exact GELU, 2 threads.
 Goals (issue 18): qkvlab (eager or compiled, the faster) >= 1.0x nanogpt-compiled in fp32 and >= 90%
-of the fp32 matmul rate; where the CPU has native bf16 (qkvlab.devices.cpu_has_bf16) qkvlab@bf16 >= 2x
+of the fp32 matmul rate; where the CPU has native bf16 (qkvlab.base.devices.cpu_has_bf16) qkvlab@bf16 >= 2x
 qkvlab fp32 and >= 2x nanogpt fp32 eager (added to the default contestants there).
 
 With --schemes, a regression check across schemes instead: qkvlab's tokens/s per scheme, timed
 alternately, as a ratio to the first scheme's (Q-K-V) beside the ideal ratio of their FLOPs per token;
 exits 1 when a scheme reaches less than --min-of-ideal of its ideal.
 
-On the CPU the heap holds freed memory, as qkvlab's training sets it (qkvlab.heap: no page faults
+On the CPU the heap holds freed memory, as qkvlab's training sets it (qkvlab.base.heap: no page faults
 for a step's fresh tensors), for every contestant alike (--heap glibc: its defaults). The ceiling
 line: this model's matmuls and attention timed alone at its shapes, what a step reaches with every
 other op free; the fp32 goal is read against it.
 
-Every figure carries the 1-min load; the run's verdict (qkvlab.loadavg) comes last; --require-quiet
+Every figure carries the 1-min load; the run's verdict (qkvlab.base.loadavg) comes last; --require-quiet
 exits 3 on a noisy machine; --json FILE writes the figures and the load.
 
     python benchmarks/train_throughput.py --threads 2                       # the anchor, fp32
@@ -42,14 +42,14 @@ from dataclasses import dataclass
 import torch
 
 import nanogpt
-from qkvlab.accounting import flops_per_token
+from qkvlab.base.devices import cpu_has_bf16, torch_dtype
+from qkvlab.base.heap import hold_freed_memory
+from qkvlab.base.loadavg import ScriptRun, add_options
+from qkvlab.base.settings import positive_int
 from qkvlab.bench import matmul_flops_per_s, timed
-from qkvlab.config import ModelConfig, preset
-from qkvlab.devices import cpu_has_bf16, torch_dtype
-from qkvlab.heap import hold_freed_memory
-from qkvlab.loadavg import ScriptRun, add_options
-from qkvlab.model import GPT
-from qkvlab.settings import positive_int
+from qkvlab.model.accounting import flops_per_token
+from qkvlab.model.config import ModelConfig, preset
+from qkvlab.model.transformer import GPT
 from qkvlab.train.optim import make_optimizer
 
 LR, WEIGHT_DECAY, BETAS = 1e-4, 0.1, (0.9, 0.95)
@@ -306,7 +306,7 @@ def main() -> None:
         "--heap",
         choices=["hold", "glibc"],
         default="hold",
-        help="hold: the heap keeps freed memory, as qkvlab's CPU training sets it (qkvlab.heap; for every "
+        help="hold: the heap keeps freed memory, as qkvlab's CPU training sets it (qkvlab.base.heap; for every "
         "contestant, it is process-wide); glibc: its defaults (run both, alternately, to price it)",
     )
     p.add_argument("--profile", action="store_true", help="after the rounds: the first contestant's costliest ops")

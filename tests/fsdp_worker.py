@@ -19,8 +19,8 @@ import sys
 
 import torch
 
-from qkvlab.config import ModelConfig
-from qkvlab.model import GPT
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import GPT
 from qkvlab.train import distributed as D
 from qkvlab.train.optim import make_optimizer
 

@@ -1,4 +1,4 @@
-"""qkvlab.loadavg: the quiet/noisy verdict, what a LoadWatch records, --require-quiet's exit code, and
+"""qkvlab.base.loadavg: the quiet/noisy verdict, what a LoadWatch records, --require-quiet's exit code, and
 timings that measured nothing reported as unmeasured (never as a rate). No timing is asserted."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from qkvlab import loadavg
-from qkvlab.loadavg import LoadWatch, NoisyMachine, describe, rate, read_cpu_times, verdict
-from qkvlab.speed import DecodeTiming, best_of, time_hf
+from qkvlab.base import loadavg
+from qkvlab.base.loadavg import LoadWatch, NoisyMachine, describe, rate, read_cpu_times, verdict
+from qkvlab.decode.speed import DecodeTiming, best_of, time_hf
 
 
 @pytest.mark.parametrize(
@@ -97,7 +97,7 @@ def test_transformers_step_difference_not_positive_is_unmeasured(monkeypatch):
             return None
 
     clock = iter([0.0, 0.5, 1.0, 1.2])  # generate(1) took 0.5 s, generate(4) 0.2 s
-    monkeypatch.setattr("qkvlab.speed.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("qkvlab.decode.speed.time.perf_counter", lambda: next(clock))
     t = time_hf(Fake(), torch.zeros(2, 3, dtype=torch.long), 4)
     assert t.step_s is None and t.decode_tokens_per_s is None and t.prefill_s == pytest.approx(0.5)
 
@@ -118,9 +118,9 @@ def test_script_run_records_path_options_as_text(tmp_path, monkeypatch, capsys):
     import json
     from pathlib import Path
 
-    from qkvlab.loadavg import ScriptRun
+    from qkvlab.base.loadavg import ScriptRun
 
-    monkeypatch.setattr("qkvlab.loadavg.load1", lambda: 0.0)
+    monkeypatch.setattr("qkvlab.base.loadavg.load1", lambda: 0.0)
     out = tmp_path / "run.json"
     args = argparse.Namespace(
         json=str(out), gguf=Path("a/m.gguf"), ggufs=[Path("f32.gguf"), Path("bf16.gguf")], rounds=3, fn=print

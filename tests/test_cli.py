@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from qkvlab.base.settings import resumable_fields
 from qkvlab.cli import COMMANDS, build_parser, main
-from qkvlab.settings import resumable_fields
 from qkvlab.train.config import RESUMABLE_FIELDS, TrainConfig
 
 

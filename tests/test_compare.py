@@ -11,17 +11,17 @@ import random
 
 import pytest
 
-from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.report import write_results
 from qkvlab.analysis.results import collect
 from qkvlab.analysis.rules import ANALYSIS_VERSION
 from qkvlab.analysis.runs import run_finished, write_manifest
+from qkvlab.base.errors import UserError
 from qkvlab.cli import main
-from qkvlab.config import preset
-from qkvlab.errors import UserError
-from qkvlab.io import read_metrics
-from qkvlab.variants import parse_variant, parse_variants
+from qkvlab.model.accounting import analytic_params, kv_cache_bytes_per_token
+from qkvlab.model.config import preset
+from qkvlab.model.folder import read_metrics
+from qkvlab.model.variants import parse_variant, parse_variants
 
 
 # ---- variants --------------------------------------------------------------------------------
@@ -377,7 +377,7 @@ def test_real_compare_feeds_the_cache_plot_and_sets_the_identity_recipe(tmp_path
     perplexity change (it read a column compare never wrote); Id-K-V trains with weight decay 2**-5;
     a run folder written by an older qkvlab (config keys missing) still counts as finished."""
     from qkvlab.analysis.plots import cache_vs_quality_points, plot_cache_vs_quality
-    from qkvlab.io import read_config
+    from qkvlab.model.folder import read_config
 
     out = tmp_path / "cmp"
     assert main(compare_args(out, corpus, "--variants", "Q-K-V,Id-K-V", "--seeds", "1")) == 0
@@ -433,8 +433,8 @@ def test_compare_print_config_and_config_file(tmp_path, capsys):
 
 
 def test_paper_recipe_is_the_full_grid_default_and_named():
+    from qkvlab.base.errors import UserError
     from qkvlab.compare import CompareConfig, plan
-    from qkvlab.errors import UserError
 
     paper = plan(CompareConfig(task="reverse", variants="Q-K-V", seeds=1, recipe="paper")).runs[0].cfg
     assert (paper.max_steps, paper.batch_size, paper.weight_decay, paper.grad_clip) == (780, 128, 0.0, 5.0)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qkvlab.folders import LOCK
+from qkvlab.base.folders import LOCK
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

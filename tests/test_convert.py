@@ -9,16 +9,16 @@ import re
 import pytest
 import torch
 
-from qkvlab.accounting import analytic_params, counted_params
 from qkvlab.analysis.similarity import cosine, effective_rank, energy_rank, similarity
+from qkvlab.base.errors import UserError
 from qkvlab.cli import main
-from qkvlab.config import ModelConfig
 from qkvlab.convert import reparam
 from qkvlab.convert.hf import from_hf, to_hf
 from qkvlab.convert.reparam import check, convert, logit_diff, role_weights
-from qkvlab.errors import UserError
-from qkvlab.io import load_model, save_model
-from qkvlab.model import GPT
+from qkvlab.model.accounting import analytic_params, counted_params
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import load_model, save_model
+from qkvlab.model.transformer import GPT
 
 tf = pytest.importorskip("transformers")
 tf.utils.logging.set_verbosity_error()
@@ -131,7 +131,7 @@ def test_float32_within_1e4_and_cache_decode():
     assert res.model.tok_emb.weight.dtype == torch.float32
     assert check(model, res.model, torch.float32)[1] <= 1e-4
     # The converted model decodes with qkvlab's KV cache like the original.
-    from qkvlab.cache import KVCache
+    from qkvlab.model.cache import KVCache
 
     idx = torch.randint(0, cfg.vocab_size, (2, 9))
     m64 = convert(model, cfg, "Id-K-V").model
@@ -423,7 +423,7 @@ def test_the_loader_refuses_a_missing_tensor_by_name():
     by name, never left at its random initialisation."""
     from types import SimpleNamespace
 
-    from qkvlab.io import build_model_from_state
+    from qkvlab.model.folder import build_model_from_state
 
     model, cfg = make(n_layer=2)
     state = model.state_dict()

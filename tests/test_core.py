@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from conftest import SCHEMES
-from qkvlab.accounting import analytic_params, counted_params, kv_cache_bytes_per_token, report
-from qkvlab.cache import KVCache
-from qkvlab.config import ModelConfig, preset
-from qkvlab.errors import UserError
-from qkvlab.model import GPT, Encoder, PatchInput, SetInput, TokenInput
-from qkvlab.spec import IDENTITY, KNOWN_SCHEMES, parse_scheme
+from qkvlab.base.errors import UserError
+from qkvlab.model.accounting import analytic_params, counted_params, kv_cache_bytes_per_token, report
+from qkvlab.model.cache import KVCache
+from qkvlab.model.config import ModelConfig, preset
+from qkvlab.model.spec import IDENTITY, KNOWN_SCHEMES, parse_scheme
+from qkvlab.model.transformer import GPT, Encoder, PatchInput, SetInput, TokenInput
 
 
 def cfg64(**kw) -> ModelConfig:

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from qkvlab.base.errors import UserError
 from qkvlab.data import images as im
 from qkvlab.data.images import ImageDataset, load_images, read_idx, restricted_unpickle
 from qkvlab.data.segmentation import make_segmentation, mean_iou, patch_labels
 from qkvlab.data.sets import anomaly_set_indices, make_anomaly_sets
 from qkvlab.data.synthetic import TASKS, make_synthetic, split_seed, synthetic_splits
-from qkvlab.errors import UserError
 
 # ------------------------------------------------------------------ synthetic
 

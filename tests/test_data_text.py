@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import cache_dir
 from qkvlab.data import prepare as prep
 from qkvlab.data.prepare import PreparedData, fixed_val_batches, get_batch, load_prepared, prepare, token_dtype
 from qkvlab.data.text import (
@@ -35,8 +37,6 @@ from qkvlab.data.tokenizer import (
     find_gpt2_vocab,
     load_tokenizer,
 )
-from qkvlab.errors import UserError
-from qkvlab.files import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TRICKY = "Héllo, wörld!  Tabs\tand\nnewlines\r\n 🙂 <|endoftext|> 'tis  trailing "

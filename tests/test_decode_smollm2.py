@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from qkvlab.config import ModelConfig
-from qkvlab.model import GPT
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("decode_smollm2", ROOT / "benchmarks" / "decode_smollm2.py")

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkvlab.cli import COMMANDS, build_parser
-from qkvlab.devices import (
+from qkvlab.base.devices import (
     COMPILE_CHOICES,
     DTYPE_ALIASES,
     DTYPES,
@@ -16,7 +15,8 @@ from qkvlab.devices import (
     dtype_name,
     select_device,
 )
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
+from qkvlab.cli import COMMANDS, build_parser
 
 
 def _dtype_options():
@@ -91,9 +91,9 @@ def test_device_refusals_are_one_line():
 
 HELD_VS_GLIBC = """
 import resource, sys, torch
-from qkvlab.config import ModelConfig
-from qkvlab.heap import hold_freed_memory
-from qkvlab.model import GPT
+from qkvlab.model.config import ModelConfig
+from qkvlab.base.heap import hold_freed_memory
+from qkvlab.model.transformer import GPT
 if sys.argv[1] == "hold" and not hold_freed_memory():
     sys.exit(3)
 torch.manual_seed(0)
@@ -128,7 +128,7 @@ def held_vs_glibc() -> dict[str, list[tuple[str, int]]]:
 
 
 def test_held_heap_reuses_freed_pages_instead_of_faulting_in_new_ones(held_vs_glibc):
-    """qkvlab.heap: a step's 64 MiB logits and their gradient (above glibc's largest dynamic mmap
+    """qkvlab.base.heap: a step's 64 MiB logits and their gradient (above glibc's largest dynamic mmap
     threshold, so by default a fresh mapping every step, ~66k faults) come back from the held heap.
     Not every step reuses: a small block left above a freed one can make the heap grow past it
     (16k-49k faults some steps), so the test counts the best step and the total after warm-up."""

@@ -1,4 +1,4 @@
-"""Training's `auto` dtype on the CPU is decided by timing (qkvlab.train.dtype_probe): the decision
+"""Training's `auto` dtype on the CPU is decided by timing (qkvlab.decode.dtype_probe): the decision
 rule with fake timings, the cache per machine and shape class, the record a run keeps. Nothing here
 asserts a speed."""
 
@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from qkvlab.config import ModelConfig
-from qkvlab.devices import cpu_has_bf16, cpu_name, dtype_name
-from qkvlab.measured import MIN_NOISE, PROBE_FILE, choose
-from qkvlab.train import dtype_probe
-from qkvlab.train.dtype_probe import ShapeClass, autocast_dtype, cpu_autocast
+from qkvlab.base.devices import cpu_has_bf16, cpu_name, dtype_name
+from qkvlab.base.measured import MIN_NOISE, PROBE_FILE, choose
+from qkvlab.decode import dtype_probe
+from qkvlab.decode.dtype_probe import ShapeClass, autocast_dtype, cpu_autocast
+from qkvlab.model.config import ModelConfig
 
 
 @pytest.fixture(autouse=True)

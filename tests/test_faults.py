@@ -14,8 +14,8 @@ import pytest
 from safetensors import SafetensorError
 
 from qkvlab import cli
-from qkvlab.errors import UserError, as_user_error
-from qkvlab.files import atomic_dir, atomic_file, atomic_path
+from qkvlab.base.errors import UserError, as_user_error
+from qkvlab.base.files import atomic_dir, atomic_file, atomic_path
 
 DISK_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"  # safetensors' words
 TRAIN = ["train", "--preset", "tiny", "--tokenizer", "char", "--block-size", "32", "--batch-size", "8",

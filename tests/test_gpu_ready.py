@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from conftest import PLUS_SCHEMES, SCHEMES
-from qkvlab.attention import Attention, _sdpa
-from qkvlab.config import ModelConfig
-from qkvlab.devices import select_device
-from qkvlab.errors import UserError
-from qkvlab.generate import decode_step, left_pad, new_cache, prefill
-from qkvlab.model import GPT
-from qkvlab.positions import apply_rotary, encoding_2d
-from qkvlab.spec import parse_scheme
+from qkvlab.base.devices import select_device
+from qkvlab.base.errors import UserError
+from qkvlab.decode.generate import decode_step, left_pad, new_cache, prefill
+from qkvlab.model.attention import Attention, _sdpa
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.positions import apply_rotary, encoding_2d
+from qkvlab.model.spec import parse_scheme
+from qkvlab.model.transformer import GPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -179,7 +179,7 @@ def test_row_term_and_bias_have_zero_gradient_and_old_checkpoints_load(monkeypat
     # and a model folder written before (safetensors + config.json) loads through io.load_model
     from safetensors.torch import save_file
 
-    from qkvlab.io import load_model, save_model, state_dict_for_save
+    from qkvlab.model.folder import load_model, save_model, state_dict_for_save
 
     save_model(tmp_path / "m", model, model.cfg)
     old = {**state_dict_for_save(model), "trunk.blocks.1.attn.score_term.bias": torch.tensor(0.5, dtype=torch.float64)}
@@ -354,7 +354,7 @@ MEMORY_CASES = [
 
 @pytest.mark.parametrize("over", MEMORY_CASES, ids=[str(c) for c in MEMORY_CASES])
 def test_memory_estimate_against_real_tensors(over):
-    from qkvlab.accounting import memory_estimate
+    from qkvlab.model.accounting import memory_estimate
     from qkvlab.train.optim import make_optimizer
 
     cfg = ModelConfig(n_layer=3, n_head=4, d_model=64, vocab_size=256, context=48, **over).validate()
@@ -511,7 +511,7 @@ def test_a_filesystem_without_locks_is_one_line(tmp_path, monkeypatch):
     import errno
 
     fcntl = pytest.importorskip("fcntl")
-    from qkvlab.folders import claim_folder
+    from qkvlab.base.folders import claim_folder
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

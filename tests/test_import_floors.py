@@ -85,7 +85,7 @@ def import_edges(src: Path = SRC) -> list[Edge]:
             if id(node) in skip:
                 continue
             for target in _targets(node, module, path.name == "__init__.py", modules):
-                while target and target not in modules:  # qkvlab.io.atomic_write -> qkvlab.io
+                while target and target not in modules:  # qkvlab.model.folder.atomic_write -> qkvlab.model.folder
                     target = target.rpartition(".")[0]
                 if target.startswith("qkvlab") and target != module:
                     kind = "string" if isinstance(node, ast.Constant) else "import"
@@ -161,9 +161,11 @@ def test_the_checker_sees_what_it_must():
         False,
         "import",
     ) in edges  # from qkvlab.train import checkpoint
-    assert not any(s == "qkvlab.accounting" and t == "qkvlab.config" for s, t, _, _ in edges)  # TYPE_CHECKING only
+    assert not any(
+        s == "qkvlab.model.accounting" and t == "qkvlab.model.config" for s, t, _, _ in edges
+    )  # TYPE_CHECKING only
     assert any(in_function for _, _, in_function, _ in edges)
-    assert floor_of("qkvlab.convert.retrofit", read_floors()) < floor_of("qkvlab.convert.hf", read_floors())
+    assert floor_of("qkvlab.retrofit.workflow", read_floors()) < floor_of("qkvlab.convert.hf", read_floors())
 
 
 def test_train_package_exports_resolve_lazily():
@@ -200,9 +202,7 @@ def test_every_module_imports_on_its_own():
 def test_writing_files_needs_no_torch():
     import subprocess
 
-    code = (
-        "import sys, qkvlab.files, qkvlab.data.tokenizer, qkvlab.data.text, qkvlab.units; print('torch' in sys.modules)"
-    )
+    code = "import sys, qkvlab.base.files, qkvlab.data.tokenizer, qkvlab.data.text, qkvlab.base.units; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -217,7 +217,7 @@ def test_the_startup_reasons_hold():
         code = f"import sys, {modules}; print(' '.join(m for m in {heavy!r} if m in sys.modules))"
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
 
-    assert loaded("qkvlab.cli, qkvlab.devices", ("torch",)) == []
+    assert loaded("qkvlab.cli, qkvlab.base.devices", ("torch",)) == []
     heavy = ("scipy", "matplotlib", "torch.distributed.fsdp")
     assert loaded("qkvlab.commands.compare, qkvlab.commands.bench, qkvlab.commands.train", heavy) == []
 
@@ -326,7 +326,7 @@ def test_the_reason_checker_sees_what_it_must(tmp_path):
         "def f():\n"
         "    import scipy\n"
         "    from qkvlab.analysis.results import collect\n"
-        "    from qkvlab.io import read_config\n"  # not named by the note
+        "    from qkvlab.model.folder import read_config\n"  # not named by the note
         "    import os\n\n"
         "    # optional: transformers\n"
         "    import transformers\n"
@@ -339,7 +339,7 @@ def test_the_reason_checker_sees_what_it_must(tmp_path):
     )
     found = unexplained_function_imports(tmp_path)
     assert [line.split(": ", 1)[1] for line in found["qkvlab/a.py"]] == [
-        "from qkvlab.io import read_config",
+        "from qkvlab.model.folder import read_config",
         "import os",
         "import yaml",
     ]

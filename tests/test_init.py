@@ -1,4 +1,4 @@
-"""Paired initialisation (qkvlab/init.py): variants built at one seed share every tensor they can."""
+"""Paired initialisation (qkvlab/model/init.py): variants built at one seed share every tensor they can."""
 
 import functools
 import itertools
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from qkvlab.compare.recipes import DEFAULT_LM_VARIANTS
-from qkvlab.config import ModelConfig
-from qkvlab.model import GPT
-from qkvlab.spec import IDENTITY, ROLES
-from qkvlab.variants import parse_variants
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.spec import IDENTITY, ROLES
+from qkvlab.model.transformer import GPT
+from qkvlab.model.variants import parse_variants
 
 
 @functools.cache

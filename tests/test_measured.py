@@ -1,4 +1,4 @@
-"""The mechanism behind the speed policies decided by measurement (qkvlab.measured): the rule that keeps
+"""The mechanism behind the speed policies decided by measurement (qkvlab.base.measured): the rule that keeps
 a default unless another option wins by more than the noise, alternating rounds, the per-machine
 cache. Fake timings only: nothing here asserts a speed."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from qkvlab.measured import MIN_NOISE, alternate, cached_or_measured, choose, machine_key
+from qkvlab.base.measured import MIN_NOISE, alternate, cached_or_measured, choose, machine_key
 
 
 def test_the_default_is_kept_unless_another_option_wins_by_more_than_the_noise():

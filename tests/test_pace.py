@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from qkvlab.base.errors import UserError
 from qkvlab.compare import CompareConfig, pace, plan
 from qkvlab.compare.auto import MAX_AUTO_SEEDS, choose_seeds
 from qkvlab.compare.pace import Layout, choose_layout, parse_duration, point_key, step_work
-from qkvlab.errors import UserError
 
 
 @pytest.mark.parametrize("text, seconds", [("45s", 45), ("90m", 5400), ("2h", 7200), ("1h30m", 5400), (12, 12)])

@@ -9,13 +9,13 @@ import json
 import numpy as np
 import pytest
 
+from qkvlab.base.errors import UserError
 from qkvlab.cli import main
 from qkvlab.data import prepare as prep
 from qkvlab.data import sources, token_writer
 from qkvlab.data.prepare import load_prepared, prepare
 from qkvlab.data.text import load_shakespeare
 from qkvlab.data.tokenizer import find_gpt2_vocab
-from qkvlab.errors import UserError
 
 
 def _gpt2_vocab():

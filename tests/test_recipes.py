@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
-from qkvlab.model import GPT, Encoder, TokenInput
-from qkvlab.positions import ScoreTerm2D, encoding_2d
+from qkvlab.base.errors import UserError
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.positions import ScoreTerm2D, encoding_2d
+from qkvlab.model.transformer import GPT, Encoder, TokenInput
 from qkvlab.train.config import TrainConfig
 from qkvlab.train.optim import lr_at
 
@@ -90,7 +90,7 @@ def test_post_norm_block_formula():
     want = blk.norm2(h + blk.mlp(h))
     torch.testing.assert_close(blk(x, q_pos=pos), want, rtol=0, atol=0)
     assert isinstance(model.trunk.norm, torch.nn.Identity)  # post-norm blocks end normalised
-    from qkvlab.accounting import analytic_params, counted_params
+    from qkvlab.model.accounting import analytic_params, counted_params
 
     assert analytic_params(cfg) == counted_params(model) and analytic_params(
         cfg.replace(norm_position="pre")
@@ -203,7 +203,7 @@ def test_activation_cka_of_a_model():
 
 def test_similarity_cli_cka(tmp_path, capsys):
     from qkvlab.cli import main
-    from qkvlab.io import save_model
+    from qkvlab.model.folder import save_model
 
     torch.manual_seed(5)
     cfg = ModelConfig(n_layer=2, n_head=2, d_model=16, vocab_size=256, context=32)
@@ -429,7 +429,7 @@ def test_anomaly_resnet34_needs_torchvision(tmp_path, feature_cache):
 
 def test_new_options_save_and_load(tmp_path):
     """Computed tables (fixed positions, the '+' term's row/column sinusoids) are rebuilt on loading."""
-    from qkvlab.io import load_model, save_model
+    from qkvlab.model.folder import load_model, save_model
 
     torch.manual_seed(9)
     cfg = ModelConfig(

@@ -10,14 +10,14 @@ import re
 import pytest
 import torch
 
-from qkvlab.accounting import kv_cache_bytes_per_token
-from qkvlab.cache import KVCache
+from qkvlab.base.errors import UserError
 from qkvlab.cli import main
-from qkvlab.config import ModelConfig
 from qkvlab.convert.reparam import logit_diff, role_weights
-from qkvlab.convert.retrofit_fit import attention_inputs, calibration_windows, fit
-from qkvlab.errors import UserError
-from qkvlab.model import GPT
+from qkvlab.model.accounting import kv_cache_bytes_per_token
+from qkvlab.model.cache import KVCache
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import GPT
+from qkvlab.retrofit.fit import attention_inputs, calibration_windows, fit
 
 
 def model_with(seed=0, **kw) -> tuple[GPT, ModelConfig]:
@@ -110,7 +110,7 @@ def test_cache_budget_picks_the_layers_with_the_lowest_output_error():
 def test_output_error_and_refinement():
     """The error is 0 for the original layer itself; refinement lowers it on windows it never saw,
     from the very start the closed-form fit gives; the converted layers' rotary keys stay a K=V layer."""
-    from qkvlab.convert.retrofit_refine import RefineOptions, output_error, targets
+    from qkvlab.retrofit.refine import RefineOptions, output_error, targets
 
     model, cfg = model_with(n_layer=2, kv_heads=2)
     toks = calib(4096, seed=3)
@@ -132,7 +132,7 @@ def test_refinement_on_the_converted_models_own_inputs():
     """inputs="converted": the stream is the converted model's own, float64-exact where no converted
     layer is upstream (layer 0's inputs are the original's, so its error there is the first pass's);
     a later layer reads another stream; the pass never ends a layer worse than it found it."""
-    from qkvlab.convert.retrofit_refine import RefineOptions, refine_in_sequence
+    from qkvlab.retrofit.refine import RefineOptions, refine_in_sequence
 
     model, cfg = model_with(n_layer=3, kv_heads=2)
     toks = calib(2048, seed=5)
@@ -233,7 +233,7 @@ def test_retrofit_command_end_to_end(trained, capsys, monkeypatch):
     assert report["cache_ratio"] == 0.5 and report["converted_layers"] == [0, 1]
     assert report["ppl_uptrained"] < report["ppl_fit"]
     # OUT is a model folder with the retrofitted scheme; the run folder is resumable and finished
-    from qkvlab.io import load_model
+    from qkvlab.model.folder import load_model
 
     model, cfg, _ = load_model(out)
     assert cfg.spec.name == "Q-K=V" and (out / "tokenizer").is_dir()
@@ -241,7 +241,7 @@ def test_retrofit_command_end_to_end(trained, capsys, monkeypatch):
     # a second run without --resume refuses to touch OUT; with --resume it finds the run finished
     assert main(argv) == 2
     assert "pass --resume" in capsys.readouterr().err
-    from qkvlab.convert import retrofit as rf
+    from qkvlab.retrofit import workflow as rf
 
     monkeypatch.setattr(rf, "fit", lambda *a, **k: pytest.fail("fitted again on --resume"))
     assert main(argv + ["--resume"]) == 0  # the fit in OUT/fit is reused
@@ -252,7 +252,7 @@ def test_retrofit_command_end_to_end(trained, capsys, monkeypatch):
 def test_rest_lr_trains_the_unconverted_weights_at_their_rate(trained, capsys):
     """--rest-lr: the MLPs and embedding move too, the loop's step lr is the scheduled one times each
     group's scale (read back from the checkpoint); refused beside --train all."""
-    from qkvlab.io import load_model
+    from qkvlab.model.folder import load_model
 
     out = trained / "rf_rest"
     argv = ["retrofit", str(trained / "teacher"), str(out), "--data", str(trained / "plays.txt"), "--steps", "3"]
@@ -282,7 +282,7 @@ def test_rest_lr_trains_the_unconverted_weights_at_their_rate(trained, capsys):
 def test_a_fit_from_before_an_option_is_reused_only_for_what_it_did(trained, capsys):
     """A fit written before --refine-inputs existed had only the first pass: --resume reuses it for
     --refine-inputs original and fits again for converted (today's default), never the other way."""
-    from qkvlab.convert.retrofit import RetrofitOptions, _reuse_fit
+    from qkvlab.retrofit.workflow import RetrofitOptions, _reuse_fit
 
     out = trained / "old_fit"
     argv = ["retrofit", str(trained / "teacher"), str(out), "--data", str(trained / "plays.txt"), "--steps", "0"]
@@ -326,8 +326,8 @@ def test_kl_and_distill_options():
 
 
 def test_distill_trains_only_the_chosen_layers_attention(tmp_path):
-    from qkvlab.convert.retrofit import write_tokens
-    from qkvlab.io import save_model
+    from qkvlab.model.folder import save_model
+    from qkvlab.retrofit.workflow import write_tokens
     from qkvlab.tasks import get_task
 
     model, cfg = model_with(n_layer=3)
@@ -348,8 +348,8 @@ def test_distill_trains_only_the_chosen_layers_attention(tmp_path):
 def test_distill_rest_lr_scale_trains_the_rest_slower(tmp_path):
     """rest_lr_scale > 0: every weight trains, the chosen layers' attention at the lr, the rest at the
     fraction; the loop's optimizer groups carry the scale and each step's lr is multiplied by it."""
-    from qkvlab.convert.retrofit import write_tokens
-    from qkvlab.io import save_model
+    from qkvlab.model.folder import save_model
+    from qkvlab.retrofit.workflow import write_tokens
     from qkvlab.tasks import get_task
     from qkvlab.train.optim import make_optimizer
 
@@ -389,7 +389,7 @@ def test_command_settings(capsys, tmp_path):
 
 def test_retrofit_refuses_bad_target_and_layers_before_any_work(trained, capsys, monkeypatch):
     """--to is refused before a model is loaded, --layers before any text is read or scored."""
-    from qkvlab.convert import retrofit as rf
+    from qkvlab.retrofit import workflow as rf
 
     monkeypatch.setattr(rf, "load_source", lambda *a: pytest.fail("loaded the model before checking --to"))
     argv = ["retrofit", str(trained / "teacher"), str(trained / "bad"), "--steps", "0", "--quiet"]
@@ -428,8 +428,8 @@ def test_retrofit_reads_and_keeps_a_transformers_tokenizer_in_a_qkvlab_folder(tm
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from qkvlab.convert.load import save_hf_tokenizer
-    from qkvlab.convert.retrofit import load_source
-    from qkvlab.io import save_model
+    from qkvlab.model.folder import save_model
+    from qkvlab.retrofit.workflow import load_source
 
     text = "the quick brown fox jumps over the lazy dog. " * 200
     tok = Tokenizer(models.BPE())
@@ -448,8 +448,8 @@ def test_retrofit_reads_and_keeps_a_transformers_tokenizer_in_a_qkvlab_folder(tm
     kept = AutoTokenizer.from_pretrained(tmp_path / "rf" / "tokenizer")
     assert kept.encode("the lazy dog") == hf.encode("the lazy dog")
     # `qkvlab generate` reads text through those files too (it once wanted a qkvlab tokenizer only)
-    from qkvlab.generate import Sampling, generate
-    from qkvlab.io import load_model
+    from qkvlab.decode.generate import Sampling, generate
+    from qkvlab.model.folder import load_model
 
     capsys.readouterr()
     argv = ["generate", str(tmp_path / "rf"), "--prompt", "the lazy", "--max-new-tokens", "6", "--temperature", "0"]
@@ -461,7 +461,7 @@ def test_retrofit_reads_and_keeps_a_transformers_tokenizer_in_a_qkvlab_folder(tm
 
 
 def test_with_layers_is_the_fit_of_those_layers():
-    from qkvlab.convert.retrofit_fit import with_layers
+    from qkvlab.retrofit.fit import with_layers
 
     model, cfg = model_with(n_layer=3, kv_heads=2)
     every = fit(model, cfg, calib(), to="Q-K=V", block=32)
@@ -476,9 +476,9 @@ def test_retrofit_to_a_latent_end_to_end(trained, capsys, monkeypatch):
     """--to Q-K-V --kv-latent R: every layer caches R numbers per token (a quarter of the tiny model's
     2 x 4 heads x 16), distillation lowers the fit's perplexity, OUT decodes through its latent cache,
     --resume reuses the fit; what a latent cannot be is refused in one line before any text is read."""
-    from qkvlab.cache import KVCache
-    from qkvlab.convert import retrofit as rf
-    from qkvlab.io import load_model
+    from qkvlab.model.cache import KVCache
+    from qkvlab.model.folder import load_model
+    from qkvlab.retrofit import workflow as rf
 
     out = trained / "rf_latent"
     argv = ["retrofit", str(trained / "teacher"), str(out), "--data", str(trained / "plays.txt"), "--quiet"]

@@ -1,4 +1,4 @@
-"""convert/retrofit_latent.py: the joint low-rank key/value fit's algebra in float64 (exact at full rank,
+"""retrofit/latent.py: the joint low-rank key/value fit's algebra in float64 (exact at full rank,
 keys kept when they dominate), the factored layer's forward equal to the plain layer with its rows,
 refinement that keeps the rank, and the refusals."""
 
@@ -9,8 +9,9 @@ import copy
 import pytest
 import torch
 
-from qkvlab.convert.retrofit_fit import attention_inputs, fit
-from qkvlab.convert.retrofit_latent import (
+from qkvlab.base.errors import UserError
+from qkvlab.retrofit.fit import attention_inputs, fit
+from qkvlab.retrofit.latent import (
     FactoredKV,
     fit_latent_layer,
     latent_factors,
@@ -18,8 +19,7 @@ from qkvlab.convert.retrofit_latent import (
     out_metric_root,
     role_rows,
 )
-from qkvlab.convert.retrofit_refine import RefineOptions, output_error, targets
-from qkvlab.errors import UserError
+from qkvlab.retrofit.refine import RefineOptions, output_error, targets
 from test_retrofit import calib, model_with
 
 

@@ -4,7 +4,7 @@ changelog entry; the changelog is dated and ordered; unknown versions are one-li
 import pytest
 
 from qkvlab.analysis import rules
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 
 
 def test_current_rules_match_their_pinned_fingerprint():

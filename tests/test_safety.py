@@ -18,11 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qkvlab.config import preset
-from qkvlab.errors import UserError
-from qkvlab.folders import check_model_target, claim_folder, inspect
-from qkvlab.io import load_model, read_metrics, save_model
-from qkvlab.model import GPT
+from qkvlab.base.errors import UserError
+from qkvlab.base.folders import check_model_target, claim_folder, inspect
+from qkvlab.model.config import preset
+from qkvlab.model.folder import load_model, read_metrics, save_model
+from qkvlab.model.transformer import GPT
 from qkvlab.train import checkpoint as ck
 from qkvlab.train.config import TrainConfig
 from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, train
@@ -339,7 +339,7 @@ def test_a_refused_racer_never_removes_the_folder_its_rival_works_in(tmp_path, m
     """Both processes saw the folder missing; this one created it, the other locked it first: the
     refusal must leave the folder (and what the holder writes there) alone. And a folder another
     process created between the look and the mkdir is not this process's to remove."""
-    from qkvlab import folders
+    from qkvlab.base import folders
 
     out = tmp_path / "run"
 
@@ -533,7 +533,7 @@ def test_bench_refuses_an_unwritable_json_before_measuring(tmp_path, capsys, mon
     ],
 )
 def test_retrofit_refuses_before_loading_the_model(tmp_path, capsys, monkeypatch, flags, needle):
-    import qkvlab.convert.retrofit as rf
+    import qkvlab.retrofit.workflow as rf
     from qkvlab.cli import main
 
     save_model(tmp_path / "m", GPT(preset("tiny")), preset("tiny"))  # 2 layers, 4 heads
@@ -591,7 +591,7 @@ def test_generate_similarity_export_refuse_hostile_or_broken_models(tmp_path, ca
 
 
 def test_bench_json_is_checked_before_measuring_and_replaces_only_bench_output(tmp_path):
-    from qkvlab.folders import check_file_target
+    from qkvlab.base.folders import check_file_target
 
     (tmp_path / "notes.json").write_text('{"mine": 1}')
     (tmp_path / "old.json").write_text('{"schemes": {}}')

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from qkvlab.accounting import analytic_params
 from qkvlab.analysis.intervals import lack_of_fit, t_critical
 from qkvlab.analysis.rules import VERSIONS
 from qkvlab.analysis.scaling import (
@@ -27,8 +26,9 @@ from qkvlab.analysis.scaling import (
 )
 from qkvlab.analysis.scaling_report import write_scaling_results
 from qkvlab.analysis.trends import FLAT, GROWING, SHRINKING
-from qkvlab.config import ModelConfig
-from qkvlab.variants import parse_variant
+from qkvlab.model.accounting import analytic_params
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.variants import parse_variant
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"s1": 10_000, "s2": 40_000, "s3": 160_000, "s4": 640_000}

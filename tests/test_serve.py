@@ -23,16 +23,16 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from qkvlab.accounting import kv_cache_bytes_per_token  # noqa: E402
+from qkvlab.base.errors import UserError  # noqa: E402
+from qkvlab.base.units import byte_size  # noqa: E402
 from qkvlab.cli import main  # noqa: E402
-from qkvlab.config import ModelConfig  # noqa: E402
-from qkvlab.errors import UserError  # noqa: E402
-from qkvlab.generate import Sampling, generate  # noqa: E402
-from qkvlab.io import save_model  # noqa: E402
-from qkvlab.model import GPT  # noqa: E402
+from qkvlab.decode.generate import Sampling, generate  # noqa: E402
+from qkvlab.model.accounting import kv_cache_bytes_per_token  # noqa: E402
+from qkvlab.model.config import ModelConfig  # noqa: E402
+from qkvlab.model.folder import save_model  # noqa: E402
+from qkvlab.model.transformer import GPT  # noqa: E402
 from qkvlab.serve.engine import Engine, Event, Request  # noqa: E402
 from qkvlab.serve.server import ServeConfig, build, listen, make_server, pool_blocks  # noqa: E402
-from qkvlab.units import byte_size  # noqa: E402
 
 VOCAB, CONTEXT = 300, 40
 WAIT = 60.0  # seconds: a bound on waiting for the server, never a measurement
@@ -116,7 +116,7 @@ def test_the_engine_holds_the_decode_layout_at_small_batches_only_and_gives_it_b
     """generate's decode layout (Linear products in blocks, CPU fp32/fp64) while the running batch
     stays at most LAYOUT_MAX_BATCH, released after LAYOUT_SWITCH_STEPS steps above it and at stop;
     the tokens are each request's alone either way."""
-    from qkvlab.generate import LAYOUT_MAX_BATCH
+    from qkvlab.decode.generate import LAYOUT_MAX_BATCH
     from qkvlab.serve.engine import LAYOUT_SWITCH_STEPS
 
     model = tiny_model("Q-K-V", "rope", 2, dtype=torch.float32)
@@ -151,7 +151,7 @@ def test_a_compiled_engine_compiles_before_serving_and_gives_each_request_its_to
     gives back; serving a mixed batch
     of every length then compiles nothing more, keeps the decode layout held, and each request gets
     the tokens it gets alone."""
-    import qkvlab.generate as gen
+    import qkvlab.decode.generate as gen
 
     compiles = []
 

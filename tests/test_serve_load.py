@@ -22,8 +22,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 
-from qkvlab.errors import UserError  # noqa: E402
-from qkvlab.io import save_model  # noqa: E402
+from qkvlab.base.errors import UserError  # noqa: E402
+from qkvlab.model.folder import save_model  # noqa: E402
 from test_serve import Running, tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

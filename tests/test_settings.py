@@ -1,4 +1,4 @@
-"""qkvlab.settings: every option comes from a config dataclass; one loader (file + command line +
+"""qkvlab.base.settings: every option comes from a config dataclass; one loader (file + command line +
 unknown key); validation generated from the declared types, choices and bounds."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from qkvlab import settings, units
+from qkvlab.base import settings, units
+from qkvlab.base.errors import UserError
 from qkvlab.bench import BenchConfig
 from qkvlab.cli import COMMANDS, main
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
+from qkvlab.model.config import ModelConfig
 from qkvlab.tasks.lm import LMOptions
 from qkvlab.tasks.synthetic import SyntheticOptions
 from qkvlab.train.config import TrainConfig
@@ -87,7 +87,7 @@ def test_load_merges_file_and_command_line_and_refuses_unknown_keys(tmp_path):
 def test_resolve_layers_a_preset_a_file_and_the_command_line():
     """The one resolver: the highest named preset (or whole config) is the base, every mapping
     applies over it in order, whichever layer named the preset."""
-    from qkvlab.config import preset
+    from qkvlab.model.config import preset
 
     file = {"preset": "tiny", "lr": 0.002, "model": {"attn": "Id-K-V"}}
     cfg = settings.resolve(TrainConfig, {"preset": "small"}, file, {"preset": "small", "model": {"kv_heads": 1}})
@@ -167,12 +167,12 @@ def test_every_declared_field_has_a_type_the_generator_knows():
     """A field the command line cannot express must say so (cli=False or a group)."""
     from qkvlab.analysis.similarity import SimilarityConfig
     from qkvlab.compare import CompareConfig
-    from qkvlab.config import InitConfig
     from qkvlab.convert.config import ConvertConfig
-    from qkvlab.convert.retrofit import RetrofitConfig
     from qkvlab.data.prepare import PrepareConfig
-    from qkvlab.generate_config import GenerateConfig
-    from qkvlab.info_config import InfoConfig
+    from qkvlab.decode.config import GenerateConfig
+    from qkvlab.model.config import InitConfig
+    from qkvlab.model.info import InfoConfig
+    from qkvlab.retrofit.workflow import RetrofitConfig
     from qkvlab.train.config import TrainRun
 
     classes = [ModelConfig, TrainConfig, TrainRun, BenchConfig, CompareConfig, InfoConfig, InitConfig]

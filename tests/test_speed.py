@@ -1,14 +1,11 @@
-"""qkvlab.speed: the bytes a decode step reads (against the analytic counts) and the timing helpers."""
+"""qkvlab.decode.speed: the bytes a decode step reads (against the analytic counts) and the timing helpers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
-from qkvlab.config import ModelConfig
-from qkvlab.model import GPT
-from qkvlab.speed import (
+from qkvlab.decode.speed import (
     bandwidth_limit_step_s,
     best_of,
     cache_bytes_per_token,
@@ -16,6 +13,9 @@ from qkvlab.speed import (
     time_decode,
     weight_bytes_per_step,
 )
+from qkvlab.model.accounting import analytic_params, kv_cache_bytes_per_token
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import GPT
 
 
 def small(**kw) -> ModelConfig:

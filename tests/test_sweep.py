@@ -8,13 +8,13 @@ import shutil
 
 import pytest
 
-from qkvlab.accounting import analytic_params
+from qkvlab.base.errors import UserError
 from qkvlab.cli import main
 from qkvlab.compare import CompareConfig, plan
 from qkvlab.compare.sweep import SweepSize, parse_sizes
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
-from qkvlab.train.dtype_probe import cpu_autocast as real_cpu_autocast  # before conftest fixes its answer
+from qkvlab.decode.dtype_probe import cpu_autocast as real_cpu_autocast  # before conftest fixes its answer
+from qkvlab.model.accounting import analytic_params
+from qkvlab.model.config import ModelConfig
 
 
 def test_parse_sizes():
@@ -139,9 +139,9 @@ def test_tiny_sweep_end_to_end_then_render_only(tmp_path, corpus, capsys, monkey
 def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(monkeypatch, tmp_path):
     """--dtype is one setting for the whole comparison (grid and sweep); machine_info records the
     dtype it resolved to on this machine (auto: bf16 only where timing the model's shapes says so)."""
+    from qkvlab.base.settings import check
     from qkvlab.compare import execute
     from qkvlab.compare.sweep import SWEEP_RECIPE, SWEEP_SIZES
-    from qkvlab.settings import check
 
     for dtype in ("fp32", "bf16"):
         grid = plan(CompareConfig(out="/nowhere", dtype=dtype, seeds=1))
@@ -152,7 +152,7 @@ def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(mo
         check(CompareConfig(dtype="fp16"))
     wide = plan(CompareConfig(out="/nowhere", seeds=1, model={"d_model": 256, "n_head": 4}))
     sweep = plan(CompareConfig(sweep=True, out="/nowhere", sizes="d64-L1-h2,d256-L1-h4"))
-    from qkvlab.train import dtype_probe
+    from qkvlab.decode import dtype_probe
 
     for has_bf16, grid_dtype, sweep_dtype in ((False, "fp32", "fp32"), (True, "bf16", "bf16, fp32")):
         # a fake timer: where bf16 pays, it pays from d_model 192 on
@@ -327,7 +327,7 @@ def test_lr_scan_then_sweep_at_qkv_best_validation_lr(tmp_path, corpus, monkeypa
 
 def test_a_sweep_refuses_an_auto_dtype_that_splits_its_sizes(monkeypatch, tmp_path, corpus):
     from qkvlab.compare import run
-    from qkvlab.train import dtype_probe
+    from qkvlab.decode import dtype_probe
 
     fast = lambda s: {"fp32": [1.0] * 5, "bf16": [0.5 if s.d_model >= 32 else 1.5] * 5}  # noqa: E731  bf16 pays from d 32
     cache = tmp_path / "probe.json"

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import parse_key_values
 from qkvlab.data.images import FASHION_MNIST_DIR
-from qkvlab.errors import UserError
-from qkvlab.settings import parse_key_values
+from qkvlab.model.config import ModelConfig
 from qkvlab.tasks import get_task, resolve_task_options
 from qkvlab.tasks.arrays import EpochSampler
 from qkvlab.tasks.synthetic import SyntheticOptions

@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 from qkvlab import cli
+from qkvlab.base.config_file import read_config_file
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import resolve
 from qkvlab.cli import main
-from qkvlab.config_file import read_config_file
-from qkvlab.errors import UserError
-from qkvlab.io import load_model, read_metrics
-from qkvlab.settings import resolve
+from qkvlab.model.folder import load_model, read_metrics
 from qkvlab.train import checkpoint as ck
 from qkvlab.train.config import TrainConfig
 from qkvlab.train.loop import TIMING_FIELDS, TrainingDiverged, train
@@ -176,7 +176,7 @@ def test_checkpoint_parked_between_renames_is_recovered(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
-    from qkvlab.config import ModelConfig
+    from qkvlab.model.config import ModelConfig
     from qkvlab.train.distributed import full_state
 
     w, o = full_state(model, opt)
@@ -418,8 +418,8 @@ def test_config_files_and_overrides(tmp_path):
 
 
 def test_weight_decay_groups_and_schedule():
-    from qkvlab.config import preset
-    from qkvlab.model import GPT
+    from qkvlab.model.config import preset
+    from qkvlab.model.transformer import GPT
 
     model = GPT(preset("tiny", bias=True))
     decay, no_decay = param_groups(model, 0.1)
@@ -436,8 +436,8 @@ def test_direct_full_state_matches_torch_distributed_checkpoint_layout():
     """Single-process/DDP checkpoints skip torch.distributed.checkpoint; FSDP ones use it: same layout."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    from qkvlab.config import preset
-    from qkvlab.model import GPT
+    from qkvlab.model.config import preset
+    from qkvlab.model.transformer import GPT
     from qkvlab.train.distributed import full_state, load_full_state
     from qkvlab.train.optim import make_optimizer
 
@@ -464,7 +464,7 @@ def test_a_run_records_the_dtype_it_trained_in(plays_file, tmp_path, monkeypatch
     """The dtype setting resolved (auto: timed on the CPU, train.dtype_probe) is what the checkpoint,
     the result and test.json record, with the timing that decided auto; a resumed run keeps the
     dtype it started in whatever a new timing would say."""
-    from qkvlab.train import dtype_probe
+    from qkvlab.decode import dtype_probe
 
     def probe(dtype):
         def decided(model_cfg, rows, **_):

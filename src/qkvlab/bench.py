@@ -1,14 +1,14 @@
 """Throughput, cache bytes and capacity per scheme, measured in one run.
 
 - training tokens/s and model FLOPs utilisation against this machine's measured matmul rate;
-- decoding with the KV cache, prefill and decode timed apart (qkvlab.speed): prefill tokens/s, ms per
+- decoding with the KV cache, prefill and decode timed apart (qkvlab.decode.speed): prefill tokens/s, ms per
   decode step, decode tokens/s and end-to-end tokens/s, beside `transformers`' `generate` on the same
   weights (its prefill: generate(1)), the two timed alternately in the same run; and the step's
   memory-bandwidth limit (weights + cache read once, at the copy rate measured at the start) with the
   fraction of it reached;
 - KV-cache bytes actually allocated by the cache tensors beside the analytic figure;
 - capacity: concurrent sequences of the model's context that fit a memory budget;
-- the machine's load (qkvlab.loadavg) over the whole run and over each variant, with the verdict
+- the machine's load (qkvlab.base.loadavg) over the whole run and over each variant, with the verdict
   quiet/noisy; `require_quiet` refuses a noisy machine (NoisyMachine: exit 3 from the CLI).
 
 For reduced schemes the transformers model gets the explicit equivalent: an identity role becomes an
@@ -27,11 +27,7 @@ from typing import Any
 
 import torch
 
-from qkvlab.accounting import analytic_params, flops_per_token, kv_cache_bytes_per_token
-from qkvlab.cache import KVCache
-from qkvlab.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
-from qkvlab.convert.hf import to_hf
-from qkvlab.devices import (
+from qkvlab.base.devices import (
     DEVICE_HELP,
     DTYPE_BYTES,
     check_device,
@@ -42,17 +38,21 @@ from qkvlab.devices import (
     select_device,
     torch_dtype,
 )
-from qkvlab.errors import UserError
-from qkvlab.heap import hold_freed_memory
-from qkvlab.limits import check_fits, check_model, check_training
-from qkvlab.loadavg import LoadWatch, NoisyMachine, fmt, load1
-from qkvlab.model import GPT
-from qkvlab.settings import check, seed_setting, setting
-from qkvlab.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
-from qkvlab.speed import copy_rate as measured_copy_rate
-from qkvlab.train.dtype_probe import autocast_dtype, inference_dtype
-from qkvlab.units import byte_size
-from qkvlab.variants import parse_variants
+from qkvlab.base.errors import UserError
+from qkvlab.base.heap import hold_freed_memory
+from qkvlab.base.loadavg import LoadWatch, NoisyMachine, fmt, load1
+from qkvlab.base.settings import check, seed_setting, setting
+from qkvlab.base.units import byte_size
+from qkvlab.convert.hf import to_hf
+from qkvlab.decode.dtype_probe import autocast_dtype, inference_dtype
+from qkvlab.decode.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
+from qkvlab.decode.speed import copy_rate as measured_copy_rate
+from qkvlab.model.accounting import analytic_params, flops_per_token, kv_cache_bytes_per_token
+from qkvlab.model.cache import KVCache
+from qkvlab.model.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
+from qkvlab.model.limits import check_fits, check_model, check_training
+from qkvlab.model.transformer import GPT
+from qkvlab.model.variants import parse_variants
 
 DEFAULT_VARIANTS = "Q-K-V,Id-K-V,Q-K=V,Q=K=V,Id-K=V,Q-K=V/MQA"
 
@@ -90,7 +90,7 @@ class BenchConfig:
         "--compile: default; auto: generate's default path on this device)",
     )
     require_quiet: bool = setting(
-        False, help="exit 3 if the machine is noisy (qkvlab.loadavg) before or during the run"
+        False, help="exit 3 if the machine is noisy (qkvlab.base.loadavg) before or during the run"
     )
     hf: bool = setting(True, help="time transformers' generate on the same weights")
     train: bool = setting(True, help="measure training throughput")
@@ -223,7 +223,7 @@ def bench_variant(
     copy_rate: float,
     dname: str,
 ) -> dict:
-    """One variant's figures. Decoding: prefill and decode steps timed apart (qkvlab.speed), the
+    """One variant's figures. Decoding: prefill and decode steps timed apart (qkvlab.decode.speed), the
     decode path is generate's: the static step, eager or compiled (`compile`); the bandwidth limit of a
     step reads the weights once and each row's cache at its mean fill, at `copy_rate` bytes/s."""
     watch = LoadWatch.start()

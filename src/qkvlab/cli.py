@@ -1,7 +1,7 @@
 """The `qkvlab` command: parses options and calls the library.
 
 Each subcommand lives in ``qkvlab/commands/<name>.py`` with ``add_arguments(parser)`` and
-``run(args) -> int``; its options are generated from config dataclasses by qkvlab.settings (no
+``run(args) -> int``; its options are generated from config dataclasses by qkvlab.base.settings (no
 option is declared by hand here or there but --help and --version). User errors print one line on
 stderr and exit 2.
 """
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from qkvlab import __version__
-from qkvlab.errors import UserError, as_user_error
+from qkvlab.base.errors import UserError, as_user_error
 
 COMMANDS = {
     "info": "parameters, KV-cache bytes and FLOPs of a model config",

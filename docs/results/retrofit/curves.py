@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from qkvlab.accounting import kv_cache_bytes_per_token
+from qkvlab.model.accounting import kv_cache_bytes_per_token
 from qkvlab.convert.load import load_any
-from qkvlab.convert.retrofit import load_source, perplexity
-from qkvlab.convert.retrofit_fit import with_layers
+from qkvlab.retrofit.workflow import load_source, perplexity
+from qkvlab.retrofit.fit import with_layers
 from qkvlab.data.text import load_corpus
-from qkvlab.files import atomic_write, json_text, labelled_path, save_figure
-from qkvlab.generate import Sampling, generate
-from qkvlab.io import load_model
+from qkvlab.base.files import atomic_write, json_text, labelled_path, save_figure
+from qkvlab.decode.generate import Sampling, generate
+from qkvlab.model.folder import load_model
 from qkvlab.tasks import get_task
 from qkvlab.train.config import TrainConfig
 from qkvlab.train.run_folder import TRAIN_CONFIG

@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from routes import named_inputs  # noqa: E402  (beside this script: run as a file, its folder is on sys.path)
 
-from qkvlab.files import save_figure  # noqa: E402
+from qkvlab.base.files import save_figure  # noqa: E402
 
 
 def read_evaluations(folder: Path) -> list[dict]:

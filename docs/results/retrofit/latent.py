@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 from curves import text_tokens  # beside this script (run as a file, its folder is on sys.path)
 
-from qkvlab.accounting import kv_cache_bytes_per_token
-from qkvlab.convert.retrofit import corpus_tokens, load_source, perplexity
-from qkvlab.convert.retrofit_fit import attention_inputs, fit
-from qkvlab.convert.retrofit_latent import ALPHAS, fit_latent_layer, latent_model
-from qkvlab.convert.retrofit_refine import RefineOptions
-from qkvlab.files import atomic_write, json_text, labelled_path
+from qkvlab.model.accounting import kv_cache_bytes_per_token
+from qkvlab.retrofit.workflow import corpus_tokens, load_source, perplexity
+from qkvlab.retrofit.fit import attention_inputs, fit
+from qkvlab.retrofit.latent import ALPHAS, fit_latent_layer, latent_model
+from qkvlab.retrofit.refine import RefineOptions
+from qkvlab.base.files import atomic_write, json_text, labelled_path
 
 
 def fitted_latent(model, cfg, xs: list[torch.Tensor], rank: int, refine: RefineOptions | None, say):

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from routes import named_inputs  # noqa: E402  (beside this script)
 
-from qkvlab.files import save_figure  # noqa: E402
+from qkvlab.base.files import save_figure  # noqa: E402
 
 
 def read_rows(path: Path) -> list[dict]:

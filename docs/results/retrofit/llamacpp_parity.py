@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 
 SESSION_MAGIC, SESSION_VERSION = 0x6767736E, 10  # llama.h: LLAMA_SESSION_MAGIC ('ggsn'), LLAMA_SESSION_VERSION
 PROMPTS = ("The capital of France is", "Once upon a time, there was a")
@@ -133,7 +133,7 @@ def export_gguf(model: Path, out: Path, gguf_vocab: Path | None) -> None:
 @torch.inference_mode()
 def qkvlab_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """(qkvlab's greedy ids after `prompt`, the logits (N, vocab) each was chosen from), no end-of-text stop."""
-    from qkvlab.generate import Sampling, generate
+    from qkvlab.decode.generate import Sampling, generate
 
     new = generate(model, [prompt], new_tokens, Sampling(temperature=0.0))[0]
     idx = torch.tensor([prompt + new[:-1]])  # (1, P + N - 1)

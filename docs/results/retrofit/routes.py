@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from qkvlab.files import labelled_path, save_figure  # noqa: E402
+from qkvlab.base.files import labelled_path, save_figure  # noqa: E402
 
 T = TypeVar("T")
 

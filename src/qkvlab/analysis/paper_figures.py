@@ -2,7 +2,7 @@
 
 Every figure comes from ``shared/papers.md`` (Paper A: Karbevski & Mijoski, arXiv 2510.23912;
 Paper B: Kayyam, Madan Gopal & Lewis, arXiv 2606.04032). Variant names use qkvlab's compare
-notation (``SCHEME[/OPTION...]``, see :mod:`qkvlab.variants`): the paper's
+notation (``SCHEME[/OPTION...]``, see :mod:`qkvlab.model.variants`): the paper's
 "Q-K=V+MQA" is ``Q-K=V/MQA`` here, because ``+`` already names the 2D positional score term.
 
 A claim is data here, with its margin (the smallest effect of interest, from the papers' own

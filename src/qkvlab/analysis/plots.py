@@ -22,8 +22,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.trends import plot_gap_trajectories
-from qkvlab.errors import UserError
-from qkvlab.files import save_figure  # noqa: E402
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import save_figure  # noqa: E402
 
 if TYPE_CHECKING:
     from qkvlab.analysis.results import Results

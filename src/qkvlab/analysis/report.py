@@ -12,7 +12,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from qkvlab.accounting import analytic_params
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import Interval
 from qkvlab.analysis.results import Results, collect
@@ -21,10 +20,11 @@ from qkvlab.analysis.runs import write_manifest, write_scores
 from qkvlab.analysis.trends import trends_markdown
 from qkvlab.analysis.verdict_table import format_gap, verdicts_markdown
 from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, check
-from qkvlab.config import preset
-from qkvlab.files import atomic_write
-from qkvlab.units import EMPTY, human
-from qkvlab.variants import BASELINE, parse_variant
+from qkvlab.base.files import atomic_write
+from qkvlab.base.units import EMPTY, human
+from qkvlab.model.accounting import analytic_params
+from qkvlab.model.config import preset
+from qkvlab.model.variants import BASELINE, parse_variant
 
 # ---- writing ----------------------------------------------------------------------------------
 CSV_COLUMNS = (

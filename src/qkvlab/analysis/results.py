@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import Interval
 from qkvlab.analysis.rules import CURRENT, Rules
@@ -23,8 +22,9 @@ from qkvlab.analysis.verdicts import (
     score_sources,
     values_from_runs,
 )
-from qkvlab.config import ModelConfig
-from qkvlab.variants import BASELINE
+from qkvlab.model.accounting import analytic_params, kv_cache_bytes_per_token
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.variants import BASELINE
 
 CACHE_DTYPE = "bf16"  # the papers' training dtype; the cache column's unit
 

@@ -19,7 +19,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from qkvlab.analysis import paper_figures as pf
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 
 ANALYSIS_VERSION = 5
 

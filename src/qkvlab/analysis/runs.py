@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, json_text
-from qkvlab.io import read_config, read_metrics
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_write, json_text
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import read_config, read_metrics
 
 MANIFEST = "compare.json"
 SCORES = "scores.json"  # every run's scores, curves and model config: what --render re-derives results from

@@ -3,7 +3,7 @@ gap in log N, each with its interval. No prediction reaches more than MAX_EXTRAP
 largest size trained: a line fitted over 1-2 decades of tiny models says nothing about 124M or 300M.
 
 Runs are grouped by size (the folder above the variant: OUT/<size>/<variant slug>/seed<k>). A
-size's N is the non-embedding parameter count of Q-K-V at that size's shape (qkvlab.accounting;
+size's N is the non-embedding parameter count of Q-K-V at that size's shape (qkvlab.model.accounting;
 every variant at a size is compared at the same N, whatever its own count), D the training
 tokens of its runs, compute C = 6 N D.
 
@@ -30,20 +30,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from qkvlab.accounting import analytic_params
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.estimates import Measured, paired_estimate
 from qkvlab.analysis.intervals import LEVEL, Fit, Interval, LackOfFit, lack_of_fit, ols
 from qkvlab.analysis.rules import CURRENT, Rules
 from qkvlab.analysis.runs import UNIT_DIGITS, read_test, run_finished, test_value
 from qkvlab.analysis.trends import FLAT, GROWING, SHRINKING
-from qkvlab.config import preset
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_write
-from qkvlab.io import read_config, read_metrics
-from qkvlab.spec import parse_scheme
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_write
+from qkvlab.model.accounting import analytic_params
+from qkvlab.model.config import preset
+from qkvlab.model.folder import read_config, read_metrics
+from qkvlab.model.spec import parse_scheme
+from qkvlab.model.variants import BASELINE, Variant
 from qkvlab.train.config import config_fingerprint
-from qkvlab.variants import BASELINE, Variant
 
 NO_LINE = "no line"  # the slope's word when a lack-of-fit test rejects the straight line
 

@@ -27,10 +27,10 @@ from qkvlab.analysis.scaling import (
     read_runs_csv,
     write_unit_scores,
 )
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, save_figure
-from qkvlab.units import human
-from qkvlab.variants import BASELINE
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_write, save_figure
+from qkvlab.base.units import human
+from qkvlab.model.variants import BASELINE
 
 CSV_COLUMNS = (
     "size",

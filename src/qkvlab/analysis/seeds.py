@@ -27,7 +27,7 @@ from scipy import stats
 
 from qkvlab.analysis.intervals import ALPHA, MeanEstimate, PairedSolves, RateDifference, t_critical
 from qkvlab.analysis.verdicts import INCONCLUSIVE, TEST_LEVEL, ClaimVerdict, Gap
-from qkvlab.units import fmt_duration
+from qkvlab.base.units import fmt_duration
 
 N_MAX = 1000  # beyond this the answer is "more than N_MAX"
 POWER = 0.80

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from qkvlab.base.settings import setting
 from qkvlab.convert.reparam import role_weights
-from qkvlab.settings import setting
-from qkvlab.spec import ROLES
+from qkvlab.model.spec import ROLES
 
 PAIRS = (("k", "v"), ("q", "k"), ("q", "v"))
 PAIR_KEYS = tuple(f"{a}_{b}" for a, b in PAIRS)  # "k_v", "q_k", "q_v"

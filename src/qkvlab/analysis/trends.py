@@ -24,7 +24,7 @@ from pathlib import Path
 
 from qkvlab.analysis.intervals import LEVEL, Interval, ols
 from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, pairing_key
-from qkvlab.files import save_figure
+from qkvlab.base.files import save_figure
 
 SHRINKING, FLAT, GROWING = "shrinking", "flat", "growing"
 History = Sequence[tuple[float, float]]  # (tokens, value) per evaluation

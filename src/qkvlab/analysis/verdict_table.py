@@ -19,7 +19,7 @@ from qkvlab.analysis.verdicts import (
     Region,
     pair_margin,
 )
-from qkvlab.units import fmt_duration
+from qkvlab.base.units import fmt_duration
 
 
 def _num(x: float, unit: str) -> str:

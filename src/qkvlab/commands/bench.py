@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 import qkvlab.bench  # qkvlab.bench.run, looked up per call (tests replace it)
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_write, json_text
+from qkvlab.base.folders import check_file_target
+from qkvlab.base.loadavg import NoisyMachine, describe
+from qkvlab.base.settings import add_config_options, add_options, load, print_config
+from qkvlab.base.units import cell, nbytes
 from qkvlab.bench import BenchConfig
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, json_text
-from qkvlab.folders import check_file_target
-from qkvlab.loadavg import NoisyMachine, describe
-from qkvlab.settings import add_config_options, add_options, load, print_config
-from qkvlab.units import cell, nbytes
 
 
 def add_arguments(p) -> None:

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import sys
 
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import add_config_options, add_options, load, print_config
 from qkvlab.compare import CompareConfig, plan
 from qkvlab.compare import run as run_plan
 from qkvlab.compare.auto import run_auto
 from qkvlab.compare.execute import preflight, render
-from qkvlab.errors import UserError
-from qkvlab.settings import add_config_options, add_options, load, print_config
 
 
 def add_arguments(p) -> None:

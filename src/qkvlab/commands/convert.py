@@ -22,18 +22,18 @@ from pathlib import Path
 
 import torch
 
+from qkvlab.base.devices import torch_dtype
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_dir, atomic_path
+from qkvlab.base.folders import check_model_target
+from qkvlab.base.settings import add_config_options, add_options, load, print_config
 from qkvlab.convert.config import ConvertConfig
 from qkvlab.convert.gguf_export import read_vocab, write_gguf
 from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet, save_hf, to_hf
 from qkvlab.convert.load import TOKENIZER_DIR, hf_tokenizer, model_tokenizer, save_hf_tokenizer
 from qkvlab.convert.reparam import TOLERANCE, CheckFailed, check, convert, logit_diff
 from qkvlab.data.tokenizer import EOT_TOKEN
-from qkvlab.devices import torch_dtype
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_dir, atomic_path
-from qkvlab.folders import check_model_target
-from qkvlab.io import find_model_dir, load_model, read_config, write_model_files
-from qkvlab.settings import add_config_options, add_options, load, print_config
+from qkvlab.model.folder import find_model_dir, load_model, read_config, write_model_files
 
 
 def add_arguments(p) -> None:

@@ -4,7 +4,7 @@ The tokenizer comes from the model folder (a `tokenizer/` folder beside the weig
 or transformers' files as `retrofit` and `convert --from-hf` write them; or the GPT-2 tokenizer its
 training config names); otherwise pass --tokenizer (gpt2, bytes, or a folder holding a saved qkvlab or
 transformers tokenizer), or give token ids with --prompt-ids. The settings: GenerateConfig
-(qkvlab/generate_config.py); the decoding: qkvlab.generate.
+(qkvlab/decode/config.py); the decoding: qkvlab.decode.generate.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 
+from qkvlab.base.devices import compile_mode, select_device, torch_dtype
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import add_config_options, add_options, load, print_config
 from qkvlab.convert.load import model_tokenizer
-from qkvlab.devices import compile_mode, select_device, torch_dtype
-from qkvlab.errors import UserError
-from qkvlab.generate import FINISHED, check_prompts, generate, stream
-from qkvlab.generate_config import GenerateConfig
-from qkvlab.io import find_model_dir, load_model, read_config
+from qkvlab.decode.config import GenerateConfig
+from qkvlab.decode.dtype_probe import inference_dtype
+from qkvlab.decode.generate import FINISHED, check_prompts, generate, stream
+from qkvlab.model.folder import find_model_dir, load_model, read_config
 from qkvlab.serve.tokens import serve_tokenizer
-from qkvlab.settings import add_config_options, add_options, load, print_config
-from qkvlab.train.dtype_probe import inference_dtype
 
 
 def add_arguments(p) -> None:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 
-from qkvlab.accounting import memory_estimate, report
-from qkvlab.config import DEFAULT_PRESET, ModelConfig, model_file_settings
-from qkvlab.info_config import InfoConfig
-from qkvlab.io import find_model_dir, read_config
-from qkvlab.settings import add_config_options, add_options, load, print_config, resolve
-from qkvlab.spec import KNOWN_SCHEMES
-from qkvlab.units import human, nbytes
-from qkvlab.variants import parse_variant
+from qkvlab.base.settings import add_config_options, add_options, load, print_config, resolve
+from qkvlab.base.units import human, nbytes
+from qkvlab.model.accounting import memory_estimate, report
+from qkvlab.model.config import DEFAULT_PRESET, ModelConfig, model_file_settings
+from qkvlab.model.folder import find_model_dir, read_config
+from qkvlab.model.info import InfoConfig
+from qkvlab.model.spec import KNOWN_SCHEMES
+from qkvlab.model.variants import parse_variant
 
 
 def add_arguments(p) -> None:

@@ -1,17 +1,17 @@
 """Write a randomly initialised model as DIR/model.safetensors + DIR/config.json.
-The settings: InitConfig (qkvlab/config.py); `--config FILE`: a model config (ModelConfig keys,
+The settings: InitConfig (qkvlab/model/config.py); `--config FILE`: a model config (ModelConfig keys,
 or a config.json)."""
 
 from __future__ import annotations
 
 import torch
 
-from qkvlab.config import DEFAULT_PRESET, InitConfig, ModelConfig, model_file_settings
-from qkvlab.folders import check_model_target
-from qkvlab.io import save_model
-from qkvlab.limits import check_model
-from qkvlab.model import GPT
-from qkvlab.settings import add_config_options, add_options, load, print_config, resolve
+from qkvlab.base.folders import check_model_target
+from qkvlab.base.settings import add_config_options, add_options, load, print_config, resolve
+from qkvlab.model.config import DEFAULT_PRESET, InitConfig, ModelConfig, model_file_settings
+from qkvlab.model.folder import save_model
+from qkvlab.model.limits import check_model
+from qkvlab.model.transformer import GPT
 
 
 def add_arguments(p) -> None:

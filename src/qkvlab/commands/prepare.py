@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
+from qkvlab.base.settings import add_config_options, add_options, load, print_config
 from qkvlab.data.prepare import PrepareConfig, prepare
-from qkvlab.settings import add_config_options, add_options, load, print_config
 
 
 def add_arguments(p) -> None:

@@ -13,7 +13,7 @@ IN: a qkvlab model folder (with its tokenizer/) or a Hugging Face GPT-2/Llama fo
 OUT: the retrofitted model folder, with fit/ (the fit alone), uptrain/ (the distillation run:
 checkpoints, metrics.jsonl; --resume continues it), tokens.safetensors and retrofit.json (the
 report). The last line printed is `ppl_original=… ppl_fit=… ppl_uptrained=… cache_ratio=…`
-(held-out perplexity; KV-cache bytes after / before). The library: qkvlab.convert.retrofit
+(held-out perplexity; KV-cache bytes after / before). The library: qkvlab.retrofit.workflow
 (RetrofitConfig, RetrofitOptions, retrofit, fit). See docs/retrofit.md.
 """
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from qkvlab.convert.retrofit import RetrofitConfig, retrofit, summary_line
-from qkvlab.settings import add_config_options, add_options, load, print_config
+from qkvlab.base.settings import add_config_options, add_options, load, print_config
+from qkvlab.retrofit.workflow import RetrofitConfig, retrofit, summary_line
 
 
 def add_arguments(p) -> None:

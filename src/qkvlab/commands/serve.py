@@ -10,9 +10,9 @@ The settings: ServeConfig (qkvlab/serve/server.py).
 
 from __future__ import annotations
 
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import add_config_options, add_options, load, print_config
 from qkvlab.serve.server import ServeConfig
-from qkvlab.settings import add_config_options, add_options, load, print_config
 
 
 def add_arguments(p) -> None:

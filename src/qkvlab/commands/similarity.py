@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from qkvlab.analysis.similarity import SimilarityConfig, format_report, similarity
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import read_user_text
+from qkvlab.base.settings import add_config_options, add_options, load, print_config
 from qkvlab.convert.load import load_any
 from qkvlab.data.text import load_corpus
-from qkvlab.errors import UserError
-from qkvlab.files import read_user_text
-from qkvlab.settings import add_config_options, add_options, load, print_config
 
 MAX_ROW = 1024  # tokens per sequence of the batch (at most the model's context)
 

@@ -16,12 +16,12 @@ import json
 import sys
 from pathlib import Path
 
-from qkvlab.config import DEFAULT_PRESET
-from qkvlab.config_file import read_config_file
-from qkvlab.devices import torchrun_env
-from qkvlab.errors import UserError
-from qkvlab.folders import inspect
-from qkvlab.settings import add_config_options, add_options, load, options_from_args, print_config, resolve
+from qkvlab.base.config_file import read_config_file
+from qkvlab.base.devices import torchrun_env
+from qkvlab.base.errors import UserError
+from qkvlab.base.folders import inspect
+from qkvlab.base.settings import add_config_options, add_options, load, options_from_args, print_config, resolve
+from qkvlab.model.config import DEFAULT_PRESET
 from qkvlab.train.config import TrainConfig, TrainRun
 from qkvlab.train.loop import TrainingDiverged, train
 from qkvlab.train.run_folder import TRAIN_CONFIG

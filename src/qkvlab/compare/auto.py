@@ -15,8 +15,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from qkvlab.base.units import fmt_duration
 from qkvlab.compare.pace import parse_duration
-from qkvlab.units import fmt_duration
 
 PILOT_SEEDS = 3
 MAX_AUTO_SEEDS = 64  # a claim needing more is reported, not run: its gap is too small for this recipe

@@ -23,17 +23,17 @@ import torch
 
 from qkvlab.analysis.rules import ANALYSIS_VERSION
 from qkvlab.analysis.runs import MANIFEST, read_manifest, write_manifest
+from qkvlab.base.devices import cpu_name, select_device, torchrun_env
+from qkvlab.base.errors import UserError
+from qkvlab.base.folders import check_folder, claim_folder, inspect
+from qkvlab.base.units import fmt_duration
 from qkvlab.compare.pace import choose_layout
 from qkvlab.compare.planning import Plan, PlannedRun, run_states
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
 from qkvlab.compare.sweep import write_scan_choice
-from qkvlab.devices import cpu_name, select_device, torchrun_env
-from qkvlab.errors import UserError
-from qkvlab.folders import check_folder, claim_folder, inspect
 from qkvlab.tasks import FAMILIES, task_from_config
 from qkvlab.train import distributed as D
 from qkvlab.train import loop  # loop.train, looked up per run (tests wrap it)
-from qkvlab.units import fmt_duration
 
 # function-level imports: startup: qkvlab.analysis.report, .results and .scaling_report import scipy
 # (about 1 s); they load when results are written, so `compare --help` and `--dry-run` start without.

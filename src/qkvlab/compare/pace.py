@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from qkvlab.accounting import flops_per_token
-from qkvlab.devices import torch_dtype
-from qkvlab.errors import UserError
+from qkvlab.base.devices import torch_dtype
+from qkvlab.base.errors import UserError
+from qkvlab.model.accounting import flops_per_token
 from qkvlab.tasks import task_from_config
 from qkvlab.train.optim import make_optimizer
 

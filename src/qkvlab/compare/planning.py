@@ -13,6 +13,9 @@ from typing import Any
 
 from qkvlab.analysis.paper_figures import PAPER_B_SCHEMES
 from qkvlab.analysis.runs import run_finished
+from qkvlab.base.devices import TRAIN_DTYPES, check_device, dtype_choices
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import check, resolve, setting
 from qkvlab.compare.auto import PILOT_SEEDS
 from qkvlab.compare.pace import first_run_per_point, parse_duration
 from qkvlab.compare.recipes import (
@@ -25,15 +28,12 @@ from qkvlab.compare.recipes import (
     paper_recipe,
     recipe_name,
 )
-from qkvlab.config import PRESETS, ModelConfig
-from qkvlab.devices import TRAIN_DTYPES, check_device, dtype_choices
-from qkvlab.errors import UserError
-from qkvlab.io import read_config
-from qkvlab.settings import check, resolve, setting
+from qkvlab.model.config import PRESETS, ModelConfig
+from qkvlab.model.folder import read_config
+from qkvlab.model.variants import Variant, parse_variants
 from qkvlab.tasks import FAMILIES, TASK_MODULES
 from qkvlab.train.config import TRAIN_PRESETS, TrainConfig, changed_fields, config_fingerprint, default_weight_decay
 from qkvlab.train.run_folder import first_difference
-from qkvlab.variants import Variant, parse_variants
 
 MAX_SEEDS = 10_000  # per variant (or sweep size): a plan of that many runs still prints in seconds
 

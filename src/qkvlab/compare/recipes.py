@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 
 RECIPES = ("cpu", "paper")  # a task grid's recipes; a sweep's are SWEEP_RECIPES (below), by the same --recipe
 

@@ -4,7 +4,7 @@ compute with intervals and the slope in log N (qkvlab.analysis.scaling; no predi
 
 A size is ``d<d_model>-L<n_layer>-h<n_head>[-b<sequences per step>][-s<seeds>]``; sizes are
 comma-separated. Per size: the base model is ``ModelConfig(d_model, n_layer, n_head, vocab,
-context)`` (plus any model options), N its non-embedding parameter count (qkvlab.accounting),
+context)`` (plus any model options), N its non-embedding parameter count (qkvlab.model.accounting),
 steps = round(tokens_per_param * N / (batch * context)), warm-up max(5, steps / 20), an evaluation
 every steps / 10, cosine from lr to lr / 10 with lr = --lr * 64 / d_model (size_lr), weight decay by
 variant (2^-5 with an identity role, else 0.1). Runs go to OUT/<d..-L..>/<variant>/seed<k>.
@@ -26,16 +26,16 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from qkvlab.accounting import analytic_params
 from qkvlab.analysis.runs import LR_SCAN_FILE, run_finished
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_write
 from qkvlab.compare.planning import MAX_SEEDS, Plan, PlannedRun
 from qkvlab.compare.recipes import RECIPES, SWEEP_RECIPES
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_write
-from qkvlab.io import read_config, read_metrics
+from qkvlab.model.accounting import analytic_params
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import read_config, read_metrics
+from qkvlab.model.variants import parse_variants
 from qkvlab.train.config import TrainConfig, default_weight_decay
-from qkvlab.variants import parse_variants
 
 SWEEP_VARIANTS = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=V-K", "Q=K=V", "Q-K=V/MQA")
 # 4 widths at depth 2 spanning 19x in non-embedding parameters (55k .. 1.04M, about 2.7x apart), 4

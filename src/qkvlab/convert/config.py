@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qkvlab.base.devices import EXACT_DTYPES, dtype_choices
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import check, setting
 from qkvlab.convert.reparam import DEFAULT_MAX_COND
-from qkvlab.devices import EXACT_DTYPES, dtype_choices
-from qkvlab.errors import UserError
-from qkvlab.settings import check, setting
 
 HF_CLASSES = ("gpt2", "llama")
 

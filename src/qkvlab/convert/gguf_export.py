@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_path
 from qkvlab.convert.hf import ADAPTERS, to_hf
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_path
-from qkvlab.model import GPT
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import GPT
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",

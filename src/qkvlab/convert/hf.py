@@ -2,7 +2,7 @@
 
 Import maps a transformers model's weights onto a qkvlab ``GPT`` of the same architecture through
 that architecture's state-dict adapter (hf_gpt2.py, hf_llama.py: a name map each way, see
-hf_adapter.py) and the one loader, qkvlab.io.build_model_from_state (strict). A GGUF file is read through transformers (``gguf_file=``); its dequantised weights are
+hf_adapter.py) and the one loader, qkvlab.model.folder.build_model_from_state (strict). A GGUF file is read through transformers (``gguf_file=``); its dequantised weights are
 cached as a safetensors checkpoint keyed by the file's sha256, so dequantisation runs once.
 
 Export writes any qkvlab model a standard class can hold, with the reduced projections made
@@ -19,16 +19,16 @@ from pathlib import Path
 
 import torch
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_dir, cache_dir, file_sha256, read_json
 from qkvlab.convert.hf_adapter import StateDictAdapter
 from qkvlab.convert.hf_gpt2 import GPT2Adapter
 from qkvlab.convert.hf_llama import LlamaAdapter
 from qkvlab.convert.reparam import role_weights
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_dir, cache_dir, file_sha256, read_json
-from qkvlab.io import build_model_from_state, is_model_folder
-from qkvlab.model import GPT
-from qkvlab.spec import ROLES
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import build_model_from_state, is_model_folder
+from qkvlab.model.spec import ROLES
+from qkvlab.model.transformer import GPT
 
 ADAPTERS: dict[str, StateDictAdapter] = {a.model_type: a for a in (GPT2Adapter(), LlamaAdapter())}
 FORMATS = tuple(ADAPTERS)

@@ -14,8 +14,8 @@ import re
 
 import torch
 
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
+from qkvlab.model.config import ModelConfig
 
 _INDEX = re.compile(r"\.(\d+)\.")
 
@@ -57,7 +57,7 @@ class StateDictAdapter:
 
     # ---- the maps -------------------------------------------------------------------------------
     def from_hf(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF state -> qkvlab names (a tied head stays: the loader folds it, qkvlab.io)."""
+        """HF state -> qkvlab names (a tied head stays: the loader folds it, qkvlab.model.folder)."""
         parts = {hf: ours for ours, hfs in self.fused.items() for hf in hfs}
         st: dict[str, torch.Tensor] = {}
         found: dict[tuple[str, str | None], dict[str, torch.Tensor]] = {}

@@ -4,9 +4,9 @@ GPT-2 has no GQA: export repeats each key/value head for the query heads that re
 
 from __future__ import annotations
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
 from qkvlab.convert.hf_adapter import StateDictAdapter
-from qkvlab.errors import UserError
+from qkvlab.model.config import ModelConfig
 
 ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 ACT_OUT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}

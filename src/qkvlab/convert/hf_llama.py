@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
 from qkvlab.convert.hf_adapter import StateDictAdapter
-from qkvlab.errors import UserError
+from qkvlab.model.config import ModelConfig
 
 _LAYER = "model.layers.{}."
 

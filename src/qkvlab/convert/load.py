@@ -5,7 +5,7 @@ A tokenizer comes with the model: a qkvlab folder's tokenizer/ holds a qkvlab to
 transformers tokenizer files `convert --from-hf` carried over (special tokens, chat template,
 generation_config.json's end-of-turn ids); an HF folder's and a GGUF's are transformers'.
 
-Every route ends in qkvlab.io.build_model_from_state (meta device, tensors assigned, every key
+Every route ends in qkvlab.model.folder.build_model_from_state (meta device, tensors assigned, every key
 checked by name and shape, tied weights through io.tied_aliases): a missing tensor is refused by
 name, never left at a random initialisation. `retrofit`, the `distill` teacher and `similarity`
 read models through `load_any`; commands that take only qkvlab folders use io.load_model.
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
 from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet
 from qkvlab.data.tokenizer import META_FILE, resolve_tokenizer
-from qkvlab.errors import UserError
-from qkvlab.io import CONFIG, is_model_folder, load_model
-from qkvlab.model import GPT
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import CONFIG, is_model_folder, load_model
+from qkvlab.model.transformer import GPT
 
 TOKENIZER_DIR = "tokenizer"
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # either marks a transformers tokenizer folder

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
-from qkvlab.io import build_model_from_state
-from qkvlab.model import GPT
-from qkvlab.spec import ROLES, ProjectionSpec, format_layers, parse_scheme
+from qkvlab.base.errors import UserError
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import build_model_from_state
+from qkvlab.model.spec import ROLES, ProjectionSpec, format_layers, parse_scheme
+from qkvlab.model.transformer import GPT
 
 ROLE_NAMES = {"q": "query", "k": "key", "v": "value"}
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}

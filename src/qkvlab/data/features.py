@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_dir, cache_dir
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_dir, cache_dir
 
 FEATURES = ("encoder", "pixels", "resnet34")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

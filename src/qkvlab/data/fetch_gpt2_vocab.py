@@ -16,8 +16,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, cache_dir
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_write, cache_dir
 
 WHISPER_REQUIREMENT = "openai-whisper==20250625"
 ASSET_SUFFIX = "whisper/assets/gpt2.tiktoken"

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 
 try:  # numpy >= 2; there numpy.core is a deprecated alias
     from numpy._core import multiarray

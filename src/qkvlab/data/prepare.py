@@ -44,6 +44,10 @@ import torch
 from tqdm.auto import tqdm
 
 import qkvlab
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_write, cache_dir, file_sha256
+from qkvlab.base.folders import LOCK, no_lock_message
+from qkvlab.base.settings import setting
 from qkvlab.data.sources import (
     ENCODING_ERRORS,
     Texts,
@@ -63,10 +67,6 @@ from qkvlab.data.tokenizer import (
     encode_batch,
     load_tokenizer,
 )
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, cache_dir, file_sha256
-from qkvlab.folders import LOCK, no_lock_message
-from qkvlab.settings import setting
 
 try:
     import fcntl

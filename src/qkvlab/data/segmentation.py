@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from qkvlab.base.errors import UserError
 from qkvlab.data.images import ImageDataset, load_images
-from qkvlab.errors import UserError
 
 
 @dataclass

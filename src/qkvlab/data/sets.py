@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 
 ODD_SLOTS = ("random", "last")
 

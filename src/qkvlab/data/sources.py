@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from qkvlab.base.errors import UserError
 from qkvlab.data.text import (
     TEXT_SUFFIXES,
     CorpusSource,
@@ -27,7 +28,6 @@ from qkvlab.data.text import (
     open_hf_dataset,
     parse_hf_source,
 )
-from qkvlab.errors import UserError
 
 ROW_SUFFIXES = (".jsonl", ".parquet")  # files holding one document per row
 CHUNK_BYTES = 1 << 18  # text per piece (a cut needs a newline within 16x this)

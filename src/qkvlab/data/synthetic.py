@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 
 VOCAB_SIZE = 10  # tokens 0..9, per-token 10-way classification
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Union
 from urllib.parse import parse_qsl, urlparse
 
-from qkvlab.errors import UserError
-from qkvlab.files import read_user_text
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import read_user_text
 
 GENRES = ("comedies", "histories", "problems", "roman", "romances", "tragedies")
 TEXT_SUFFIXES = (".txt", ".md")

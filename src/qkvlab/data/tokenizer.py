@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_write, cache_dir
 from qkvlab.data.fetch_gpt2_vocab import GPT2_VOCAB_FILENAME, GPT2_VOCAB_SHA256
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, cache_dir
 
 if TYPE_CHECKING:
     import tokenizers

@@ -29,8 +29,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from qkvlab.errors import UserError
-from qkvlab.generate import Sampling, layout_decisions
+from qkvlab.base.errors import UserError
+from qkvlab.decode.generate import Sampling, layout_decisions
 from qkvlab.serve import protocol as proto
 from qkvlab.serve.engine import Draining, Engine, Event
 from qkvlab.serve.engine import Request as EngineRequest

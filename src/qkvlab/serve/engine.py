@@ -5,7 +5,7 @@ One step (`Engine.step`), on the engine's own thread, never on the HTTP event lo
    disconnected is cancelled by the app, so its blocks free here, at the next step);
 2. admit: waiting sequences, first come first served, while the free blocks hold their prompts
    (and --max-batch allows); their prompts are prefilled together (left padded, as
-   `qkvlab.generate` does), copied into their blocks, and their first token is sampled;
+   `qkvlab.decode.generate` does), copied into their blocks, and their first token is sampled;
 3. grow: a sequence whose next token starts a new block takes one; when none is free, the most
    recently admitted sequence is preempted (vLLM's recompute): its blocks are given back and it
    goes back to the front of the queue with its tokens so far, which are prefilled again when it
@@ -15,7 +15,7 @@ One step (`Engine.step`), on the engine's own thread, never on the HTTP event lo
    `generate` runs them (generate.DecodeLayout; switched after LAYOUT_SWITCH_STEPS steps on the other
    side of LAYOUT_MAX_BATCH, at once for a server that never ran more; given back at `stop`).
 
-Each sequence computes exactly what `qkvlab.generate` computes for it alone: the same prefill, the
+Each sequence computes exactly what `qkvlab.decode.generate` computes for it alone: the same prefill, the
 same cached keys and values, each attending to its own tokens only; so greedy tokens match.
 Admission is by blocks, and blocks by cache bytes: the pool holds --cache-memory / (bytes per
 token x block size) blocks, so a scheme that caches less serves more tokens at once, and a short
@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qkvlab.errors import UserError
-from qkvlab.generate import (
+from qkvlab.base.errors import UserError
+from qkvlab.decode.generate import (
     LAYOUT_MAX_BATCH,
     DecodeLayout,
     Sampling,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from qkvlab.cache import KVCache
+from qkvlab.model.cache import KVCache
 
 BLOCK_SIZE = 16  # tokens per block: vLLM's default
 

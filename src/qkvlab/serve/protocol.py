@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from qkvlab.settings import SEED_MAX
+from qkvlab.base.settings import SEED_MAX
 
 MAX_STOPS = 4  # as OpenAI
 MAX_N = 128  # choices per request, as OpenAI

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkvlab.devices import (
+from qkvlab.base.devices import (
     DEVICE_HELP,
     check_device,
     compile_mode,
@@ -35,9 +35,9 @@ from qkvlab.devices import (
     dtype_name,
     inference_dtype_setting,
 )
-from qkvlab.errors import UserError
-from qkvlab.settings import check, setting
-from qkvlab.units import byte_size, nbytes
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import check, setting
+from qkvlab.base.units import byte_size, nbytes
 
 
 @dataclass
@@ -124,10 +124,10 @@ class Built:
 def build(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> Built:
     """Model, tokenizer, engine and app for `cfg` (no thread started, no port bound); `log` gets the
     line saying what `--dtype auto` resolved to and why, when it was measured (the CPU)."""
-    from qkvlab.accounting import kv_cache_bytes_per_token
+    from qkvlab.base.devices import select_device, torch_dtype
     from qkvlab.convert.load import load_any
-    from qkvlab.devices import select_device, torch_dtype
-    from qkvlab.limits import check_fits
+    from qkvlab.model.accounting import kv_cache_bytes_per_token
+    from qkvlab.model.limits import check_fits
     from qkvlab.serve.app import ServedModel, create_app
     from qkvlab.serve.engine import Engine
     from qkvlab.serve.tokens import serve_tokenizer
@@ -151,7 +151,7 @@ def build(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> Buil
     context = model_cfg.context if cfg.max_model_len is None else cfg.max_model_len
     if context > model_cfg.context:
         raise UserError(f"--max-model-len {context:,} exceeds the model's context of {model_cfg.context:,}")
-    from qkvlab.train.dtype_probe import inference_dtype  # startup: torch, only once a server is built
+    from qkvlab.decode.dtype_probe import inference_dtype  # startup: torch, only once a server is built
 
     # auto on the CPU: this model's decode step timed (or cached) at one row and at the rows served
     # together (--max-batch, at most 16; its default, all the blocks hold, is counted as 16)

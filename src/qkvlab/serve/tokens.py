@@ -20,7 +20,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 
 
 class ServeTokenizer:

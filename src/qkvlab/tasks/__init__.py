@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from qkvlab.errors import UserError
-from qkvlab.settings import resolve
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import resolve
 from qkvlab.tasks.base import Task
 
 if TYPE_CHECKING:  # train.config imports this module (its options are checked here)

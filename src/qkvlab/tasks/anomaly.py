@@ -29,14 +29,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import file_sha256
+from qkvlab.base.settings import seed_setting, setting
 from qkvlab.data import features as F
 from qkvlab.data.images import DATASETS, ImageDataset
 from qkvlab.data.sets import ODD_SLOTS, anomaly_set_indices
-from qkvlab.errors import UserError
-from qkvlab.files import file_sha256
-from qkvlab.model import Encoder, SetInput
-from qkvlab.settings import seed_setting, setting
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import Encoder, SetInput
 from qkvlab.tasks.arrays import ArrayTask, check, check_plus_channels
 from qkvlab.tasks.vision import load_splits, standardizer
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 from qkvlab.tasks.base import Task
 
 

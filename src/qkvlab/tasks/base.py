@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from qkvlab.config import ModelConfig
+from qkvlab.model.config import ModelConfig
 
 
 class Task(ABC):

@@ -4,7 +4,7 @@ loss = lm_weight * LM cross-entropy + kl_weight * KL(teacher || student), per to
 The student starts from its folder's weights (not a fresh init); the teacher is a qkvlab model
 folder or a Hugging Face GPT-2/Llama folder or .gguf (imported through convert/hf.py). Batches are
 random windows of a token file (safetensors with int64 tensors "train" and "val", as written by
-`qkvlab.convert.retrofit.write_tokens`) drawn from (seed, step) like the LM task, so the training
+`qkvlab.retrofit.workflow.write_tokens`) drawn from (seed, step) like the LM task, so the training
 loop resumes it exactly. Options: teacher, student, tokens, kl_weight (1.0), lm_weight (1.0; 0:
 pure distillation, which cannot adapt the student to the corpus beyond the teacher), block_size
 (the student's context, at most 256), train_layers (None: every weight trains; a list of layer
@@ -25,12 +25,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import setting
 from qkvlab.convert.hf import from_hf, load_hf, quiet
 from qkvlab.data.prepare import fixed_val_batches, get_batch
-from qkvlab.errors import UserError
-from qkvlab.io import is_model_folder, load_model, read_config
-from qkvlab.settings import setting
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import is_model_folder, load_model, read_config
 from qkvlab.tasks.base import Task
 from qkvlab.tasks.lm import VAL_SEED, step_generator
 

@@ -20,13 +20,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.devices import torchrun_env
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import setting
 from qkvlab.data.prepare import PreparedData, fixed_val_batches, get_batch, prepare
 from qkvlab.data.tokenizer import DEFAULT_TOKENIZER
-from qkvlab.devices import torchrun_env
-from qkvlab.errors import UserError
-from qkvlab.model import GPT
-from qkvlab.settings import setting
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import GPT
 from qkvlab.tasks.base import Task
 
 VAL_SEED = 1234  # the same validation windows for every run, whatever its training seed

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import seed_setting, setting
 from qkvlab.data.images import DATASETS
 from qkvlab.data.segmentation import make_segmentation, mean_iou, patch_labels
-from qkvlab.errors import UserError
-from qkvlab.model import Encoder, PatchInput
-from qkvlab.settings import seed_setting, setting
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import Encoder, PatchInput
 from qkvlab.tasks.arrays import ArrayTask, check, check_plus_channels
 from qkvlab.tasks.vision import load_splits
 

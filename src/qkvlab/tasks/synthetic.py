@@ -14,11 +14,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import seed_setting, setting
 from qkvlab.data.synthetic import TASKS, VOCAB_SIZE, synthetic_splits
-from qkvlab.errors import UserError
-from qkvlab.model import Encoder, TokenInput
-from qkvlab.settings import seed_setting, setting
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import Encoder, TokenInput
 from qkvlab.tasks.arrays import ArrayTask, check_plus_channels
 
 # Paper B's grid for these tasks (papers.md): 3 seeds of each point, batch 128.

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import setting
 from qkvlab.data.images import DATASETS, ImageDataset, load_images
-from qkvlab.errors import UserError
-from qkvlab.model import Encoder, PatchInput
-from qkvlab.settings import setting
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import Encoder, PatchInput
 from qkvlab.tasks.arrays import ArrayTask, check, check_plus_channels, holdout_split
 
 # Paper B's vision grid (papers.md): 2 runs of each point. Its two patch sizes are 4 and the image's

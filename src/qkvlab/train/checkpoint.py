@@ -1,11 +1,11 @@
 """Checkpoints: a folder of safetensors + JSON, published atomically, never a pickle.
 
   OUT/checkpoint/model.safetensors      full (gathered) weights: the folder is a model folder too
-  OUT/checkpoint/config.json            as written by qkvlab.io (loadable by load_model)
+  OUT/checkpoint/config.json            as written by qkvlab.model.folder (loadable by load_model)
   OUT/checkpoint/optimizer.safetensors  optimizer state flattened to "<param name>/<key>" tensors
   OUT/checkpoint/state.json             step, metrics so far, RNG states, param groups, train config
 
-The folder is built beside OUT/checkpoint and renamed over it (`qkvlab.io.atomic_dir`), state.json
+The folder is built beside OUT/checkpoint and renamed over it (`qkvlab.model.folder.atomic_dir`), state.json
 last, so a kill at any moment leaves the previous complete checkpoint; `find_checkpoint` also
 recovers it from the moment between the two renames, when it is parked as `.checkpoint.old-*`.
 """
@@ -25,11 +25,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_dir, atomic_file, atomic_write, file_sha256, json_text
-from qkvlab.io import CONFIG, WEIGHTS, check_state, config_body, load_weights, read_config
-from qkvlab.positions import is_legacy_key
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_dir, atomic_file, atomic_write, file_sha256, json_text
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import CONFIG, WEIGHTS, check_state, config_body, load_weights, read_config
+from qkvlab.model.positions import is_legacy_key
 
 CHECKPOINT = "checkpoint"
 OPTIMIZER = "optimizer.safetensors"

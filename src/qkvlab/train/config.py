@@ -15,12 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from qkvlab.config import ModelConfig
-from qkvlab.devices import SHARDINGS, TRAIN_DTYPES, check_device, check_dtype, dtype_choices
-from qkvlab.errors import UserError
-from qkvlab.settings import check, resolve, resumable_fields, seed_setting, setting
+from qkvlab.base.devices import SHARDINGS, TRAIN_DTYPES, check_device, check_dtype, dtype_choices
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import check, resolve, resumable_fields, seed_setting, setting
+from qkvlab.decode.dtype_probe import autocast_dtype
+from qkvlab.model.config import ModelConfig
 from qkvlab.tasks import resolve_task_options
-from qkvlab.train.dtype_probe import autocast_dtype
 
 WEIGHT_DECAY = 0.1  # nanoGPT's, on weights with dim >= 2
 IDENTITY_WEIGHT_DECAY = 2**-5  # Paper A's identity models (an identity Q, K or V role)
@@ -32,7 +32,7 @@ def default_weight_decay(model: ModelConfig) -> float:
 
 
 # ---- presets -----------------------------------------------------------------------------------
-# Each names a model preset of qkvlab.config plus the optimisation recipe; its task options are the
+# Each names a model preset of qkvlab.model.config plus the optimisation recipe; its task options are the
 # lm task's (settings.resolve drops them when the run's task is another). The papers' figures are
 # in papers.md; their corpora need the network (or a local copy passed with --data).
 TRAIN_PRESETS: dict[str, dict[str, Any]] = {
@@ -210,7 +210,7 @@ class TrainConfig:
 
     def autocast(self, device_type: str):
         """(dtype, Decision or None): the dtype setting resolved on `device_type`, with the CPU timing
-        that decided "auto" there (qkvlab.train.dtype_probe, the one place of the rule)."""
+        that decided "auto" there (qkvlab.decode.dtype_probe, the one place of the rule)."""
         rows = (self.micro_batch_size or max(1, self.batch_size // self.grad_accum)) * self.model.context
         return autocast_dtype(self.dtype, device_type, self.model, rows)
 

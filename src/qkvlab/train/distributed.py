@@ -18,8 +18,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from qkvlab.devices import select_device, torchrun_env
-from qkvlab.positions import is_legacy_key
+from qkvlab.base.devices import select_device, torchrun_env
+from qkvlab.model.positions import is_legacy_key
 
 
 @dataclass

@@ -27,21 +27,21 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from qkvlab.config import ModelConfig
-from qkvlab.devices import TRAIN_DTYPES, torch_dtype
-from qkvlab.errors import UserError, as_user_error
-from qkvlab.files import atomic_write, finite_row, json_text
-from qkvlab.folders import Claim
-from qkvlab.heap import hold_freed_memory
-from qkvlab.io import METRICS, drop_aliases, tied_aliases, with_aliases
-from qkvlab.limits import check_training
-from qkvlab.settings import resolve
+from qkvlab.base.devices import TRAIN_DTYPES, torch_dtype
+from qkvlab.base.errors import UserError, as_user_error
+from qkvlab.base.files import atomic_write, finite_row, json_text
+from qkvlab.base.folders import Claim
+from qkvlab.base.heap import hold_freed_memory
+from qkvlab.base.settings import resolve
+from qkvlab.decode.dtype_probe import Decision
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import METRICS, drop_aliases, tied_aliases, with_aliases
+from qkvlab.model.limits import check_training
 from qkvlab.tasks import task_from_config
 from qkvlab.tasks.base import Task
 from qkvlab.train import checkpoint as ck
 from qkvlab.train import distributed as D
 from qkvlab.train.config import TrainConfig
-from qkvlab.train.dtype_probe import Decision
 from qkvlab.train.optim import lr_at, make_optimizer
 from qkvlab.train.progress import Log
 from qkvlab.train.run_folder import Saved, claim_run_folder, read_checkpoint, write_train_config
@@ -86,7 +86,7 @@ class Run:
     dtype_probe: dict[str, Any] | None  # the CPU timing that decided "auto" (None: not auto, or not a CPU)
     dtype_note: str | None  # that decision in one line, printed at the start
     sharded: bool
-    aliases: dict[str, str]  # tied parameter names (qkvlab.io.tied_aliases)
+    aliases: dict[str, str]  # tied parameter names (qkvlab.model.folder.tied_aliases)
     params: int
     accum: int  # micro-batches per rank per step
     tokens_per_step: int = 0
@@ -111,7 +111,7 @@ class State:
 def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> TrainResult:
     """Train `cfg` into `out_dir` (see module doc). With resume=True: continue from OUT's last
     complete checkpoint, start fresh if there is none, return at once if it is already finished.
-    OUT is locked while this runs (qkvlab.folders); a refusal leaves it as it was. Under torchrun
+    OUT is locked while this runs (qkvlab.base.folders); a refusal leaves it as it was. Under torchrun
     the process group is set up (and torn down) here."""
     cfg = resolve(TrainConfig, cfg)  # validated private copy
     if cfg.log_tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -253,7 +253,7 @@ def _setup(cfg: TrainConfig, out: Path, env: D.Env, saved_state: dict[str, Any] 
 
 
 def _check_memory(cfg: TrainConfig, model_cfg: ModelConfig, env: D.Env, *, with_vocab: bool) -> None:
-    """Refuse, before allocating, what cannot fit (qkvlab.limits). Without the task's vocabulary
+    """Refuse, before allocating, what cannot fit (qkvlab.model.limits). Without the task's vocabulary
     (before the tokenizer exists) the bound leaves the embeddings and logits out."""
     # lm and distill train on block_size windows when set; other tasks are bounded at the model context
     seq = getattr(cfg.task_settings, "block_size", None) or model_cfg.context

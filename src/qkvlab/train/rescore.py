@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, json_text
-from qkvlab.io import load_weights, read_config, tied_aliases
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_write, json_text
+from qkvlab.model.folder import load_weights, read_config, tied_aliases
 from qkvlab.tasks import task_from_config
 from qkvlab.train.config import TrainConfig
 from qkvlab.train.loop import TEST_SCORES

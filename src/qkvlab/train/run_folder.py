@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, json_text
-from qkvlab.folders import Claim, claim_folder
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_write, json_text
+from qkvlab.base.folders import Claim, claim_folder
 from qkvlab.train import checkpoint as ck
 from qkvlab.train import distributed as D
 from qkvlab.train.config import TrainConfig, changed_fields

@@ -4,9 +4,9 @@ import sys, time, dataclasses, statistics, torch
 sys.path.insert(0, "/work/main/benchmarks")
 from decode_smollm2 import default_gguf
 from qkvlab.convert.load import load_any
-from qkvlab.model import GPT
-from qkvlab import generate as G
-import qkvlab.attention as A
+from qkvlab.model.transformer import GPT
+from qkvlab.decode import generate as G
+import qkvlab.model.attention as A
 torch.set_num_threads(2)
 ORIG = A._sdpa
 def mulsum_sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):

@@ -3,8 +3,8 @@ import sys, time, dataclasses, torch
 sys.path.insert(0, "/work/main/benchmarks")
 from decode_smollm2 import default_gguf
 from qkvlab.convert.load import load_any
-from qkvlab.model import GPT
-from qkvlab import generate as G
+from qkvlab.model.transformer import GPT
+from qkvlab.decode import generate as G
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 cfg = load_any(default_gguf()).model.cfg
 tiny = dataclasses.replace(cfg, d_model=64, d_head=64, n_head=9, mlp_hidden=64, vocab_size=64)

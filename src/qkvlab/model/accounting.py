@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from qkvlab.devices import DTYPE_BYTES, SHARDINGS, dtype_name
-from qkvlab.positions import axis_encodings, plus_channels_pad
-from qkvlab.spec import format_kv_heads
+from qkvlab.base.devices import DTYPE_BYTES, SHARDINGS, dtype_name
+from qkvlab.model.positions import axis_encodings, plus_channels_pad
+from qkvlab.model.spec import format_kv_heads
 
 if TYPE_CHECKING:  # the formulas read a config's fields; config.py imports them (match_params)
-    from qkvlab.config import ModelConfig
+    from qkvlab.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import resource
 import time
 from dataclasses import dataclass, field
 
-from qkvlab.files import atomic_write, json_text
-from qkvlab.folders import check_file_target
+from qkvlab.base.files import atomic_write, json_text
+from qkvlab.base.folders import check_file_target
 
 NOISY_LOAD_PER_CORE = 0.25  # 1-min load before the work, per core
 NOISY_OTHERS_CORES = 0.1  # other processes' CPU while the work ran, in cores
@@ -198,7 +198,9 @@ def require_quiet(watch: LoadWatch, *, during: bool) -> None:
 # ---- for the scripts in benchmarks/ -------------------------------------------------------------
 def add_options(parser) -> None:
     """--require-quiet and --json FILE, as `qkvlab bench` has them."""
-    parser.add_argument("--require-quiet", action="store_true", help="exit 3 if the machine is noisy (qkvlab.loadavg)")
+    parser.add_argument(
+        "--require-quiet", action="store_true", help="exit 3 if the machine is noisy (qkvlab.base.loadavg)"
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the figures and the load as JSON to FILE")
 
 

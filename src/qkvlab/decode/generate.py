@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from qkvlab.cache import KVCache
-from qkvlab.devices import COMPILE_MODES, PAGED_COMPILE_MODES
-from qkvlab.errors import UserError
-from qkvlab.measured import alternate, cached_or_measured, timed
+from qkvlab.base.devices import COMPILE_MODES, PAGED_COMPILE_MODES
+from qkvlab.base.errors import UserError
+from qkvlab.base.measured import alternate, cached_or_measured, timed
+from qkvlab.model.cache import KVCache
 
 FINISHED = -1  # what `stream` yields for a row that already produced its end-of-text token
 STOP_CHECK_EVERY = 8  # steps between end-of-text checks (each check waits for the device)
@@ -348,7 +348,7 @@ def layout_by_timing(linears: list[nn.Linear], batch: int, parts: int) -> str:
     (PackedProduct's block orders, one block per thread), "kmajor" (the whole weight K-major, one
     block: 1.14x as stored at one row on a Xeon with AMX, benchmarks/linear_layouts.py) or "stored"
     (the weights as they are). A speed policy decided by
-    measurement (qkvlab.measured): the products of the first LAYOUT_PROBE_BYTES of weights timed each
+    measurement (qkvlab.base.measured): the products of the first LAYOUT_PROBE_BYTES of weights timed each
     way, alternating, best of LAYOUT_PROBE_ROUNDS; the constants' order (LAYOUT_ROWS_MAX_BATCH) is kept
     unless another way beats it by more than the noise. Cached per machine on disk and per process,
     keyed by rows, parts, dtype and the timed weights' shapes."""

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qkvlab.accounting import kv_cache_bytes_per_token
-from qkvlab.config import ModelConfig
+from qkvlab.base.errors import UserError
 from qkvlab.convert.reparam import role_weights
-from qkvlab.convert.retrofit_refine import RefineOptions, refine_in_sequence, refine_layer
-from qkvlab.errors import UserError
-from qkvlab.io import build_model_from_state
-from qkvlab.model import GPT
-from qkvlab.spec import format_layers, parse_scheme, select_layers
+from qkvlab.model.accounting import kv_cache_bytes_per_token
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import build_model_from_state
+from qkvlab.model.spec import format_layers, parse_scheme, select_layers
+from qkvlab.model.transformer import GPT
+from qkvlab.retrofit.refine import RefineOptions, refine_in_sequence, refine_layer
 
 TARGETS = ("Q-K-V", "Q-K=V")  # what a fit can reach: a learned query and key; values shared or not
 POOLS = ("fit", "mean")

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qkvlab.config import DEFAULT_PRESET, PRESETS, ModelConfig
-from qkvlab.devices import SHARDINGS, dtype_choices
-from qkvlab.settings import setting
+from qkvlab.base.devices import SHARDINGS, dtype_choices
+from qkvlab.base.settings import setting
+from qkvlab.model.config import DEFAULT_PRESET, PRESETS, ModelConfig
 
 
 @dataclass

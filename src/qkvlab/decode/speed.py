@@ -7,7 +7,7 @@ read + bytes written per second, STREAM's convention), so a report can say which
 limit decoding reaches. Used by `qkvlab bench` and benchmarks/decode.py.
 
 A timing that came out zero or negative (transformers' step is a difference of two generate calls)
-is None, "unmeasured", and so is every rate made from it (qkvlab.loadavg.rate): never a number.
+is None, "unmeasured", and so is every rate made from it (qkvlab.base.loadavg.rate): never a number.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from qkvlab.generate import (
+from qkvlab.base.loadavg import rate
+from qkvlab.decode.generate import (
     compiled_step,
     decode_layout,
     decode_step,
@@ -30,7 +31,6 @@ from qkvlab.generate import (
     steady,
     warm_up,
 )
-from qkvlab.loadavg import rate
 
 
 def _sync(device: torch.device) -> None:

@@ -30,13 +30,13 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from qkvlab.accounting import kv_cache_bytes_per_token
-from qkvlab.config import ModelConfig
-from qkvlab.convert.retrofit_fit import FitResult, LayerFit, attention_inputs
-from qkvlab.convert.retrofit_refine import RefineOptions, output_error, refine_layer, targets
-from qkvlab.errors import UserError
-from qkvlab.io import build_model_from_state
-from qkvlab.model import GPT
+from qkvlab.base.errors import UserError
+from qkvlab.model.accounting import kv_cache_bytes_per_token
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import build_model_from_state
+from qkvlab.model.transformer import GPT
+from qkvlab.retrofit.fit import FitResult, LayerFit, attention_inputs
+from qkvlab.retrofit.refine import RefineOptions, output_error, refine_layer, targets
 
 ALPHAS = (0.25, 0.5, 1.0, 2.0, 4.0, 16.0)  # the keys' weight against the values, chosen per layer
 

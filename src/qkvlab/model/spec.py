@@ -17,7 +17,7 @@ import functools
 import re
 from dataclasses import dataclass
 
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 
 ROLES = ("q", "k", "v")
 IDENTITY = -1

@@ -1,5 +1,5 @@
 """Config files: the one reader of YAML, TOML and JSON settings files (and of any text file a user
-names) and the printer behind --print-config. Torch-free: the bottom floor, under qkvlab.settings
+names) and the printer behind --print-config. Torch-free: the bottom floor, under qkvlab.base.settings
 (which merges a file with the command line)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from qkvlab.errors import UserError
-from qkvlab.files import read_user_text
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import read_user_text
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qkvlab.config import ModelConfig
-from qkvlab.positions import ScoreTerm2D, apply_rotary, plus_channels_pad
-from qkvlab.spec import IDENTITY, LATENT
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.positions import ScoreTerm2D, apply_rotary, plus_channels_pad
+from qkvlab.model.spec import IDENTITY, LATENT
 
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA enable_gqa= is new in 2.5
 

@@ -33,7 +33,7 @@ def _errno(e: BaseException) -> int | None:
 
 
 def _mb(n: float) -> str:
-    return f"{n / 1e6:,.1f} MB"  # decimal, as qkvlab.units prints bytes (units sits above this floor)
+    return f"{n / 1e6:,.1f} MB"  # decimal, as qkvlab.base.units prints bytes (units sits above this floor)
 
 
 def free_bytes(path: str | Path) -> int | None:

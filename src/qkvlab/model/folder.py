@@ -1,7 +1,7 @@
 """Model directories (``model.safetensors`` + ``config.json``), metrics rows and tied weights.
 
 Nothing a user may receive is a pickle: weights are safetensors, metadata JSON. The file writers
-live in the torch-free `qkvlab.files`; import them from there.
+live in the torch-free `qkvlab.base.files`; import them from there.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from qkvlab import __version__
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_dir, atomic_path, atomic_write, json_text, read_json
-from qkvlab.folders import check_model_target
-from qkvlab.limits import check_model
-from qkvlab.model import GPT
-from qkvlab.positions import is_legacy_key
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_dir, atomic_path, atomic_write, json_text, read_json
+from qkvlab.base.folders import check_model_target
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.limits import check_model
+from qkvlab.model.positions import is_legacy_key
+from qkvlab.model.transformer import GPT
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
@@ -113,7 +113,7 @@ def save_model(
     overwrite: bool = False,
 ) -> Path:
     """Write a model folder atomically: into a missing or empty `path`, or over a model folder
-    with overwrite=True; anything else is refused before writing (qkvlab.folders)."""
+    with overwrite=True; anything else is refused before writing (qkvlab.base.folders)."""
     check_model_target(path, overwrite=overwrite, flag="path")
     with atomic_dir(path, replace=overwrite) as tmp:
         write_model_files(tmp, model, cfg, meta)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
+from qkvlab.model.config import ModelConfig
 
 
 class KVCache:

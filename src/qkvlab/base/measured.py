@@ -1,6 +1,6 @@
 """Speed policies decided by measurement: the one mechanism behind them.
 
-Which of two dtypes trains faster (train/dtype_probe.py) and in which order a decode step reads its
+Which of two dtypes trains faster (decode/dtype_probe.py) and in which order a decode step reads its
 weights (generate.layout_by_timing) depend on the chip, not on its flags. Each such policy names its
 options and a default, times the options in alternating rounds (a drift in the machine's speed hits
 all of them), and `choose` keeps the default unless another option's best round beats the default's
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from qkvlab.devices import cpu_name
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_write, cache_dir, json_text
+from qkvlab.base.devices import cpu_name
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_write, cache_dir, json_text
 
 PROBE_FILE = "dtype_probe.json"  # its name from when the dtype was the only policy timed
 MIN_NOISE = 0.03  # the least margin an option must win by: below it two timings of one option differ as much

@@ -1,14 +1,14 @@
-"""GenerateConfig: what `qkvlab generate` reads. The decoding it configures is qkvlab.generate
+"""GenerateConfig: what `qkvlab generate` reads. The decoding it configures is qkvlab.decode.generate
 (`stream`, `generate`, `Sampling`); the tokenizer comes from qkvlab.data.tokenizer."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qkvlab.devices import DEVICE_HELP, check_device, compile_setting, inference_dtype_setting
-from qkvlab.errors import UserError
-from qkvlab.generate import Sampling
-from qkvlab.settings import check, seed_setting, setting
+from qkvlab.base.devices import DEVICE_HELP, check_device, compile_setting, inference_dtype_setting
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import check, seed_setting, setting
+from qkvlab.decode.generate import Sampling
 
 
 @dataclass

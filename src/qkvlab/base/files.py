@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from qkvlab.errors import UserError, as_user_error
+from qkvlab.base.errors import UserError, as_user_error
 
 
 def cache_dir() -> Path:

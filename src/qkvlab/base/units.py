@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 
 EMPTY = "–"  # a table cell with no value
 _SI = (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))

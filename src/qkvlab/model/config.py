@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from qkvlab.accounting import matched_mlp_hidden
-from qkvlab.config_file import read_config_file
-from qkvlab.errors import UserError
-from qkvlab.positions import PLUS_ENCODINGS
-from qkvlab.settings import check, resolve, seed_setting, setting
-from qkvlab.spec import LATENT, ProjectionSpec, parse_layers, parse_scheme, validate_heads
+from qkvlab.base.config_file import read_config_file
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import check, resolve, seed_setting, setting
+from qkvlab.model.accounting import matched_mlp_hidden
+from qkvlab.model.positions import PLUS_ENCODINGS
+from qkvlab.model.spec import LATENT, ProjectionSpec, parse_layers, parse_scheme, validate_heads
 
 NORMS = ("layernorm", "rmsnorm", "none")
 POSITIONS = ("learned", "rope", "sinusoidal", "none")

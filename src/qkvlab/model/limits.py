@@ -11,9 +11,9 @@ import os
 
 import torch
 
-from qkvlab.accounting import analytic_params
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
+from qkvlab.model.accounting import analytic_params
+from qkvlab.model.config import ModelConfig
 
 GB = 1e9
 

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn as nn
 
-from qkvlab.config import ModelConfig
+from qkvlab.model.config import ModelConfig
 
 RESIDUAL_OUTPUTS = ("attn.out_proj.weight", "mlp.down.weight")
 

@@ -6,12 +6,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qkvlab.attention import Attention, dropout
-from qkvlab.cache import KVCache
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
-from qkvlab.init import draw_seed, init_paired
-from qkvlab.positions import Rotary, SinusoidalPositions
+from qkvlab.base.errors import UserError
+from qkvlab.model.attention import Attention, dropout
+from qkvlab.model.cache import KVCache
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.init import draw_seed, init_paired
+from qkvlab.model.positions import Rotary, SinusoidalPositions
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:

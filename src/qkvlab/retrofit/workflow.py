@@ -27,10 +27,20 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from qkvlab.accounting import analytic_params, kv_cache_bytes_per_token
-from qkvlab.config import ModelConfig
+from qkvlab.base.devices import DEVICE_HELP, TRAIN_DTYPES, check_device, check_dtype, dtype_choices, select_device
+from qkvlab.base.errors import UserError
+from qkvlab.base.files import atomic_dir, atomic_write, json_text
+from qkvlab.base.folders import claimed, inspect
+from qkvlab.base.settings import check, resumable_fields, seed_setting, setting
 from qkvlab.convert.load import TOKENIZER_DIR, load_any, save_hf_tokenizer
-from qkvlab.convert.retrofit_fit import (
+from qkvlab.data.text import describe_source, load_corpus
+from qkvlab.data.tokenizer import load_tokenizer
+from qkvlab.model.accounting import analytic_params, kv_cache_bytes_per_token
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.folder import is_model_folder, load_model, read_config, write_model_files
+from qkvlab.model.spec import select_layers
+from qkvlab.model.transformer import GPT
+from qkvlab.retrofit.fit import (
     POOLS,
     STARTS,
     TARGETS,
@@ -42,24 +52,14 @@ from qkvlab.convert.retrofit_fit import (
     fit,
     fit_layer,
 )
-from qkvlab.convert.retrofit_latent import check_source as check_latent_source
-from qkvlab.convert.retrofit_latent import fit_latent
-from qkvlab.convert.retrofit_refine import REFINE_INPUTS, RefineOptions
-from qkvlab.data.text import describe_source, load_corpus
-from qkvlab.data.tokenizer import load_tokenizer
-from qkvlab.devices import DEVICE_HELP, TRAIN_DTYPES, check_device, check_dtype, dtype_choices, select_device
-from qkvlab.errors import UserError
-from qkvlab.files import atomic_dir, atomic_write, json_text
-from qkvlab.folders import claimed, inspect
-from qkvlab.io import is_model_folder, load_model, read_config, write_model_files
-from qkvlab.model import GPT
-from qkvlab.settings import check, resumable_fields, seed_setting, setting
-from qkvlab.spec import select_layers
+from qkvlab.retrofit.latent import check_source as check_latent_source
+from qkvlab.retrofit.latent import fit_latent
+from qkvlab.retrofit.refine import REFINE_INPUTS, RefineOptions
 from qkvlab.tasks.distill import check_loss_weights
 from qkvlab.train.config import TrainConfig
 from qkvlab.train.loop import train
 
-# The fit's names, for `from qkvlab.convert.retrofit import ...` (the library entry point).
+# The fit's names, for `from qkvlab.retrofit.workflow import ...` (the library entry point).
 __all__ = [
     "POOLS",
     "TARGETS",
@@ -135,7 +135,7 @@ def corpus_tokens(src: Source, data: Any = None, heldout_fraction: float = 0.1) 
 
 
 def write_tokens(path: Path, train: torch.Tensor, held: torch.Tensor) -> None:
-    """Atomically (qkvlab.io): a resumed retrofit must never read a half-written file."""
+    """Atomically (qkvlab.model.folder): a resumed retrofit must never read a half-written file."""
     atomic_write(path, save({"train": train.contiguous(), "val": held.contiguous()}))
 
 
@@ -334,7 +334,7 @@ def retrofit(
     source: str | Path, out: str | Path, opts: RetrofitOptions, *, resume: bool = False, progress: bool = True
 ) -> dict[str, Any]:
     """Fit, uptrain and report into OUT (the final model folder). Returns the report dict.
-    OUT is claimed and locked for the run (qkvlab.folders): missing, empty, or with resume=True a
+    OUT is claimed and locked for the run (qkvlab.base.folders): missing, empty, or with resume=True a
     folder an earlier retrofit wrote; anything else is refused before writing."""
     opts.validate()
     check_layers(source_shape(source), opts)

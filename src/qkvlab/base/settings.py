@@ -34,8 +34,8 @@ from typing import Any
 
 import yaml
 
-from qkvlab.config_file import config_to_text, read_config_file
-from qkvlab.errors import UserError
+from qkvlab.base.config_file import config_to_text, read_config_file
+from qkvlab.base.errors import UserError
 
 MISSING = dataclasses.MISSING
 

@@ -3,7 +3,7 @@
 SCHEME is a projection scheme (``Q-K-V``, ``Id-K-V``, ``Q-K=V``, ``(Q=K-V)+`` ...); options:
 
 - ``MQA``: one key/value head; ``GQA-g``: g key/value heads (the notation of per-layer
-  ``--layers`` entries too: ``qkvlab.spec.parse_kv_heads``; also read as ``GQAg``, a bare count
+  ``--layers`` entries too: ``qkvlab.model.spec.parse_kv_heads``; also read as ``GQAg``, a bare count
   ``g``, or ``MHA`` for the default);
 - ``mlp``: MLP widened so the parameter count equals Q-K-V's (Paper A's identity_larger_mlp);
   ``mlp=SCHEME`` matches another scheme's count (``Q-K-V/mlp=Id-K-V``: Paper A's
@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qkvlab.accounting import analytic_params
-from qkvlab.config import ModelConfig
-from qkvlab.errors import UserError
-from qkvlab.spec import KV_HEADS_FORMS, format_kv_heads, is_kv_heads, parse_kv_heads, parse_scheme
+from qkvlab.base.errors import UserError
+from qkvlab.model.accounting import analytic_params
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.spec import KV_HEADS_FORMS, format_kv_heads, is_kv_heads, parse_kv_heads, parse_scheme
 
 BASELINE = "Q-K-V"
 

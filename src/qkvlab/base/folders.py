@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from qkvlab.errors import UserError
+from qkvlab.base.errors import UserError
 
 try:
     import fcntl

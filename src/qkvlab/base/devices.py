@@ -2,7 +2,7 @@
 
 dtype names: fp32, bf16, fp16, fp64 (also spelled float32, bfloat16, float16, float64), and "auto"
 (bf16 on CUDA, fp32 elsewhere; training's autocast decides the CPU's by timing the model's shapes,
-`qkvlab.train.dtype_probe`, never from a CPU flag). An option's choices are
+`qkvlab.decode.dtype_probe`, never from a CPU flag). An option's choices are
 `dtype_choices(ALLOWED)`: every spelling of the dtypes it allows. Devices: auto, cpu, cuda, cuda:N,
 mps; `select_device` is the one resolver (a bare "cuda" is always this process's cuda:LOCAL_RANK,
 cuda:0 outside torchrun; an explicit cuda:N is refused with more than one rank). Decoding's
@@ -16,8 +16,8 @@ import platform
 import re
 from typing import Any
 
-from qkvlab.errors import UserError
-from qkvlab.settings import setting
+from qkvlab.base.errors import UserError
+from qkvlab.base.settings import setting
 
 # function-level imports: startup: torch is imported inside the functions that use it, so importing this
 # module stays torch-free (`qkvlab serve` checks its options before it loads torch).
@@ -67,7 +67,7 @@ def _cpuinfo() -> str:
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has native bf16 dot products (AVX512-BF16 or AMX): a description of the
     machine, not a speed policy (with AVX512-BF16 alone bf16 autocast trained at 0.58x fp32; `auto`
-    is decided by qkvlab.train.dtype_probe's timing). Reads /proc/cpuinfo's flags (or `cpuinfo`),
+    is decided by qkvlab.decode.dtype_probe's timing). Reads /proc/cpuinfo's flags (or `cpuinfo`),
     else torch's capability string (AMX only)."""
     cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
     flags = {w for line in cpuinfo.splitlines() if line.startswith("flags") for w in line.split(":", 1)[1].split()}
@@ -97,7 +97,7 @@ def check_dtype(name: str, allowed: tuple[str, ...] = DTYPES) -> str:
 
 
 def torch_dtype(name: str, device_type: str = "cpu"):
-    """The torch dtype of a name ("auto" as `dtype_name`; training's auto: qkvlab.train.dtype_probe)."""
+    """The torch dtype of a name ("auto" as `dtype_name`; training's auto: qkvlab.decode.dtype_probe)."""
     import torch
 
     short = dtype_name(name, device_type=device_type)

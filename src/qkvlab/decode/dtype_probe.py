@@ -9,7 +9,7 @@ rounds, best of each, and takes bf16 only if it is faster by more than the round
 (matmuls alone are not enough: the casts, norms and softmax around them decide it at small
 widths). The figures are cached per machine (CPU, torch, threads) and shape class in
 `cache_dir()/dtype_probe.json`, so a machine measures a shape once; the decision and its figures
-go into the run's record. The rounds, the rule and the cache are `qkvlab.measured`'s, shared with
+go into the run's record. The rounds, the rule and the cache are `qkvlab.base.measured`'s, shared with
 generate's decode layout.
 
 Inference's `auto` on the CPU is decided the same way (`cpu_decode_dtype`, `inference_dtype`): a
@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from qkvlab.config import ModelConfig
-from qkvlab.devices import dtype_name
-from qkvlab.errors import UserError
-from qkvlab.generate import decode_layout, decode_step, left_pad, new_cache, prefill
-from qkvlab.measured import alternate, cached_or_measured, machine_key, timed
-from qkvlab.model import GPT
+from qkvlab.base.devices import dtype_name
+from qkvlab.base.errors import UserError
+from qkvlab.base.measured import alternate, cached_or_measured, machine_key, timed
+from qkvlab.decode.generate import decode_layout, decode_step, left_pad, new_cache, prefill
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.transformer import GPT
 
 ROUNDS = 5
 ROUND_S = 0.02  # each round repeats the step for about this long, so a round is not one clock tick
