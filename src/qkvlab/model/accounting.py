@@ -49,8 +49,9 @@ def projection_width(cfg: ModelConfig) -> int:
     """Output width of the fused input projection (all distinct learned projections) of a one-scheme
     config (per-layer models: pass cfg.layer_config(i))."""
     spec = cfg.spec
-    if cfg.kv_latent is not None:  # the query's projection (if learned) and the latent
-        return sum(cfg.n_head * cfg.head_dim for roles in spec.projections if "q" in roles) + cfg.kv_latent
+    if cfg.kv_latent is not None:  # the query's projection (if learned) and the cached row (latent, MLA's key)
+        p = cfg.rope_dim or 0
+        return sum(cfg.n_head * (cfg.head_dim + p) for roles in spec.projections if "q" in roles) + cfg.kv_latent + p
     return sum(
         (cfg.n_head if spec.projection_is_query_shaped(i) else cfg.n_kv_heads) * cfg.head_dim
         for i in range(len(spec.projections))
@@ -66,6 +67,8 @@ def attention_params(cfg: ModelConfig) -> int:
     """One layer's attention parameters (one-scheme config; per-layer models: cfg.layer_config(i))."""
     width, inner = projection_width(cfg), cfg.n_head * cfg.head_dim
     n = cfg.d_model * width + inner * cfg.d_model + latent_up_params(cfg)
+    if cfg.rope_dim is not None:
+        n += cfg.kv_latent  # MLA's latent norm
     if cfg.bias:
         n += width + cfg.d_model
     if cfg.spec.plus:
@@ -142,7 +145,7 @@ def flops_per_token(cfg: ModelConfig, context: int | None = None) -> int:
     per_layer = inner * cfg.d_model + mlp_mats * cfg.d_model * cfg.hidden
     projections = sum(cfg.d_model * projection_width(lc) + latent_up_params(lc) for lc in _attention_configs(cfg))
     matmul_weights = cfg.n_layer * per_layer + projections + cfg.vocab_size * cfg.d_model
-    forward = 2 * matmul_weights + cfg.n_layer * 4 * inner * T
+    forward = 2 * matmul_weights + cfg.n_layer * 2 * cfg.n_head * (2 * cfg.head_dim + (cfg.rope_dim or 0)) * T
     return 3 * forward
 
 
@@ -161,6 +164,7 @@ def report(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None)
         "n_head": cfg.n_head,
         "kv_heads": cfg.n_kv_heads,
         "kv_latent": cfg.kv_latent,
+        "rope_dim": cfg.rope_dim,
         "d_model": cfg.d_model,
         "d_head": cfg.head_dim,
         "mlp_hidden": cfg.hidden,

@@ -5,6 +5,14 @@ One code path for every scheme: the distinct learned projections are one fused L
 share a projection get the *same tensor*, so SDPA sees k is v for K=V and a KV cache stores it once.
 With kv_latent = r the key and value projections are replaced by one latent of r numbers per token
 (a slice of the fused output, what the cache holds) and `kv_up`, which reads both back from it.
+
+With rope_dim = p as well, the layer is DeepSeek's Multi-head Latent Attention: the latent is normalised
+(`kv_norm`, DeepSeek's kv_a_layernorm), a key of p numbers shared by every head carries RoPE beside it (the
+cache row is [latent, rotated key]), each query head is [d_head numbers read against the latent's keys,
+p rotated ones read against the shared key], and the latent's keys get no RoPE. Nothing in a cached row
+then depends on the query's position, so a decode step attends in the absorbed form: W_uk folded into the
+query, the row itself as the key, its latent part as the value, W_uv applied to the output. A latent
+without RoPE in the model (learned positions) decodes the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from qkvlab.model.config import ModelConfig
 from qkvlab.model.positions import ScoreTerm2D, apply_rotary, plus_channels_pad
 from qkvlab.model.spec import IDENTITY, LATENT
 
+LATENT_NORM_EPS = 1e-6  # DeepSeek's kv_a_layernorm: transformers fixes its eps at 1e-6, so an export computes this
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA enable_gqa= is new in 2.5
 
 
@@ -39,31 +48,36 @@ class Attention(nn.Module):
             for i in range(len(self.spec.projections))
         ]
         widths = [h * self.head_dim for h in self.proj_heads]
-        self.latent = cfg.kv_latent
-        self.kv_up = None
-        if self.latent is not None:  # the query's projection (if learned), then the latent (config.py checked)
-            query = [w for w, roles in zip(widths, self.spec.projections) if "q" in roles]
-            widths = [*query, self.latent]
+        self.latent, self.rope_dim = cfg.kv_latent, cfg.rope_dim or 0
+        self.kv_up = self.kv_norm = None
+        if self.latent is not None:  # the query's projection (if learned), then the cached row (config.py checked)
+            query = [self.n_head * (self.head_dim + self.rope_dim) for roles in self.spec.projections if "q" in roles]
+            widths = [*query, self.latent + self.rope_dim]  # a query head: [d_head, rope_dim]; a row: [latent, key]
             self.kv_up = nn.Linear(self.latent, 2 * self.kv_heads * self.head_dim, bias=False)  # rows: [W_uk; W_uv]
+            if cfg.rope_dim is not None:
+                self.kv_norm = nn.RMSNorm(self.latent, eps=LATENT_NORM_EPS)
         self.proj_widths = widths
         self.in_proj = nn.Linear(cfg.d_model, sum(widths), bias=cfg.bias) if widths else None
         self.out_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.score_term = ScoreTerm2D(cfg.plus_channels, cfg.context, cfg.plus_encoding) if self.spec.plus else None
         self.resid_dropout = dropout(cfg.dropout)
-        # With rotary and K=V (or a latent) the cache holds un-rotated tensors; keys rotate on read.
+        # With rotary and K=V (or a latent) the cache holds un-rotated tensors; keys rotate on read. MLA's rows
+        # hold its shared key rotated and nothing else rotates: its rows are read as they are (absorbed).
         self.k_shared_with_v = self.spec.role_source("k") == self.spec.role_source("v")
-        self.keys_rotate_on_read = self.k_shared_with_v or self.latent is not None
+        self.absorbs = self.latent is not None and (cfg.rope_dim is not None or cfg.pos != "rope")
+        self.keys_rotate_on_read = self.k_shared_with_v or (self.latent is not None and not self.absorbs)
 
     def project(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
-        """x (B, T, C) -> {source index: (B, heads, T, hd)} for every source a role reads ((B, 1, T, r) for a latent)."""
+        """x (B, T, C) -> {source index: (B, heads, T, hd)} for every source a role reads ((B, 1, T, r + p) for a
+        latent)."""
         B, T, _ = x.shape
         out: dict[int, torch.Tensor] = {}
         if self.latent is not None:
-            h = self.in_proj(x)
+            h, row = self.in_proj(x), self.latent + self.rope_dim
             if not self.spec.is_identity("q"):
-                q = h[..., : -self.latent].view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-                out[self.spec.role_source("q")] = q  # (B, nh, T, hd)
-            out[LATENT] = h[..., -self.latent :][:, None]  # (B, 1, T, r)
+                q = h[..., :-row].view(B, T, self.n_head, self.head_dim + self.rope_dim).transpose(1, 2)
+                out[self.spec.role_source("q")] = q  # (B, nh, T, hd + p)
+            out[LATENT] = h[..., -row:][:, None]  # (B, 1, T, r + p): the latent, then MLA's key before RoPE
         elif self.in_proj is not None:
             # one view and one transpose for all projections, then split by heads: the same strided
             # views as per-projection view/transpose, in fewer ops (a decode step is op-bound)
@@ -89,6 +103,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         src = self.spec.source
         new = self.project(x)
+        if self.absorbs:
+            y = self.attend_latent(new[src[0]], new[LATENT], rope, cache, mask)  # (B, nh, T, hd)
+            return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
         q = new[src[0]]
         if rope is not None:
             q = apply_rotary(q, *rope)
@@ -117,6 +134,52 @@ class Attention(nn.Module):
             y = y[..., : self.head_dim]  # drop the "+" term's padding channels
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
         return self.resid_dropout(self.out_proj(y))
+
+    def attend_latent(self, q: torch.Tensor, raw: torch.Tensor, rope, cache, mask) -> torch.Tensor:
+        """A latent whose keys need no RoPE (MLA, or a model without RoPE): q (B, nh, T, hd + p) and the new rows
+        (B, 1, T, r + p) as projected -> attention's output (B, nh, T, hd). Explicit keys and values when the
+        queries are as many as the rows (prefill, training), the absorbed form when few queries read many rows."""
+        T, hd, r = q.shape[2], self.head_dim, self.latent
+        q_nope, q_pe = q[..., :hd], q[..., hd:]  # (B, nh, T, hd), (B, nh, T, p)
+        if self.kv_norm is not None:  # the cached row: [norm(latent), RoPE(key)], as DeepSeek caches it
+            latent, k_pe = raw.split((r, self.rope_dim), dim=-1)
+            raw = torch.cat((self.kv_norm(latent), apply_rotary(k_pe, *rope)), dim=-1)
+            q_pe = apply_rotary(q_pe, *rope)
+        rows = raw if cache is None else cache.update(LATENT, raw)  # (B, 1, S, r + p)
+        attn_mask, is_causal = mask, self.causal and mask is None and cache is None
+        dropout_p = self.dropout if self.training else 0.0
+        if T * self.n_head < rows.shape[2] * self.kv_heads:
+            return self.absorbed(q_nope, q_pe, rows, attn_mask, dropout_p)
+        k, v = self.expand_rows(rows)
+        return _sdpa(torch.cat((q_nope, q_pe), dim=-1), k, v, attn_mask, is_causal, self.scale, dropout_p)
+
+    def latent_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_uk and W_uv per kv head: (kvh, hd, r) each."""
+        n, shape = self.kv_heads * self.head_dim, (self.kv_heads, self.head_dim, self.latent)
+        return self.kv_up.weight[:n].view(shape), self.kv_up.weight[n:].view(shape)
+
+    def expand_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows (B, 1, S, r + p) -> keys (B, kvh, S, hd + p): [W_uk c, shared rotated key], values (B, kvh, S, hd)."""
+        B, _, S, _ = rows.shape
+        kvh, hd, n = self.kv_heads, self.head_dim, self.kv_heads * self.head_dim
+        latent = rows[:, 0, :, : self.latent]  # (B, S, r)
+        k = F.linear(latent, self.kv_up.weight[:n]).view(B, S, kvh, hd).transpose(1, 2)
+        v = F.linear(latent, self.kv_up.weight[n:]).view(B, S, kvh, hd).transpose(1, 2)
+        if self.rope_dim:
+            k = torch.cat((k, rows[..., self.latent :].expand(B, kvh, S, self.rope_dim)), dim=-1)
+        return k, v
+
+    def absorbed(self, q_nope, q_pe, rows, attn_mask, dropout_p) -> torch.Tensor:
+        """q_nope (B, nh, T, hd), q_pe (B, nh, T, p) rotated, rows (B, 1, S, r + p) -> (B, nh, T, hd), exactly the
+        explicit form: q·(W_uk c) = (W_ukᵀ q)·c, and Σ_j a_j W_uv c_j = W_uv Σ_j a_j c_j. Every query head reads
+        the one row tensor (as MQA reads its one head), so a step reads r + p numbers per cached token."""
+        B, nh, T, hd = q_nope.shape
+        kvh, group = self.kv_heads, self.n_head // self.kv_heads
+        w_uk, w_uv = self.latent_maps()
+        q_lat = torch.einsum("bgqtd,gdr->bgqtr", q_nope.reshape(B, kvh, group, T, hd), w_uk)  # query heads by kv head
+        q_abs = torch.cat((q_lat.reshape(B, nh, T, self.latent), q_pe), dim=-1)  # (B, nh, T, r + p)
+        y = _sdpa(q_abs, rows, rows[..., : self.latent], attn_mask, False, self.scale, dropout_p)  # (B, nh, T, r)
+        return torch.einsum("bgqtr,gdr->bgqtd", y.reshape(B, kvh, group, T, self.latent), w_uv).reshape(B, nh, T, hd)
 
     def read_latent(self, latent: torch.Tensor, queries: int):
         """latent (B, 1, S, r) -> keys (B, kvh, S, hd), un-rotated, and either the values (B, kvh, S, hd) and

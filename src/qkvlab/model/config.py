@@ -54,6 +54,14 @@ class ModelConfig:
         "(a low-rank K/V cache; schemes with separate learned K and V)",
         minimum=1,
     )
+    rope_dim: int | None = setting(
+        None,
+        help="Multi-head Latent Attention (DeepSeek's layout): with --kv-latent R, a RoPE key of this many numbers "
+        "per token shared by every head is cached beside the normalised latent, each query head gets as many "
+        "rotated dimensions, and the latent's keys get no RoPE, so decoding reads the R + P numbers as they are "
+        "(even, at most d_head; pos=rope only)",
+        minimum=2,
+    )
     layers: str | None = setting(
         None,
         help="per-layer schemes/kv heads over attn and kv_heads, e.g. 'Q-K=V@every4', 'Q-K=V/MQA@-4:' (docs/schemes.md)",
@@ -134,13 +142,20 @@ class ModelConfig:
     def scheme_label(self) -> str:
         """The scheme for humans: 'Q-K-V', or with per-layer schemes 'Q-K-V [Q-K=V@every4]'."""
         label = self.spec.name if self.layers is None else f"{self.spec.name} [{self.layers}]"
-        return label if self.kv_latent is None else f"{label} (kv_latent={self.kv_latent})"
+        if self.kv_latent is None:
+            return label
+        return (
+            f"{label} (kv_latent={self.kv_latent}"
+            + ("" if self.rope_dim is None else f", rope_dim={self.rope_dim}")
+            + ")"
+        )
 
     def cached_tensors(self) -> dict[int, tuple[int, int]]:
         """What a one-scheme config's KV cache holds per token: {source: (heads, width)}. The distinct key/value
-        tensors (K and V two, K=V one, kv_heads heads of d_head), or one latent of kv_latent numbers."""
+        tensors (K and V two, K=V one, kv_heads heads of d_head), or one latent of kv_latent numbers (with MLA's
+        rotated key of rope_dim numbers after it, in the same row)."""
         if self.kv_latent is not None:
-            return {LATENT: (1, self.kv_latent)}
+            return {LATENT: (1, self.kv_latent + (self.rope_dim or 0))}
         return {s: (self.n_kv_heads, self.head_dim) for s in self.spec.cached_sources()}
 
     @property
@@ -155,6 +170,8 @@ class ModelConfig:
     def scale(self) -> float:
         if self.attn_scale is not None:
             return self.attn_scale
+        if self.rope_dim is not None:  # MLA: a query-key product over d_head + rope_dim numbers (DeepSeek's scale)
+            return (self.head_dim + self.rope_dim) ** -0.5
         ident = self.spec.identity_role
         # Paper A: raw coordinates as queries (or keys) make scores larger at init.
         factor = 2.0 if ident in ("q", "k") else 1.0
@@ -187,6 +204,11 @@ class ModelConfig:
                     raise UserError(f"plus_channels={self.plus_channels} must be an even number >= 2")
         if self.kv_latent is not None:
             self._check_latent(spec)
+        elif self.rope_dim is not None:
+            raise UserError(
+                f"rope_dim={self.rope_dim} needs kv_latent: it is the RoPE part of Multi-head Latent Attention "
+                "(e.g. --kv-latent 128 --rope-dim 64)"
+            )
         if self.pos == "rope" and self.head_dim % 2:
             raise UserError(f"pos=rope needs an even d_head, got {self.head_dim}")
         if spec.plus and (self.plus_channels < 2 or self.plus_channels % 2):
@@ -213,9 +235,28 @@ class ModelConfig:
             )
         if self.layers is not None:
             raise UserError(f"kv_latent={r} with layers={self.layers!r}: a latent is one setting for every layer")
-        if r >= width:
+        p = self.rope_dim or 0
+        if r + p >= width:
+            what = f"kv_latent={r}" if p == 0 else f"kv_latent + rope_dim = {r} + {p}"
             raise UserError(
-                f"kv_latent={r} must be below 2 * kv_heads * d_head = {width} (the keys and values themselves)"
+                f"{what} must be below 2 * kv_heads * d_head = {width} (the keys and values themselves: no saving)"
+            )
+        if self.rope_dim is not None:
+            self._check_rope_dim(spec)
+
+    def _check_rope_dim(self, spec: ProjectionSpec) -> None:
+        p = self.rope_dim
+        if self.pos != "rope":
+            raise UserError(
+                f"rope_dim={p} with pos={self.pos}: a model without RoPE has no positional key to keep apart; "
+                "its --kv-latent alone is already MLA's cache (decoded absorbed)"
+            )
+        if p % 2 or p > self.head_dim:
+            raise UserError(f"rope_dim={p} must be an even number from 2 to d_head={self.head_dim} (rotary pairs)")
+        if spec.is_identity("q"):
+            raise UserError(
+                f"rope_dim={p} with {spec.name}: MLA's queries carry rope_dim rotated numbers beyond the head's "
+                "d_head, which an identity query has not; use Q-K-V"
             )
 
     # ---- serialisation (JSON, never pickle) ----------------------------------------------

@@ -60,7 +60,7 @@ def _projection_rows(attn: nn.Module, prefix: str, seed: int, std: float) -> tor
     if attn.latent is not None:  # the query's projection, then the latent's own draw
         projections = [*(roles for roles in projections if "q" in roles), ("latent",)]
     for roles, width in zip(projections, attn.proj_widths):
-        rows = attn.latent if roles == ("latent",) else attn.n_head * attn.head_dim
+        rows = width if roles == ("latent",) else max(width, attn.n_head * attn.head_dim)  # MLA's query is wider
         full = _normal(seed, f"{prefix}{roles[0]}_proj.weight", (rows, d_model), std)
         blocks.append(full[:width])
     return torch.cat(blocks)
@@ -81,7 +81,9 @@ def init_gpt2(model: nn.Module, cfg: ModelConfig, seed: int, prefix: str = "") -
         if name in fused:
             p.copy_(_projection_rows(fused[name], full[: -len("in_proj.weight")], seed, cfg.init_std))
         elif name.endswith("kv_up.weight"):  # keys and values at the scale a direct projection gives them
-            p.copy_(_normal(seed, full, tuple(p.shape), p.shape[1] ** -0.5))
+            normalised = getattr(model.get_submodule(name.rsplit(".", 2)[0]), "kv_norm", None) is not None
+            std = cfg.init_std if normalised else p.shape[1] ** -0.5  # MLA's latent is a normalised input itself
+            p.copy_(_normal(seed, full, tuple(p.shape), std))
         elif p.dim() >= 2:
             std = cfg.init_std / (math.sqrt(2 * cfg.n_layer) if name.endswith(RESIDUAL_OUTPUTS) else 1.0)
             p.copy_(_normal(seed, full, tuple(p.shape), std))

@@ -104,7 +104,8 @@ class Trunk(nn.Module):
         self.cfg = cfg
         self.blocks = nn.ModuleList(Block(cfg.layer_config(i)) for i in range(1 if cfg.share_layers else cfg.n_layer))
         self.norm = make_norm(cfg) if cfg.norm_position == "pre" else nn.Identity()
-        self.rotary = Rotary(cfg.head_dim, cfg.context, cfg.rope_theta) if cfg.pos == "rope" else None
+        rotated = cfg.head_dim if cfg.rope_dim is None else cfg.rope_dim  # MLA rotates only its rope_dim numbers
+        self.rotary = Rotary(rotated, cfg.context, cfg.rope_theta) if cfg.pos == "rope" else None
         # K=V (and a latent) caches un-rotated tensors: keys rotate on read, at their positions.
         self.rope_on_read = self.rotary is not None and any(b.attn.keys_rotate_on_read for b in self.blocks)
 

@@ -10,11 +10,13 @@ SCHEME is a projection scheme (``Q-K-V``, ``Id-K-V``, ``Q-K=V``, ``(Q=K-V)+`` ..
   original_smaller_mlp, MLP 3.5x at GPT-2 small);
 - ``latent=R``: keys and values read back from one cached latent of R numbers per token
   (ModelConfig.kv_latent; Q-K-V and Id-K-V);
+- ``rope=P`` (with ``latent=R``): Multi-head Latent Attention, a RoPE key of P numbers shared by every
+  head cached beside the normalised latent (ModelConfig.rope_dim; Q-K-V, RoPE models);
 - ``width=SCHEME``: d_model shrunk to the smallest multiple of n_head whose non-embedding
   parameters are at least SCHEME's (``Q-K-V/width=Id-K-V``: Paper A's original_smaller_overall,
   d_model 744 at GPT-2 small).
 
-e.g. ``Id-K-V/mlp``, ``Q-K=V/MQA``, ``Q-K=V/GQA-4``, ``Id-K-V/MQA/latent=32``. ``/`` rather than the paper's "Q-K=V+MQA",
+e.g. ``Id-K-V/mlp``, ``Q-K=V/MQA``, ``Q-K=V/GQA-4``, ``Id-K-V/MQA/latent=32``, ``Q-K-V/latent=96/rope=32``. ``/`` rather than the paper's "Q-K=V+MQA",
 because ``+`` already means the 2D positional score term. A list is comma-separated.
 """
 
@@ -41,6 +43,7 @@ class Variant:
     match: str | None = None  # match_params scheme (MLP re-spends saved params)
     width: str | None = None  # d_model shrunk to this scheme's parameter count
     latent: int | None = None  # kv_latent: one cached latent of this many numbers per token
+    rope: int | None = None  # rope_dim: MLA's shared RoPE key, cached beside the latent
 
     @property
     def name(self) -> str:
@@ -49,6 +52,8 @@ class Variant:
             out += f"/{format_kv_heads(self.kv_heads)}"
         if self.latent is not None:
             out += f"/latent={self.latent}"
+        if self.rope is not None:
+            out += f"/rope={self.rope}"
         if self.match is not None:
             out += "/mlp" if self.match == BASELINE else f"/mlp={self.match}"
         if self.width is not None:
@@ -64,7 +69,11 @@ class Variant:
         """The variant's model config on top of a base config (validated: one-line errors)."""
         try:
             out = cfg.replace(
-                attn=self.scheme, kv_heads=self.kv_heads, kv_latent=self.latent, match_params=self.match
+                attn=self.scheme,
+                kv_heads=self.kv_heads,
+                kv_latent=self.latent,
+                rope_dim=self.rope,
+                match_params=self.match,
             ).validate()
             if self.width is not None:
                 out = out.replace(d_model=matched_width(out, self.width), d_head=None)
@@ -100,7 +109,8 @@ def parse_variant(text: str) -> Variant:
         scheme = parse_scheme(parts[0]).name
     except UserError as e:
         raise UserError(f"variant {text!r}: {e}") from None
-    kv, match, width, latent, kv_given = None, None, None, None, False
+    kv, match, width, kv_given = None, None, None, False
+    numbers: dict[str, int] = {}  # latent=R, rope=P
     for opt in parts[1:]:
         if is_kv_heads(opt) and not kv_given:
             try:
@@ -114,13 +124,13 @@ def parse_variant(text: str) -> Variant:
                 match = parse_scheme(opt[4:]).name
             except UserError as e:
                 raise UserError(f"variant {text!r}: {e}") from None
-        elif opt.lower().startswith("latent=") and latent is None:
-            value = opt[len("latent=") :]
+        elif (key := opt.lower().partition("=")[0]) in ("latent", "rope") and "=" in opt and key not in numbers:
+            value = opt.partition("=")[2]
             if not (value.isdigit() and int(value) > 0):
                 raise UserError(
-                    f"variant {text!r}: latent={value!r} must be a positive whole number (numbers per token)"
+                    f"variant {text!r}: {key}={value!r} must be a positive whole number (numbers per token)"
                 )
-            latent = int(value)
+            numbers[key] = int(value)
         elif opt.lower().startswith("width=") and width is None and match is None:
             try:
                 width = parse_scheme(opt[6:]).name
@@ -129,12 +139,14 @@ def parse_variant(text: str) -> Variant:
         else:
             raise UserError(
                 f"variant {text!r}: option {opt!r} is not kv heads ({KV_HEADS_FORMS}), mlp, mlp=SCHEME, width=SCHEME "
-                "or latent=R "
+                "latent=R or rope=P "
                 "(each at most once; mlp or width, not both), e.g. Q-K=V/MQA or Id-K-V/mlp"
             )
     if width is not None and match is not None:
         raise UserError(f"variant {text!r}: mlp and width both match parameters; give one (each at most once)")
-    return Variant(scheme, kv, match, width, latent)
+    if "rope" in numbers and "latent" not in numbers:
+        raise UserError(f"variant {text!r}: rope=P is MLA's RoPE key beside a latent; give latent=R too")
+    return Variant(scheme, kv, match, width, numbers.get("latent"), numbers.get("rope"))
 
 
 def parse_variants(text: str | Sequence[str]) -> list[Variant]:
