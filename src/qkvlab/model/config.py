@@ -62,6 +62,12 @@ class ModelConfig:
         "(even, at most d_head; pos=rope only)",
         minimum=2,
     )
+    latent_norm_eps: float = setting(
+        1e-6,
+        help="eps of MLA's latent norm (DeepSeek's kv_a_layernorm: 1e-6); far above the latent's mean square the norm "
+        "is a fixed scale, which is how a retrofit keeps each token's latent as fitted (docs/retrofit.md)",
+        positive=True,
+    )
     layers: str | None = setting(
         None,
         help="per-layer schemes/kv heads over attn and kv_heads, e.g. 'Q-K=V@every4', 'Q-K=V/MQA@-4:' (docs/schemes.md)",

@@ -69,17 +69,37 @@ def out_metric_root(attn) -> torch.Tensor:
     return torch.block_diag(*blocks)
 
 
-def latent_factors(wk, wv, gram, root, rank: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def query_metric_root(attn, gram: torch.Tensor) -> torch.Tensor:
+    """L (kv·hd, kv·hd), block-diagonal per kv group, float64: L Lᵀ = Σ_h W_Q,h G W_Q,hᵀ over the query heads h
+    reading the group (G: the inputs' second moment), so that |Lᵀ Δk|² is the mean square a key error moves
+    those heads' scores by (before RoPE)."""
+    nh, kv, hd = attn.n_head, attn.kv_heads, attn.head_dim
+    w_q = attn.in_proj.weight.detach().double()[role_rows(attn, "q")].view(nh, hd, -1)  # (nh, hd, d)
+    blocks = []
+    for g in range(kv):
+        heads = w_q[g * (nh // kv) : (g + 1) * (nh // kv)]  # (nh/kv, hd, d)
+        m = torch.einsum("hed,df,hgf->eg", heads, gram, heads)
+        blocks.append(torch.linalg.cholesky(m + 1e-9 * m.diagonal().mean() * torch.eye(hd, dtype=m.dtype)))
+    return torch.block_diag(*blocks)
+
+
+def latent_factors(
+    wk, wv, gram, root, rank: int, alpha: float, key_root: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(W_c (r, d), W_uk (n, r), W_uv (n, r)) for key and value rows wk, wv (n, d) over inputs whose second
-    moment is gram = XᵀX / N (d, d): the top `rank` principal directions of [α·K/s_K, V·R/s_V] (module
-    doc). float64 in, float64 out; at rank 2n, W_uk W_c = wk and W_uv W_c = wv."""
+    moment is gram = XᵀX / N (d, d): the top `rank` principal directions of [α·Lᵀ K/s_K, Rᵀ V/s_V] (module
+    doc; L = key_root, the identity unless given: query_metric_root weighs a key direction by what the queries
+    read of it). float64 in, float64 out; at rank 2n, W_uk W_c = wk and W_uv W_c = wv."""
     rms = lambda w: float(torch.einsum("od,de,oe->", w, gram, w) / len(w)) ** 0.5  # noqa: E731
-    s_k, s_v = rms(wk), rms(root.T @ wv)
-    stacked = torch.cat([alpha * wk / s_k, root.T @ wv / s_v])  # (2n, d): rows of the weighted stack
+    key_root = torch.eye(len(wk), dtype=wk.dtype) if key_root is None else key_root
+    s_k, s_v = rms(key_root.T @ wk), rms(root.T @ wv)
+    keys = alpha * key_root.T @ wk / s_k if s_k > 1e-12 * s_v else torch.zeros_like(wk)  # rounding-size keys: none
+    stacked = torch.cat([keys, root.T @ wv / s_v])  # (2n, d): rows of the weighted stack
     _, vecs = torch.linalg.eigh(stacked @ gram @ stacked.T)
     top = vecs[:, -rank:]  # (2n, r), the largest eigenvalues last
     n = len(wk)
-    return top.T @ stacked, top[:n] * s_k / alpha, torch.linalg.solve(root.T, top[n:]) * s_v
+    w_uk = torch.linalg.solve(key_root.T, top[:n]) * s_k / alpha
+    return top.T @ stacked, w_uk, torch.linalg.solve(root.T, top[n:]) * s_v
 
 
 class FactoredKV(nn.Module):

@@ -64,18 +64,26 @@ def output_error(attn: nn.Module, xs: torch.Tensor, ys: torch.Tensor, rotary, ch
 
 
 def refine_layer(
-    new: nn.Module, old: nn.Module, xs: torch.Tensor, rotary, opts: RefineOptions, new_xs: torch.Tensor | None = None
+    new: nn.Module,
+    old: nn.Module,
+    xs: torch.Tensor,
+    rotary,
+    opts: RefineOptions,
+    new_xs: torch.Tensor | None = None,
+    new_rotary=None,
 ) -> tuple[float, float]:
     """Fit `new` (in place) to `old`'s outputs on xs (n, T, C), reading new_xs (the same windows as
     the converted model sees them; default xs); returns the relative output error (before, after)
     on the held windows (the last n // 8, at least one, never stepped on). Steps that end worse on
-    those windows than the start are undone."""
+    those windows than the start are undone. new_rotary: the new layer's own (MLA rotates fewer
+    dimensions, at another base), default `rotary`."""
     new_xs = xs if new_xs is None else new_xs
+    new_rotary = rotary if new_rotary is None else new_rotary
     n_check = max(1, len(xs) // 8) if len(xs) > 1 else 0
     split = lambda t: (t[:-n_check], t[-n_check:]) if n_check else (t, t)  # noqa: E731
     (old_train, old_check), (train, check) = split(xs), split(new_xs)
     y_train, y_check = targets(old, old_train, rotary), targets(old, old_check, rotary)
-    before = output_error(new, check, y_check, rotary)
+    before = output_error(new, check, y_check, new_rotary)
     if opts.steps == 0:
         return before, before
     params = list(new.parameters())
@@ -91,14 +99,14 @@ def refine_layer(
             for group in opt.param_groups:
                 group["lr"] = opts.lr * 0.5 * (1 + math.cos(math.pi * step / opts.steps))
             idx = torch.randint(len(train), (min(opts.batch, len(train)),), generator=gen)
-            loss = ((_run(new, train[idx], rotary) - y_train[idx]) ** 2).mean() / scale
+            loss = ((_run(new, train[idx], new_rotary) - y_train[idx]) ** 2).mean() / scale
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
     for p, w in zip(params, was):
         p.requires_grad_(w)
         p.grad = None
-    after = output_error(new, check, y_check, rotary)
+    after = output_error(new, check, y_check, new_rotary)
     if after > before:  # a layer the fit already matched: Adam's unit-size steps only moved it away
         with torch.no_grad():
             for p, w in zip(params, start):
@@ -138,6 +146,6 @@ def refine_in_sequence(
         if i in layers:
             seen = _capture_attention_input(block, step)
             old_attn = old.trunk.layer(i).attn
-            errors[i] = refine_layer(block.attn, old_attn, xs[i].to(p.device), old.trunk.rotary, opts, seen)
+            errors[i] = refine_layer(block.attn, old_attn, xs[i].to(p.device), old.trunk.rotary, opts, seen, rotary)
         stream = step()
     return errors
