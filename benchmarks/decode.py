@@ -12,7 +12,8 @@ the memory-bandwidth limit.
    and transformers' `generate` with its cache on the same weights (qkvlab.bench.hf_twin; its
    prefill is generate(1), its step the difference of generate(new) and generate(1); "unmeasured"
    when that difference is not positive). All timed alternately, best of rounds. Eager paths on the
-   CPU at batch <= generate.LAYOUT_MAX_BATCH (16) run with generate.decode_layout (set up inside the prefill's time).
+   CPU at batch <= layout.LAYOUT_MAX_BATCH (16) decode through the layout generate chooses (decode.choices; its
+   tree built inside the prefill's time).
    Every figure carries the 1-min load when it was printed; the run's verdict (qkvlab.base.loadavg) comes
    last; --require-quiet exits 3 on a noisy machine; --json writes the figures and the load.
    The bandwidth limit of a step reads the weights once and each row's cache at its mean fill
@@ -36,8 +37,8 @@ import torch
 
 from qkvlab.base.devices import DTYPES, torch_dtype
 from qkvlab.base.errors import UserError
+from qkvlab.base.flag_values import positive_int
 from qkvlab.base.loadavg import ScriptRun, add_options, fmt, load1
-from qkvlab.base.settings import positive_int
 from qkvlab.bench import hf_twin
 from qkvlab.decode.speed import (
     bandwidth_limit_step_s,
@@ -152,7 +153,7 @@ def decode_table(args, base: ModelConfig, rate: float, figures: dict) -> None:
 
 @torch.inference_mode()
 def step_ms(model, fill: int, steps: int, rounds: int, batch: int, mode: str) -> float:
-    from qkvlab.decode.generate import left_pad, new_cache, prefill
+    from qkvlab.decode.steps import left_pad, new_cache, prefill
 
     step, static = decode_step_fn(mode)
     prompt = torch.randint(0, model.cfg.vocab_size, (batch, fill)).tolist()

@@ -1,8 +1,8 @@
 """What dynamo's guards cost a compiled decode step of SmolLM2-135M, fp32 (issue 28).
 
 A compiled step's calls after the first of a decode run with the guards skipped, bar those that tell
-its compiled graphs apart (generate.steady). This times one compiled step (one model, one compiled
-graph, generate's decode layout held) called both ways, and generate's eager step beside them, in
+its compiled graphs apart (decode.compiled.steady). This times one compiled step (one model, one compiled
+graph, through the tree of generate's decode layout) called both ways, and generate's eager step beside them, in
 alternating rounds in one process: each round prefills a prompt of random tokens and decodes
 --new-tokens greedy tokens with every contestant; the best and the median step of each are printed,
 with the ratio per round, and the tokens of every contestant are checked equal.
@@ -25,18 +25,11 @@ from pathlib import Path
 
 import torch
 
+from qkvlab.base.flag_values import positive_int
 from qkvlab.base.loadavg import ScriptRun, add_options
-from qkvlab.base.settings import positive_int
-from qkvlab.decode.generate import (
-    DecodeLayout,
-    compiled_step,
-    decode_step,
-    left_pad,
-    new_cache,
-    prefill,
-    steady,
-    warm_up,
-)
+from qkvlab.decode.choices import model_choices
+from qkvlab.decode.compiled import compiled_step, steady, warm_up
+from qkvlab.decode.steps import decode_step, left_pad, new_cache, prefill
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_smollm2 import add_decode_options, start_decode_run  # noqa: E402  (a sibling script, not a package)
@@ -70,7 +63,7 @@ def main() -> None:
     run, src, model = start_decode_run(args, "decode_guards")
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.batch, args.prompt_len), generator=g)
-    DecodeLayout(model).hold(args.batch)  # held for the whole run, as generate holds it for a decode
+    model = model_choices(model, args.batch).decode_model(model)  # the tree generate decodes through, for the run
     cache = new_cache(model, args.batch, args.prompt_len + args.new_tokens + 1, static=True)
     compiled = compiled_step()
     print(f"  compiled in {warm_up(compiled, model, cache):.1f} s", flush=True)

@@ -18,8 +18,8 @@ import sys
 import torch
 
 from qkvlab.base.files import labelled_path
+from qkvlab.base.flag_values import positive_int
 from qkvlab.base.loadavg import ScriptRun, add_options, fmt
-from qkvlab.base.settings import positive_int
 from qkvlab.convert.load import load_any
 from qkvlab.decode.speed import best_of, cache_bytes_per_token, time_decode
 

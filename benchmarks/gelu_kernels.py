@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from qkvlab.base.flag_values import positive_int
 from qkvlab.base.loadavg import ScriptRun, add_options
-from qkvlab.base.settings import positive_int
 from qkvlab.model.transformer import GELU_ATEN_MAX
 
 SIZES = (1536, 6144, 24576, 49152, 98304, 393216, 3 * 2**20)  # elements: decode b1 / b4 / b16 ... training

@@ -279,7 +279,8 @@ def check_graphs(c: Checks):
     c.cuda_only("CUDA graphs")
     import torch._inductor.cudagraph_trees as trees
 
-    from qkvlab.decode.generate import Sampling, generate
+    from qkvlab.decode.generate import generate
+    from qkvlab.decode.sampling import Sampling
 
     records = [0]
     init = trees.CUDAGraphNode.__init__

@@ -21,8 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from qkvlab.base.flag_values import positive_int
 from qkvlab.base.loadavg import ScriptRun, add_options
-from qkvlab.base.settings import positive_int
 from train_throughput import parse_contestants  # this folder: run as a script, it is on the path
 
 HERE = Path(__file__).resolve().parent

@@ -9,7 +9,7 @@ caches), in four layouts of the same values:
   long-contiguous  the Linears with more outputs than inputs held transposed (qkvlab's layout
                    until this benchmark: same shape, other strides)
   K-major          every weight held transposed (x @ W^T with W^T contiguous)
-  blocks           generate.PackedProduct, what generate and serve use since: (P, K, N/P) blocks,
+  blocks           decode.layout.PackedProduct, what generate and serve use since: (P, K, N/P) blocks,
                    P = the thread count, one bmm whose batch the threads share
 
 Rounds alternate the order of layouts and thread counts; the best round of each is printed, with
@@ -29,9 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qkvlab.base.flag_values import positive_int
 from qkvlab.base.loadavg import ScriptRun, add_options
-from qkvlab.base.settings import positive_int
-from qkvlab.decode.generate import PackedProduct
+from qkvlab.decode.layout import PackedProduct
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LAYOUTS = ("row-major", "long-contiguous", "K-major", "blocks", "row-blocks")

@@ -21,8 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from qkvlab.base.flag_values import positive_int
 from qkvlab.base.loadavg import ScriptRun, add_options
-from qkvlab.base.settings import positive_int
 from qkvlab.model.attention import ride_key_term
 from qkvlab.model.positions import ScoreTerm2D
 

@@ -43,9 +43,9 @@ import torch
 
 import nanogpt
 from qkvlab.base.devices import cpu_has_bf16, torch_dtype
+from qkvlab.base.flag_values import positive_int
 from qkvlab.base.heap import hold_freed_memory
 from qkvlab.base.loadavg import ScriptRun, add_options
-from qkvlab.base.settings import positive_int
 from qkvlab.bench import matmul_flops_per_s, timed
 from qkvlab.model.accounting import flops_per_token
 from qkvlab.model.config import ModelConfig, preset

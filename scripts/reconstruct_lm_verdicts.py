@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from scipy import stats
 
-from qkvlab.analysis import paper_figures as pf
+from qkvlab.analysis import paper_claims as pc
 from qkvlab.analysis.intervals import Interval, MeanEstimate, mean_estimate_from
 from qkvlab.analysis.rules import VERSIONS
 from qkvlab.analysis.verdicts import (
@@ -75,7 +75,7 @@ def verdicts(version: int) -> dict[str, str]:
     rules = VERSIONS[version]
     run = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=V-K", "Q=K=V", "Id-K=V", "Q-K=V/MQA")
     out = {}
-    for claim in pf.LM_CLAIMS:
+    for claim in pc.LM_CLAIMS:
         if claim.since > version:  # a claim added later (the run had none of its variants)
             continue
         s = _Setup(("lm",), False, True, False, rules)

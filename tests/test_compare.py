@@ -192,7 +192,7 @@ def test_render_from_stored_scores_reproduces_results(tmp_path):
     scores give wider intervals; compare.json and results.md name the version scored with."""
     import shutil
 
-    from qkvlab.compare.execute import render
+    from qkvlab.compare.render import render
 
     rng = random.Random(2)
     base = preset("tiny")
@@ -486,12 +486,13 @@ def test_committed_families_rerender_from_their_scores(tmp_path, family, scores)
     import re
     from pathlib import Path
 
-    from qkvlab.compare.execute import render
+    from qkvlab.compare.render import render
 
     src = Path(__file__).resolve().parents[1] / "docs" / "results" / family
     for name in (scores, "compare.json"):
         (tmp_path / name).write_bytes((src / name).read_bytes())
-    outcome = render(tmp_path, plots=False, say=lambda *a: None)
+    scored_with = json.loads((src / "compare.json").read_text())["analysis_version"]  # a later version adds claims
+    outcome = render(tmp_path, scored_with, plots=False, say=lambda *a: None)
     assert outcome.from_scores
 
     def text(path):  # without the plots section (not drawn here) and the line saying where scores came from

@@ -1,5 +1,5 @@
 """`qkvlab compare`'s worker processes die with it: a SIGKILLed compare leaves nothing training and
-no run folder locked (compare.execute._die_with_parent)."""
+no run folder locked (compare.workers.die_with_parent)."""
 
 from __future__ import annotations
 

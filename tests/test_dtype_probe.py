@@ -1,6 +1,6 @@
-"""Training's `auto` dtype on the CPU is decided by timing (qkvlab.decode.dtype_probe): the decision
-rule with fake timings, the cache per machine and shape class, the record a run keeps. Nothing here
-asserts a speed."""
+"""Training's and inference's `auto` dtype on the CPU is decided by timing (qkvlab.decode.dtype_probe): the
+decision rule with fake timings, the cache per machine and shape class, the record a run keeps, the real
+timers' ways (each called, never timed for a figure). Nothing here asserts a speed."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
+from conftest import FakeClock, fake_timer
 from qkvlab.base.devices import cpu_has_bf16, cpu_name, dtype_name
-from qkvlab.base.measured import MIN_NOISE, PROBE_FILE, choose
+from qkvlab.base.measured import DECISIONS_FILE, MIN_NOISE, Timer, alternate, choose
 from qkvlab.decode import dtype_probe
 from qkvlab.decode.dtype_probe import ShapeClass, autocast_dtype, cpu_autocast
 from qkvlab.model.config import ModelConfig
@@ -21,18 +22,16 @@ def dtype_probe_fixed():
     """This file tests the real probe: conftest's fixed answer is switched off."""
 
 
-def fake(fp32: float, bf16: float, spread: float = 0.0, calls: list | None = None):
-    """A timer: five rounds each, the best `fp32`/`bf16` seconds, the others `spread` above."""
+def fake(clock: FakeClock, fp32: float, bf16: float, calls: list | None = None):
+    """The probe's ways on a fake clock: a step of `fp32` / `bf16` seconds; `calls` lists the shapes
+    the ways were built for (a measurement, or a cached decision's check)."""
 
-    def measure(shape):
+    def ways(shape):
         if calls is not None:
             calls.append(shape)
-        return {
-            "fp32": [fp32 * (1 + spread * (i > 0)) for i in range(5)],
-            "bf16": [bf16 * (1 + spread * (i > 0)) for i in range(5)],
-        }
+        return clock.ways(fp32=fp32, bf16=bf16)
 
-    return measure
+    return ways
 
 
 def decide(fp32: list[float], bf16: list[float]) -> tuple[str, float]:
@@ -53,47 +52,42 @@ def test_bf16_only_when_faster_than_fp32_by_more_than_the_noise():
 
 
 def test_a_decision_is_measured_once_per_machine_and_shape_class_and_says_its_figures(tmp_path):
-    cache, calls = tmp_path / "probe.json", []
+    cache, clock, calls = tmp_path / DECISIONS_FILE, FakeClock(), []
+    timer = fake_timer(clock)
     cfg = ModelConfig(d_model=256, n_head=4, vocab_size=1024, context=128)
-    first = cpu_autocast(cfg, 16 * 128, measure=fake(0.2, 0.1, calls=calls), cache=cache)
+    first = cpu_autocast(cfg, 16 * 128, ways=fake(clock, 0.2, 0.1, calls), timer=timer, cache=cache)
     assert (first.dtype, first.source, first.fp32_ms, first.bf16_ms) == ("bf16", "measured now", 200.0, 100.0)
     assert first.speedup == pytest.approx(2.0) and first.machine.startswith(cpu_name())
     line = first.describe()
     assert "bf16" in line and "2.00x" in line and first.shape in line and "\n" not in line
-    again = cpu_autocast(cfg, 16 * 128, measure=fake(0.1, 0.2, calls=calls), cache=cache)
-    assert (again.dtype, again.source, len(calls)) == ("bf16", "cached", 1)  # not measured again
+    again = cpu_autocast(cfg, 16 * 128, ways=fake(clock, 0.2, 0.1, calls), timer=timer, cache=cache)
+    assert (again.dtype, again.source) == ("bf16", "cached")  # checked, not measured again
     assert again.record() == first.record() and "source" not in first.record()
     # every variant of one size shares the decision: scheme, kv heads, MLP width, depth are not timed
-    for other in (
-        cfg.replace(attn="Q-K=V", kv_heads=1),
-        cfg.replace(mlp_hidden=1500, n_layer=6),
-    ):
-        assert cpu_autocast(other, 16 * 128, measure=fake(1, 1, calls=calls), cache=cache).dtype == "bf16"
-    assert len(calls) == 1
+    for other in (cfg.replace(attn="Q-K=V", kv_heads=1), cfg.replace(mlp_hidden=1500, n_layer=6)):
+        got = cpu_autocast(other, 16 * 128, ways=fake(clock, 1, 1, calls), timer=timer, cache=cache)
+        assert (got.dtype, got.source, got.shape) == ("bf16", "cached", first.shape)  # a tie contradicts nothing
+    assert {s.key for s in calls} == {first.shape}
     # another width, or this machine at another thread count: measured anew
-    assert cpu_autocast(cfg.replace(d_model=64), 2048, measure=fake(0.1, 0.2, calls=calls), cache=cache).dtype == "fp32"
+    narrow = cpu_autocast(cfg.replace(d_model=64), 2048, ways=fake(clock, 0.1, 0.2), timer=timer, cache=cache)
+    assert (narrow.dtype, narrow.source) == ("fp32", "measured now")
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if before != 1 else 2)
-        cpu_autocast(cfg, 16 * 128, measure=fake(0.1, 0.2, calls=calls), cache=cache)
+        other = cpu_autocast(cfg, 16 * 128, ways=fake(clock, 0.1, 0.2), timer=timer, cache=cache)
     finally:
         torch.set_num_threads(before)
-    assert len(calls) == 3
+    assert (other.dtype, other.source) == ("fp32", "measured now")
     saved = json.loads(cache.read_text())
     assert len(saved) == 2 and all(len(shapes) >= 1 for shapes in saved.values())
 
 
-def test_a_damaged_or_unwritable_cache_only_costs_a_measurement(tmp_path):
-    cfg, calls = ModelConfig(d_model=64, n_head=4, vocab_size=256, context=64), []
-    damaged = tmp_path / "probe.json"
-    damaged.write_text("{not json")
-    assert cpu_autocast(cfg, 512, measure=fake(0.1, 0.2, calls=calls), cache=damaged).dtype == "fp32"
-    assert json.loads(damaged.read_text())  # replaced by a good one
-    (tmp_path / "file").write_text("x")
-    unwritable = tmp_path / "file" / "probe.json"  # its folder is a file
-    for _ in range(2):
-        assert cpu_autocast(cfg, 512, measure=fake(0.2, 0.1, calls=calls), cache=unwritable).dtype == "bf16"
-    assert len(calls) == 3 and (tmp_path / "file").read_text() == "x"
+def test_a_busy_machine_decides_this_run_only(tmp_path):
+    cache, clock = tmp_path / DECISIONS_FILE, FakeClock()
+    cfg = ModelConfig(d_model=64, n_head=4, vocab_size=256, context=64)
+    busy = cpu_autocast(cfg, 512, ways=fake(clock, 0.2, 0.1), timer=fake_timer(clock, load=4.0), cache=cache)
+    assert busy.dtype == "bf16" and "not cached: machine busy" in busy.source and not cache.exists()
+    assert "not cached: machine busy" in busy.describe()
 
 
 def test_shape_classes_are_capped_so_the_probe_stays_short():
@@ -106,21 +100,27 @@ def test_shape_classes_are_capped_so_the_probe_stays_short():
 
 def test_only_auto_on_the_cpu_is_timed(monkeypatch, tmp_path):
     monkeypatch.setenv("QKVLAB_CACHE", str(tmp_path))
-    monkeypatch.setattr(dtype_probe, "time_rounds", fake(0.2, 0.1))
+    clock, real = FakeClock(), dtype_probe.cpu_autocast
+    timed = lambda cfg, rows: real(cfg, rows, ways=fake(clock, 0.2, 0.1), timer=fake_timer(clock))  # noqa: E731
+    monkeypatch.setattr(dtype_probe, "cpu_autocast", timed)
     cfg = ModelConfig(d_model=64, n_head=4)
     assert autocast_dtype("auto", "cuda", cfg, 64) == ("bf16", None)
     assert autocast_dtype("fp32", "cpu", cfg, 64) == ("fp32", None)  # an explicit choice stands
     assert autocast_dtype("bfloat16", "cpu", cfg, 64) == ("bf16", None)
     assert autocast_dtype("auto", "mps", cfg, 64) == ("fp32", None)
+    assert clock.calls == {}  # nothing timed so far
     dtype, decision = autocast_dtype("auto", "cpu", cfg, 64)
-    assert dtype == decision.dtype == "bf16" and (tmp_path / PROBE_FILE).is_file()
+    assert dtype == decision.dtype == "bf16" and (tmp_path / DECISIONS_FILE).is_file()
     assert dtype_name("auto", device_type="cpu") == "fp32"  # weights and caches (generate, serve): unchanged
 
 
-def test_the_timer_times_both_dtypes_in_rounds(one_thread):
-    times = dtype_probe.time_rounds(ShapeClass(d_model=32, n_head=2, vocab=64, T=8, batch=2), rounds=3)
-    fp32, bf16 = times["fp32"], times["bf16"]
-    assert list(times) == ["fp32", "bf16"] and len(fp32) == len(bf16) == 3 and min(fp32) > 0 and min(bf16) > 0
+def test_the_real_training_step_runs_both_ways_in_rounds(one_thread):
+    """The real ways (a forward and backward of one block and the head) under the real clock: rounds
+    of both, positive times; a figure of nothing."""
+    ways = dtype_probe.training_ways(ShapeClass(d_model=32, n_head=2, vocab=64, T=8, batch=2))
+    rounds = alternate(ways, Timer(min_round_s=0.001, min_rounds=3, max_rounds=3))
+    fp32, bf16 = rounds.times["fp32"], rounds.times["bf16"]
+    assert list(ways) == ["fp32", "bf16"] and len(fp32) == len(bf16) == 3 and min(fp32) > 0 and min(bf16) > 0
 
 
 def test_the_cpu_flags_describe_the_machine_and_decide_nothing():
@@ -133,30 +133,33 @@ def test_the_cpu_flags_describe_the_machine_and_decide_nothing():
 def test_inference_auto_times_a_decode_step_per_batch_and_caches_each(tmp_path):
     """generate/serve's `auto` on the CPU: bf16 weights when they win at one batch beyond the noise
     and lose at none; each batch's figures cached apart from training's under decode keys."""
-    cache, calls = tmp_path / "probe.json", []
+    cache, clock, calls = tmp_path / DECISIONS_FILE, FakeClock(), []
+    timer = fake_timer(clock)
     cfg = ModelConfig(attn="Q-K-V", kv_heads=2, d_model=64, n_head=4, vocab_size=256, context=64, mlp="swiglu")
     timings = {1: (0.010, 0.010), 16: (0.040, 0.020)}  # a tie at batch 1, bf16 2x at 16
 
-    def measure(shape):
+    def ways(shape):
         calls.append(shape)
         fp32, bf16 = timings[shape.batch]
-        return {"fp32": [fp32] * 5, "bf16": [bf16] * 5}
+        return clock.ways(fp32=fp32, bf16=bf16)
 
-    both = dtype_probe.cpu_decode_dtype(cfg, (1, 16), measure=measure, cache=cache)
+    both = dtype_probe.cpu_decode_dtype(cfg, (1, 16), ways=ways, timer=timer, cache=cache)
     assert both.dtype == "bf16" and both.step == "decode" and both.source == "measured now"
     assert both.shape.startswith("decode-Q-K-V-d64-h4-kv2-swiglu") and both.shape.endswith("-b1+16")
     assert "decode step" in both.describe() and "bf16 weights" in both.describe()
     assert both.record()["step"] == "decode"
     assert [s.batch for s in calls] == [1, 16]
-    assert dtype_probe.cpu_decode_dtype(cfg, (1,), measure=measure, cache=cache).dtype == "fp32"  # a tie: fp32
-    again = dtype_probe.cpu_decode_dtype(cfg, (16, 1), measure=measure, cache=cache)
-    assert again.source == "cached" and again.dtype == "bf16" and len(calls) == 2  # never measured again
+    one = dtype_probe.cpu_decode_dtype(cfg, (1,), ways=ways, timer=timer, cache=cache)
+    assert (one.dtype, one.source) == ("fp32", "cached")  # a tie: fp32
+    again = dtype_probe.cpu_decode_dtype(cfg, (16, 1), ways=ways, timer=timer, cache=cache)
+    assert again.source == "cached" and again.dtype == "bf16"  # checked, never measured again
     timings[1] = (0.010, 0.020)  # bf16 loses at batch 1: fp32, whatever it gains at 16
-    assert dtype_probe.cpu_decode_dtype(cfg, (1, 16), measure=measure, cache=tmp_path / "b.json").dtype == "fp32"
+    other = dtype_probe.cpu_decode_dtype(cfg, (1, 16), ways=ways, timer=timer, cache=tmp_path / "b.json")
+    assert other.dtype == "fp32"
     saved = json.loads(cache.read_text())
     assert all(k.startswith("decode-") for shapes in saved.values() for k in shapes)
     # a training decision's record is as it always was (no "step")
-    train = cpu_autocast(cfg, 512, measure=fake(0.2, 0.1), cache=cache)
+    train = cpu_autocast(cfg, 512, ways=fake(clock, 0.2, 0.1), timer=timer, cache=cache)
     assert "step" not in train.record() and "training step" in train.describe()
     assert dtype_probe.inference_dtype("fp32", "cpu", cfg, (1,)) == ("fp32", None)
     assert dtype_probe.inference_dtype("auto", "cuda", cfg, (1,)) == ("bf16", None)
@@ -182,10 +185,12 @@ def test_inference_dtype_probes_for_auto_on_the_cpu_only(monkeypatch):
 
 
 def test_the_decode_probe_times_a_real_step_and_stays_small():
-    """The real timer on a tiny model: a few rounds each way, positive times; the probe's depth is capped."""
+    """The real ways on a tiny model (each call one step at the same cache fill, however often a round
+    repeats it): a few rounds each, positive times; the probe's depth is capped."""
     cfg = ModelConfig(d_model=32, n_head=4, vocab_size=128, context=256, n_layer=12, pos="rope")
     shape = dtype_probe.DecodeShape.of(cfg, 2)
     assert shape.layers == dtype_probe.DECODE_LAYERS and shape.batch == 2
-    times = dtype_probe.time_decode_rounds(shape, cfg, rounds=2)
-    fp32, bf16 = times["fp32"], times["bf16"]
+    ways = dtype_probe.decode_ways(shape, cfg)
+    rounds = alternate(ways, Timer(min_round_s=0.001, min_rounds=2, max_rounds=2))
+    fp32, bf16 = rounds.times["fp32"], rounds.times["bf16"]
     assert len(fp32) == len(bf16) == 2 and min(fp32) > 0 and min(bf16) > 0

@@ -102,7 +102,7 @@ def test_results_md_has_the_grid_section_only_for_a_grid():
 
 
 def test_grid_plot_draws_every_cell(tmp_path):
-    from qkvlab.analysis.scaling_report import plot_grid
+    from qkvlab.analysis.scaling_plots import plot_grid
 
     path = plot_grid(analyse(_runs(KNOWN)), tmp_path / "grid_gaps.png")
     assert path.stat().st_size > 10_000

@@ -14,7 +14,7 @@ import pytest
 from safetensors import SafetensorError
 
 from qkvlab import cli
-from qkvlab.base.errors import UserError, as_user_error
+from qkvlab.base.errors import UserError, as_user_error, mount_point
 from qkvlab.base.files import atomic_dir, atomic_file, atomic_path
 
 DISK_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"  # safetensors' words
@@ -98,19 +98,118 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_good_one_and_resume_continue
     out = tmp_path / "run"
     args = [*TRAIN, "--data", str(plays_file), "--out", str(out), "--max-steps", "4"]
     assert cli.main(args) == 2
-    one_line_error(capsys, "no space left on the device (needs about", "MB", "--resume")
+    one_line_error(
+        capsys,
+        f"{out / 'checkpoint'}: no space left on the device (needs about",
+        f"MB free on {mount_point(out)})",  # the free space of the checkpoint's own filesystem
+        f"free some room, then run `qkvlab train --out {out} --resume` (it continues from the checkpoint at step 2)",
+    )
     assert json.loads((find_checkpoint(out) / "state.json").read_text())["step"] == 2
     monkeypatch.setattr(ck, "save_file", real)
+    assert cli.main(args) == 2  # the plain re-run after freeing room says exactly what the line said
+    one_line_error(capsys, "holds a training run (checkpoint at step 2); pass --resume to continue it")
     assert cli.main([*args, "--resume"]) == 0
     assert json.loads((find_checkpoint(out) / "state.json").read_text())["step"] == 4
+
+    # a plain write that fills the disk (no file name in the OSError), during a resumed run
+    calls.clear()
+    monkeypatch.setattr(ck, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    assert cli.main([*args, "--max-steps", "6", "--resume"]) == 2
+    one_line_error(
+        capsys,
+        f"{out / 'checkpoint'}: no space left",
+        "then run the same command again (it continues from the checkpoint at step 4)",
+    )
+    monkeypatch.setattr(ck, "save_file", real)
 
     # full at the very first checkpoint: OUT is removed, so a plain re-run starts it
     calls.clear()
     monkeypatch.setattr(ck, "save_file", lambda *a, **k: (_ for _ in ()).throw(SafetensorError(DISK_FULL)))
     fresh = [*TRAIN, "--data", str(plays_file), "--out", str(tmp_path / "fresh"), "--max-steps", "2"]
     assert cli.main(fresh) == 2
-    one_line_error(capsys, "no space left")
+    one_line_error(capsys, "no space left", "then run the same command again (no checkpoint was kept")
     assert not (tmp_path / "fresh").exists()
+
+
+class _FillsUp:
+    """A token file whose writes fail with ENOSPC (no file name, as a write(2) reports it) once
+    `room` bytes are written."""
+
+    def __init__(self, f, room: int):
+        self._f, self.room = f, room
+
+    def write(self, data):
+        self.room -= len(data)
+        if self.room < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def test_a_full_cache_while_tokenizing_names_the_file_its_filesystem_and_the_rerun(
+    plays_file, tmp_path, monkeypatch, capsys
+):
+    from qkvlab.base import errors
+    from qkvlab.data import token_writer
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("QKVLAB_CACHE", str(cache))
+    real_open, real_usage = open, errors.shutil.disk_usage
+    monkeypatch.setattr(token_writer, "open", lambda p, mode: _FillsUp(real_open(p, mode), 20_000), raising=False)
+
+    def usage(path):  # the cache's filesystem has 12.3 MB free, every other one plenty
+        free = 12_300_000 if str(path).startswith(str(tmp_path)) else 999_000_000_000
+        return real_usage(path)._replace(free=free)
+
+    monkeypatch.setattr(errors.shutil, "disk_usage", usage)
+    out = tmp_path / "run"
+    args = [*TRAIN, "--data", str(plays_file), "--out", str(out), "--max-steps", "2"]
+    assert cli.main(args) == 2
+    err = one_line_error(
+        capsys, "/train.bin: no space left on the device (12.3 MB free on", "then run the same command again"
+    )
+    assert err.split(": error: ")[1].startswith(str(cache / "prepared"))
+    assert "the tokens written up to the last progress.json are kept" in err
+    assert not out.exists()  # the run had no checkpoint: nothing left that a plain re-run would refuse
+    monkeypatch.setattr(token_writer, "open", real_open, raising=False)
+    assert cli.main(args) == 0  # the plain re-run, once there is room
+
+
+def test_a_full_disk_during_retrofit_says_resume_once_out_holds_a_retrofit(tmp_path, monkeypatch, capsys):
+    import qkvlab.retrofit.workflow as rf
+    from qkvlab.data.tokenizer import BPETokenizer
+    from qkvlab.model.config import preset
+    from qkvlab.model.folder import save_model
+    from qkvlab.model.transformer import GPT
+
+    text = "the quick brown fox jumps over the lazy dog. " * 400
+    (tmp_path / "t.txt").write_text(text)
+    tok = BPETokenizer.train([text], 300)
+    cfg = preset("tiny", vocab_size=tok.vocab_size)
+    save_model(tmp_path / "m", GPT(cfg), cfg)
+    tok.save(tmp_path / "m" / "tokenizer")
+    out = tmp_path / "rf"
+    argv = ["retrofit", str(tmp_path / "m"), str(out), "--data", str(tmp_path / "t.txt"), "--steps", "0", "--quiet",
+            "--calib-tokens", "256", "--eval-tokens", "256", "--refine-steps", "2"]  # fmt: skip
+
+    def full(folder, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.safetensors"))
+
+    real = rf.write_model_files
+    monkeypatch.setattr(rf, "write_model_files", full)
+    assert cli.main(argv) == 2
+    one_line_error(
+        capsys,
+        f"{out / 'fit'}/model.safetensors: no space left",
+        f"free on {mount_point(out)}",
+        "then run the same command with --resume",
+    )
+    monkeypatch.setattr(rf, "write_model_files", real)
+    assert cli.main(argv) == 2  # a plain re-run is refused, saying what the line said
+    one_line_error(capsys, "holds a retrofit; pass --resume to continue it")
+    assert cli.main([*argv, "--resume"]) == 0
 
 
 def _read_only_under(monkeypatch, root: pathlib.Path) -> None:
@@ -139,6 +238,23 @@ def test_a_read_only_out_or_cache_is_one_line(plays_file, tmp_path, monkeypatch,
     assert not out.exists()  # nothing left that a plain re-run would refuse
 
 
+def damaged_page(path: pathlib.Path, groups: int) -> pathlib.Path:
+    """A snappy parquet file of `groups` row groups of 700 rows whose last data page has bytes flipped
+    mid-page: its footer and schema read fine, the page does not decompress."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"document {i} " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(700 * groups)]
+    pq.write_table(pa.table({"text": texts}), path, compression="snappy", use_dictionary=False, row_group_size=700)
+    column = pq.ParquetFile(path).metadata.row_group(groups - 1).column(0)
+    data = bytearray(path.read_bytes())
+    middle = column.data_page_offset + column.total_compressed_size // 2
+    for i in range(middle, middle + 64):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
 def test_prepare_refuses_bad_sources_in_one_line_and_leaves_no_folder(tmp_path, capsys):
     pytest.importorskip("pyarrow")
     corrupt = tmp_path / "corrupt.parquet"
@@ -153,6 +269,14 @@ def test_prepare_refuses_bad_sources_in_one_line_and_leaves_no_folder(tmp_path, 
     tiny.write_text("ab")
     cases = [
         (corrupt, "not a readable parquet file (Parquet magic bytes not found"),
+        (
+            damaged_page(tmp_path / "page.parquet", groups=1),
+            "not a readable parquet file (Corrupt snappy compressed data.",
+        ),
+        (
+            damaged_page(tmp_path / "later.parquet", groups=3),
+            "damaged after row 1,024 (Corrupt snappy compressed data.",
+        ),
         (fifo, "is not a regular file or a folder"),
         (numbers, "has a 'text' that is a JSON int (12345), not a string"),
         (tiny, "is too small"),  # refused at the end, after the tokenizer and bins were written

@@ -3,39 +3,23 @@ sampling, cache bytes, the transformers twin, and the generate/bench command lin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from conftest import SCHEMES
 from qkvlab.base.errors import UserError
 from qkvlab.base.measured import MIN_NOISE
 from qkvlab.bench import BenchConfig, hf_twin, variant_configs
 from qkvlab.cli import main
-from qkvlab.decode.generate import (
-    FINISHED,
-    LAYOUT_MAX_BATCH,
-    LAYOUT_ROWS_MAX_BATCH,
-    DecodeLayout,
-    PackedProduct,
-    Sampling,
-    compiled_step,
-    decode_layout,
-    decode_step,
-    filter_logits,
-    generate,
-    left_pad,
-    new_cache,
-    next_token,
-    prefill,
-    steady,
-    stream,
-)
+from qkvlab.decode import compiled
+from qkvlab.decode.choices import decode_choices, model_choices
+from qkvlab.decode.compiled import compiled_step, steady
+from qkvlab.decode.generate import FINISHED, generate, stream
+from qkvlab.decode.sampling import Sampling, filter_logits, next_token
+from qkvlab.decode.steps import decode_step, left_pad, new_cache, prefill
 from qkvlab.model.accounting import kv_cache_bytes_per_token
 from qkvlab.model.cache import KVCache
 from qkvlab.model.config import ModelConfig
@@ -99,10 +83,14 @@ def make_model(cfg: ModelConfig, dtype=torch.float64, seed: int = 0) -> GPT:
 def decode_batched(model, prompts, cont, *, static=False, step=decode_step, spare=0, layout=False):
     """Prefill the left-padded prompts, then feed cont (B, N) one token per step ->
     logits (B, N+1, V): after the prompt, then after each fed token. spare: unused cache slots.
-    layout: under generate.decode_layout (Linear products in blocks), as eager CPU generate runs."""
+    layout: through the tree of the layout generate chooses (Linear products in blocks), as eager CPU
+    generate runs."""
     batch = left_pad(prompts)
     cache = new_cache(model, len(prompts), batch.idx.shape[1] + cont.shape[1] + spare, static=static)
-    with torch.inference_mode(), decode_layout(model, len(prompts)) if layout else contextlib.nullcontext():
+    if layout:
+        model = model_choices(model, len(prompts)).decode_model(model)
+        assert model.lm_head.__class__.__name__ == "PackedLinear"
+    with torch.inference_mode():
         out = [prefill(model, cache, batch)]
         pos = batch.lengths.clone()
         for t in range(cont.shape[1]):
@@ -174,11 +162,9 @@ def test_static_step_compiles_once_per_batch_and_cache_length():
 def test_stream_compiles_ahead_and_reports_once(monkeypatch):
     """compile=True: the step is compiled before the prompt is read, the time reported once, and the
     tokens equal the eager dynamic path's (dynamo with its eager backend stands in for inductor)."""
-    import qkvlab.decode.generate as gen
-
     torch._dynamo.reset()
     monkeypatch.setitem(
-        gen._COMPILED, ("default", False, "cpu"), torch.compile(decode_step, backend="eager", dynamic=False)
+        compiled._COMPILED, ("default", False, "cpu"), torch.compile(decode_step, backend="eager", dynamic=False)
     )
     model = make_model(cfg_for("Q-K-V", "learned", 2), dtype=torch.float32)
     prompts = [[3, 1, 4, 1, 5], [9, 2]]
@@ -194,73 +180,26 @@ def test_stream_compiles_ahead_and_reports_once(monkeypatch):
         stream(model, prompts, 3, compile="fastest")
 
 
-def test_decode_layout_computes_every_linear_in_blocks_and_puts_the_modules_back():
-    model = make_model(cfg_for("Q-K=V", "learned", tie_embeddings=True), dtype=torch.float32)
-    before = {n: (p, p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    with decode_layout(model, 1):
-        assert all(isinstance(vars(m).get("forward"), PackedProduct) for m in linears)
-        assert model.lm_head.forward.blocks.is_contiguous()
-        got = generate(model, [[1, 2, 3]], 5, Sampling(temperature=0), static=False)
-        for n, p in model.named_parameters():  # the parameters themselves untouched
-            assert p is before[n][0] and p.data_ptr() == before[n][1]
-    assert all("forward" not in vars(m) for m in linears)
-    for n, p in model.named_parameters():
-        param, ptr, values = before[n]
-        assert p is param and p.data_ptr() == ptr and torch.equal(p, values)
-    assert got == generate(model, [[1, 2, 3]], 5, Sampling(temperature=0), static=True)
-    with decode_layout(model, LAYOUT_MAX_BATCH + 1):  # a larger batch of rows: nothing changes
-        assert all("forward" not in vars(m) for m in linears)
-
-
-@pytest.mark.parametrize("parts", [1, 2, 3, 4])
-@pytest.mark.parametrize("lead", [(1,), (3,), (2, 1), (1, 4), (5,)], ids=str)
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("order", ["rows", "columns"])
-def test_packed_product_equals_the_linear(parts, lead, bias, order):
-    """fp64, random weights and inputs: both block orders, every split (3 does not divide 8 outputs:
-    one block) and 1-5 rows (5 > max_rows: the Linear's own product) give F.linear's values to 1e-12."""
-    torch.manual_seed(parts)
-    lin = nn.Linear(6, 8, bias=bias).double()
-    x = torch.randn(*lead, 6, dtype=torch.float64)
-    product = PackedProduct(lin, parts, max_rows=4, order=order)
-    assert product.parts == (parts if 8 % parts == 0 else 1)
-    got = product(x)
-    assert got.shape == (*lead, 8)
-    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=0, atol=1e-12)
-    # laid out row by row: a last dimension of stride 1 is what SDPA's CPU flash kernel takes (the
-    # heads of q, k and v are views of this output)
-    assert got.is_contiguous()
-    with pytest.raises(ValueError, match="order='diagonal'"):
-        PackedProduct(lin, parts, order="diagonal")
-
-
-def test_decode_layout_block_order_follows_the_batch():
-    model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
-    for batch, order in ((1, "rows"), (LAYOUT_ROWS_MAX_BATCH, "rows"), (LAYOUT_ROWS_MAX_BATCH + 1, "columns")):
-        with decode_layout(model, batch):
-            orders = {m.forward.order for m in model.modules() if isinstance(m, nn.Linear)}
-        assert orders == {order}, batch
-
-
-def test_decode_layout_leaves_bf16_weights_as_they_are_and_holds_once():
-    """bf16's matrix-vector product is the faster as it is (generate.LAYOUT_DTYPES); holding twice packs once."""
-    model = make_model(cfg_for("Q-K-V"), dtype=torch.bfloat16)
-    with decode_layout(model, 1):
-        assert all("forward" not in vars(m) for m in model.modules())
-    model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
-    layout = DecodeLayout(model, parts=2)
-    layout.hold()
-    products = {id(m): m.forward for m in model.modules() if isinstance(m, nn.Linear)}
-    layout.hold()
-    assert layout.held and {id(m): m.forward for m in model.modules() if isinstance(m, nn.Linear)} == products
-    assert all(p.parts == 2 for p in products.values())
-    layout.release()
-    assert not layout.held and all("forward" not in vars(m) for m in model.modules())
+def test_generate_decodes_as_the_choices_passed_in_say_and_refuses_choices_for_another_dtype():
+    """Choices are values: the same tokens whatever layout they name (fp64: the products agree to
+    1e-12), the model's own modules never replaced; choices made for bf16 refuse an fp64 model."""
+    model = make_model(cfg_for("Q-K=V", "rope", 2))
+    modules = {n: (m, dict(vars(m))) for n, m in model.named_modules()}
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    want = generate(model, prompts, 8, Sampling(temperature=0.0))
+    for layout in ("stored", "rows", "columns", "kmajor"):
+        choices = decode_choices(model.cfg, dtype="fp64", layout=layout, batch=2, parts=2)
+        assert (choices.layout, choices.layout_source, choices.layout_decision) == (layout, "as set", None)
+        assert generate(model, prompts, 8, Sampling(temperature=0.0), choices=choices) == want
+    assert {n: (m, dict(vars(m))) for n, m in model.named_modules()} == modules
+    with pytest.raises(UserError, match="decode choices made for bf16 weights, but the model's are fp64"):
+        stream(model, prompts, 3, choices=decode_choices(model.cfg, dtype="bf16", batch=2))
+    with pytest.raises(UserError, match="decode layout 'diagonal' is not one of auto, stored, rows"):
+        decode_choices(model.cfg, dtype="fp64", layout="diagonal")
 
 
 def test_prefill_updates_next_pos_in_place():
-    """CUDA graphs hold the address of every cache tensor (generate.warm_up marks them static): a
+    """CUDA graphs hold the address of every cache tensor (compiled.warm_up marks them static): a
     prefill that replaced next_pos would make the first step after it re-record the graph."""
     model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
     cache = new_cache(model, 2, 12, static=True)
@@ -273,7 +212,7 @@ def test_prefill_updates_next_pos_in_place():
 
 
 def test_steady_skips_the_guards_of_a_compiled_step_only_and_generate_calls_it_after_the_first_step():
-    """generate.steady: the eager step is itself; any other step runs under skip_guard_eval_unsafe, and
+    """compiled.steady: the eager step is itself; any other step runs under skip_guard_eval_unsafe, and
     generate's loop calls the step itself first (guards checked) and the steady one after it."""
     import qkvlab.decode.generate as gen
 
@@ -291,12 +230,10 @@ def test_steady_skips_the_guards_of_a_compiled_step_only_and_generate_calls_it_a
 
 
 def test_a_failing_compiler_falls_back_to_eager_with_one_line(monkeypatch, capsys):
-    import qkvlab.decode.generate as gen
-
     def broken(*args, **kwargs):
         raise RuntimeError("inductor: no working C compiler\nsecond line")
 
-    monkeypatch.setitem(gen._COMPILED, ("reduce-overhead", False, "cpu"), broken)
+    monkeypatch.setitem(compiled._COMPILED, ("reduce-overhead", False, "cpu"), broken)
     model = make_model(cfg_for("Q-K-V"), dtype=torch.float32)
     reports = []
     got = generate(
@@ -577,19 +514,17 @@ def test_cli_generate_with_saved_char_tokenizer_and_ids(model_dir, tmp_path, cap
 
 
 def test_cli_generate_compile_reports_once(model_dir, capsys, monkeypatch):
-    import qkvlab.decode.generate as gen
-
     torch._dynamo.reset()
     monkeypatch.setitem(
-        gen._COMPILED, ("default", False, "cpu"), torch.compile(decode_step, backend="eager", dynamic=False)
+        compiled._COMPILED, ("default", False, "cpu"), torch.compile(decode_step, backend="eager", dynamic=False)
     )
     argv = ["generate", str(model_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--temperature", "0"]
     assert main([*argv, "--compile"]) == 0
-    compiled = capsys.readouterr()
-    assert compiled.err.count("compiled the decode step") == 1
+    ahead = capsys.readouterr()
+    assert ahead.err.count("compiled the decode step") == 1
     assert main(argv) == 0  # auto: off on a CPU
     eager = capsys.readouterr()
-    assert "compiled" not in eager.err and eager.out == compiled.out
+    assert "compiled" not in eager.err and eager.out == ahead.out
 
 
 def bf16_probe(calls: list):
@@ -760,45 +695,3 @@ def test_bench_auto_dtype_on_the_cpu_follows_the_decode_probe(tmp_path, decode_p
     assert main([*args, "--dtype", "fp32", "--json", str(tmp_path / "fp32.json")]) == 0
     fixed = json.loads((tmp_path / "fp32.json").read_text())
     assert fixed["dtype"] == "fp32" and fixed["decode_dtype_probe"] is None and asked == [(1, 2)]
-
-
-def test_a_large_models_layout_is_chosen_by_timing_and_may_be_the_weights_as_stored(monkeypatch, tmp_path):
-    """Past LAYOUT_PROBE_MIN_BYTES of weights the order comes from layout_by_timing (measured once a
-    machine and key, cached on disk and in the process); when the weights as stored win, hold packs
-    nothing yet counts as held; outputs stay equal whatever is chosen."""
-    import qkvlab.decode.generate as gen
-    from qkvlab.base import measured
-
-    monkeypatch.setattr(measured, "probe_path", lambda: tmp_path / "probe.json")
-    monkeypatch.setattr(gen, "LAYOUT_PROBE_MIN_BYTES", 0)
-    monkeypatch.setattr(gen, "LAYOUT_PROBE_BYTES", 1 << 16)
-    monkeypatch.setattr(gen, "layout_decisions", {})
-    model = make_model(cfg_for("Q-K-V"), dtype=torch.float64)
-    x = torch.randint(0, model.cfg.vocab_size, (2, 9))
-    want = model(x)[0]
-    with decode_layout(model, 2):
-        orders = {getattr(vars(m).get("forward"), "order", None) for m in model.modules() if isinstance(m, nn.Linear)}
-        assert len(orders) == 1 and orders <= {None, "rows", "columns"}
-        torch.testing.assert_close(model(x)[0], want, rtol=0, atol=1e-12)
-    ((key, entry),) = gen.layout_decisions.items()
-    assert key.startswith(f"layout-float64-cpu-r2-p{torch.get_num_threads()}-") and entry["source"] == "measured now"
-    assert entry["default"] == "rows" and set(entry["ms"]) == {"stored", "rows", "columns", "kmajor"}
-    saved = json.loads((tmp_path / "probe.json").read_text())
-    assert [key] == [k for shapes in saved.values() for k in shapes]
-    gen.layout_decisions.clear()  # a new process: the machine's cache answers, nothing is timed again
-    with decode_layout(model, 2):
-        pass
-    assert gen.layout_decisions[key]["source"] == "cached"
-    for chosen in ("stored", "columns", "kmajor"):
-        gen.layout_decisions.clear()
-        layout = DecodeLayout(model, parts=2)
-        key2 = f"layout-float64-cpu-r2-p2-{key.split('-p', 1)[1].split('-', 1)[1]}"
-        gen.layout_decisions[key2] = {**entry, "choice": chosen}
-        layout.hold(2)
-        assert list(gen.layout_decisions) == [key2]  # the key names the weights' shapes, not only the rows
-        assert layout.held and bool(layout.packed) == (chosen != "stored")
-        packed = {(m.forward.order, m.forward.parts) for m in layout.packed}
-        assert packed <= {"columns": {("columns", 2)}, "kmajor": {("columns", 1)}}.get(chosen, set())
-        torch.testing.assert_close(model(x)[0], want, rtol=0, atol=1e-12)
-        layout.release()
-        assert not layout.held and all("forward" not in vars(m) for m in model.modules())

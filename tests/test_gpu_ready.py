@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from conftest import PLUS_SCHEMES, SCHEMES
 from qkvlab.base.devices import select_device
 from qkvlab.base.errors import UserError
-from qkvlab.decode.generate import decode_step, left_pad, new_cache, prefill
+from qkvlab.decode.steps import decode_step, left_pad, new_cache, prefill
 from qkvlab.model.attention import Attention, _sdpa
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.positions import apply_rotary, encoding_2d

@@ -114,7 +114,7 @@ def test_per_layer_saves_what_it_should():
 @pytest.mark.parametrize("kw", MIXED)
 @pytest.mark.parametrize("prefill,static", [(1, False), (5, False), (5, True)])
 def test_cached_decode_equals_forward_float64(kw, prefill, static):
-    from qkvlab.decode.generate import decode_step
+    from qkvlab.decode.steps import decode_step
 
     c = cfg(**kw)
     torch.manual_seed(0)

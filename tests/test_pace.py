@@ -38,7 +38,7 @@ def test_layout_estimates_and_user_choice_wins():
 def test_a_sweep_is_estimated_per_size(monkeypatch):
     """Each size is timed where it would train (the first size's pace said 23 min for a 80 min sweep);
     sizes beyond the probe's cap are scaled by FLOPs per step; the ETA weighs runs by that estimate."""
-    from qkvlab.compare.execute import Progress
+    from qkvlab.compare.workers import Progress
 
     sweep = plan(CompareConfig(sweep=True, variants="Q-K-V,Q-K=V", sizes="d16-L1-h2,d32-L1-h2,d64-L2-h2"))
     timed = []

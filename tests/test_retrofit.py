@@ -281,7 +281,8 @@ def test_rest_lr_trains_the_unconverted_weights_at_their_rate(trained, capsys):
 
 def test_a_fit_from_before_an_option_is_reused_only_for_what_it_did(trained, capsys):
     """A fit written before --refine-inputs existed had only the first pass: --resume reuses it for
-    --refine-inputs original and fits again for converted (today's default), never the other way."""
+    --refine-inputs original and refuses converted (today's default) in one line: the uptraining in OUT
+    distils that fit, so another fit cannot continue it."""
     from qkvlab.retrofit.workflow import RetrofitOptions, _reuse_fit
 
     out = trained / "old_fit"
@@ -294,7 +295,9 @@ def test_a_fit_from_before_an_option_is_reused_only_for_what_it_did(trained, cap
     (out / "fit" / "config.json").write_text(json.dumps(body))
     opts = {k: v for k, v in made.items()}
     assert _reuse_fit(out / "fit", RetrofitOptions(**opts, refine_inputs="original")) is not None
-    assert _reuse_fit(out / "fit", RetrofitOptions(**opts)) is None
+    with pytest.raises(UserError, match="fitted with --refine-inputs original, not --refine-inputs converted") as e:
+        _reuse_fit(out / "fit", RetrofitOptions(**opts))
+    assert "\n" not in str(e.value)
 
 
 def test_retrofit_refuses_foreign_out(trained, capsys):
@@ -448,7 +451,8 @@ def test_retrofit_reads_and_keeps_a_transformers_tokenizer_in_a_qkvlab_folder(tm
     kept = AutoTokenizer.from_pretrained(tmp_path / "rf" / "tokenizer")
     assert kept.encode("the lazy dog") == hf.encode("the lazy dog")
     # `qkvlab generate` reads text through those files too (it once wanted a qkvlab tokenizer only)
-    from qkvlab.decode.generate import Sampling, generate
+    from qkvlab.decode.generate import generate
+    from qkvlab.decode.sampling import Sampling
     from qkvlab.model.folder import load_model
 
     capsys.readouterr()

@@ -52,7 +52,7 @@ def test_lm_reconstruction_gives_the_published_version_3_words():
     import re
     from pathlib import Path
 
-    from qkvlab.analysis import paper_figures as pf
+    from qkvlab.analysis import paper_claims as pc
 
     root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location("reconstruct", root / "scripts" / "reconstruct_lm_verdicts.py")
@@ -60,10 +60,26 @@ def test_lm_reconstruction_gives_the_published_version_3_words():
     spec.loader.exec_module(mod)
     md = (root / "docs" / "results" / "lm" / "results.md").read_text()
     published = {}
-    for c in (c for c in pf.LM_CLAIMS if c.since <= 3):
+    for c in (c for c in pc.LM_CLAIMS if c.since <= 3):
         row = next(line for line in md.splitlines() if line.startswith(f"| Paper {c.paper}: {c.text} |"))
         published[c.id] = re.search(r"\*\*(\w+)\*\*", row).group(1)
     assert mod.verdicts(3) == published
     v2 = list(mod.verdicts(2).values())
     assert (v2.count("reproduced"), v2.count("contradicted"), v2.count("inconclusive")) == (1, 1, 5)
     assert mod.verdicts(4)["lm-qkeqv-worst"] == "reproduced"
+
+
+def test_every_committed_compare_folder_names_its_analysis_version():
+    """Each compare.json under docs/results records the analysis version its tables were scored with, a
+    version of the changelog, and its results.md states the same one (retrofit's folders are not compares)."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    folders = sorted(p.parent for p in results.rglob("compare.json"))
+    assert len(folders) >= 20
+    known = {c.version for c in rules.CHANGELOG}
+    for folder in folders:
+        version = json.loads((folder / "compare.json").read_text()).get("analysis_version")
+        assert version in known, folder
+        assert f"- analysis rules: version {version} (" in (folder / "results.md").read_text(), folder

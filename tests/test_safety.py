@@ -200,6 +200,33 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(plays_file, tmp_path, w
     assert snapshot(out) == before  # not restarted over it
 
 
+@pytest.mark.parametrize(
+    "file, change, words",
+    [
+        ("config.json", lambda b: b["model"].update(d_model="wide"), "model: d_model='wide' must be an integer"),
+        ("config.json", lambda b: b.update(model=[]), "key 'model' must be an object, not a list"),
+        ("state.json", lambda b: b.update(loss_sum="x"), "key 'loss_sum' must be a number, not a string"),
+        ("state.json", lambda b: b.update(rng=[5]), "state.json's rng[0] must be an object, not a whole number"),
+        ("state.json", lambda b: b.pop("elapsed_s"), "state.json: missing key 'elapsed_s'"),
+    ],
+)
+def test_a_checkpoint_json_of_wrong_types_is_refused_naming_the_key(tmp_path, capsys, short_run, file, change, words):
+    """checkpoint/config.json (what `generate OUT` reads) and state.json (what resuming reads) are
+    checked key by key on resume, not ignored or read into a crash at the first step."""
+    from qkvlab.cli import main
+
+    out = tmp_path / "run"
+    shutil.copytree(short_run, out)
+    body = json.loads((out / "checkpoint" / file).read_text())
+    change(body)
+    (out / "checkpoint" / file).write_text(json.dumps(body))
+    before = snapshot(out)
+    assert main(["train", "--out", str(out), "--resume", "--max-steps", "6", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out / "checkpoint" / file) in err and words in err, err
+    assert snapshot(out) == before
+
+
 def test_checkpoint_of_another_shape_is_refused(plays_file, tmp_path):
     model = GPT(preset("tiny"))
     other = GPT(preset("tiny", d_model=32, n_head=2))
@@ -543,6 +570,80 @@ def test_retrofit_refuses_before_loading_the_model(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_retrofit_refusals_of_out_advise_only_what_works(tmp_path, capsys, monkeypatch):
+    import qkvlab.retrofit.workflow as rf
+    from qkvlab.cli import main
+
+    save_model(tmp_path / "m", GPT(preset("tiny")), preset("tiny"))
+    monkeypatch.setattr(rf, "load_source", lambda *a, **k: pytest.fail("loaded the model before refusing"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    owned = tmp_path / "owned"
+    owned.mkdir()
+    (owned / rf.TOKENS_FILE).write_bytes(b"")  # what a retrofit writes first
+    cases = [
+        (mine, [], "holds a folder of other files (notes.txt), not written by qkvlab retrofit; choose another OUT"),
+        (mine, ["--resume"], "not written by qkvlab retrofit; choose another OUT (nothing was changed)"),
+        (tmp_path / "none", ["--resume"], "does not exist, so there is no retrofit to continue; drop --resume"),
+        (owned, [], "holds a retrofit; pass --resume to continue it, or choose another OUT"),
+    ]
+    for out, flags, words in cases:
+        before = snapshot(tmp_path)
+        assert main(["retrofit", str(tmp_path / "m"), str(out), "--steps", "0", "--quiet", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
+        assert "pass --resume" not in err or out == owned, err  # never advised where it would be refused
+        assert snapshot(tmp_path) == before
+
+
+TOKENIZER_DAMAGE = {  # what is done to a model folder's tokenizer/ -> the words its one line holds
+    "truncated": (lambda t: (t / "bpe.json").write_text((t / "bpe.json").read_text()[:200]), "bpe.json: not a tokenizers"),
+    "missing": (lambda t: (t / "bpe.json").unlink(), "bpe.json: no such file"),
+    "no meta": (lambda t: (t / "qkvlab_tokenizer.json").unlink(), "missing qkvlab_tokenizer.json"),
+    "invalid meta": (lambda t: (t / "qkvlab_tokenizer.json").write_text('{"kind": "bpe",'), "not valid JSON"),
+    "meta types": (lambda t: (t / "qkvlab_tokenizer.json").write_text('{"kind": ["bpe"]}'), "key 'kind' must be a string"),
+    "escape": (
+        lambda t: (t / "qkvlab_tokenizer.json").write_text('{"kind": "bpe", "file": "../../../../etc/passwd"}'),
+        "'file' names '../../../../etc/passwd', outside the folder",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", sorted(TOKENIZER_DAMAGE))
+def test_a_broken_tokenizer_is_one_line_from_every_command_that_reads_it(tmp_path, capsys, damage):
+    from qkvlab.cli import main
+    from qkvlab.data.tokenizer import BPETokenizer
+
+    text = "the quick brown fox jumps over the lazy dog. " * 60
+    (tmp_path / "t.txt").write_text(text)
+    tok = BPETokenizer.train([text], 300)
+    cfg = preset("tiny", vocab_size=tok.vocab_size)
+    save_model(tmp_path / "m", GPT(cfg), cfg)
+    tok.save(tmp_path / "m" / "tokenizer")
+    mutate, words = TOKENIZER_DAMAGE[damage]
+    mutate(tmp_path / "m" / "tokenizer")
+    model, t = str(tmp_path / "m"), str(tmp_path / "t.txt")
+    commands = [
+        ["generate", model, "--prompt", "the fox", "--max-new-tokens", "2", "--dtype", "fp32"],
+        ["similarity", model, "--tokens", "16", "--text", t],
+        ["convert", model, str(tmp_path / "c"), "--to", "Id-K-V"],
+        ["retrofit", model, str(tmp_path / "r"), "--data", t, "--steps", "0", "--quiet"],
+    ]
+    before = snapshot(tmp_path)
+    for argv in commands:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"qkvlab {argv[0]}: error: ") and words in err, err
+    assert snapshot(tmp_path) == before  # nothing written, no OUT left behind
+    assert main(["info", model]) == 0  # info reads the config alone
+    pytest.importorskip("fastapi")
+    from qkvlab.serve.server import ServeConfig, build
+
+    with pytest.raises(UserError, match=words.replace("(", r"\(")):
+        build(ServeConfig(model=model, dtype="fp32"))
 
 
 def test_similarity_says_an_exported_folder_has_no_tokenizer(tmp_path, capsys):

@@ -7,11 +7,11 @@ import random
 import pytest
 from scipy import stats
 
-from qkvlab.analysis import paper_figures as pf
+from qkvlab.analysis import paper_claims as pc
 from qkvlab.analysis.seeds import N_MAX, decide_command, decide_seconds, seeds_cell, seeds_for_gap, seeds_to_decide
 from qkvlab.analysis.verdicts import INCONCLUSIVE, REPRODUCED, check
 
-CLAIM = {c.id: c for c in pf.ALL_CLAIMS}
+CLAIM = {c.id: c for c in pc.ALL_CLAIMS}
 LM = ({"lm": False}, {"lm": "val_loss"})
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qkvlab.base import settings, units
+from qkvlab.base import field_types, flag_values, settings, units
 from qkvlab.base.errors import UserError
 from qkvlab.bench import BenchConfig
 from qkvlab.cli import COMMANDS, main
@@ -178,12 +178,12 @@ def test_every_declared_field_has_a_type_the_generator_knows():
     classes = [ModelConfig, TrainConfig, TrainRun, BenchConfig, CompareConfig, InfoConfig, InitConfig]
     classes += [SimilarityConfig, ConvertConfig, RetrofitConfig, PrepareConfig, GenerateConfig]
     for cls in classes:
-        hints = settings._hints(cls)
+        hints = field_types.type_hints(cls)
         for f in dataclasses.fields(cls):
             m = f.metadata
             assert m["help"], (cls.__name__, f.name)
-            if m["cli"] and m["group"] is None and settings._base_type(hints[f.name])[0] is not bool:
-                assert settings._parser_for(hints[f.name], m) is not None, (cls.__name__, f.name)
+            if m["cli"] and m["group"] is None and field_types.base_type(hints[f.name])[0] is not bool:
+                assert flag_values.parser_for(hints[f.name], m) is not None, (cls.__name__, f.name)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from conftest import FakeClock, fake_timer
 from qkvlab.base.errors import UserError
 from qkvlab.cli import main
 from qkvlab.compare import CompareConfig, plan
@@ -155,10 +156,13 @@ def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(mo
     from qkvlab.decode import dtype_probe
 
     for has_bf16, grid_dtype, sweep_dtype in ((False, "fp32", "fp32"), (True, "bf16", "bf16, fp32")):
-        # a fake timer: where bf16 pays, it pays from d_model 192 on
-        fast = lambda s, v=has_bf16: {"fp32": [1.0] * 5, "bf16": [0.5 if v and s.d_model >= 192 else 1.5] * 5}
+        # fake timings: where bf16 pays, it pays from d_model 192 on
+        clock = FakeClock()
+        fast = lambda s, v=has_bf16, c=clock: c.ways(fp32=1.0, bf16=0.5 if v and s.d_model >= 192 else 1.5)
         cache = tmp_path / f"{has_bf16}.json"
-        timed = lambda m, rows, f=fast, c=cache: real_cpu_autocast(m, rows, measure=f, cache=c)
+        timed = lambda m, rows, f=fast, c=cache, t=fake_timer(clock): real_cpu_autocast(
+            m, rows, ways=f, timer=t, cache=c
+        )
         monkeypatch.setattr(dtype_probe, "cpu_autocast", timed)
         assert execute._train_dtype(wide, "cpu") == grid_dtype
         assert execute._train_dtype(sweep, "cpu") == sweep_dtype
@@ -329,10 +333,11 @@ def test_a_sweep_refuses_an_auto_dtype_that_splits_its_sizes(monkeypatch, tmp_pa
     from qkvlab.compare import run
     from qkvlab.decode import dtype_probe
 
-    fast = lambda s: {"fp32": [1.0] * 5, "bf16": [0.5 if s.d_model >= 32 else 1.5] * 5}  # noqa: E731  bf16 pays from d 32
-    cache = tmp_path / "probe.json"
+    clock = FakeClock()
+    fast = lambda s: clock.ways(fp32=1.0, bf16=0.5 if s.d_model >= 32 else 1.5)  # noqa: E731  bf16 pays from d 32
+    cache, timer = tmp_path / "probe.json", fake_timer(clock)
     monkeypatch.setattr(
-        dtype_probe, "cpu_autocast", lambda m, rows: real_cpu_autocast(m, rows, measure=fast, cache=cache)
+        dtype_probe, "cpu_autocast", lambda m, rows: real_cpu_autocast(m, rows, ways=fast, timer=timer, cache=cache)
     )
     cfg = CompareConfig(
         sweep=True, out=str(tmp_path / "mixed"), sizes="d8-L1-h2,d32-L1-h2", data=str(corpus), tokenizer="char",

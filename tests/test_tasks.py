@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qkvlab.base.errors import UserError
-from qkvlab.base.settings import parse_key_values
+from qkvlab.base.flag_values import parse_key_values
 from qkvlab.data.images import FASHION_MNIST_DIR
 from qkvlab.model.config import ModelConfig
 from qkvlab.tasks import get_task, resolve_task_options

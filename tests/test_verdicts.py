@@ -11,6 +11,7 @@ from types import SimpleNamespace as NS
 import pytest
 from scipy import stats
 
+from qkvlab.analysis import paper_claims as pc
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.estimates import Measured
 from qkvlab.analysis.intervals import ALPHA
@@ -25,7 +26,7 @@ from qkvlab.analysis.verdicts import (
     values_from_runs,
 )
 
-CLAIM = {c.id: c for c in pf.ALL_CLAIMS}
+CLAIM = {c.id: c for c in pc.ALL_CLAIMS}
 LM = ({"lm": False}, {"lm": "val_loss"})
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -285,7 +286,7 @@ def test_pairing_by_seed_removes_shared_seed_noise():
 def test_untested_claims_and_markdown():
     vals = lm_values({"Q-K-V": 0.0, "Id-K-V": 0.002, "Q-K=V": 0.2}, noise=0.001)
     verdicts = check_claims(vals, *LM, sources={"lm": "test split, n=4096 windows"})
-    assert {v.claim.id for v in verdicts} == {c.id for c in pf.LM_CLAIMS}
+    assert {v.claim.id for v in verdicts} == {c.id for c in pc.LM_CLAIMS}
     assert any("Id-K-V/mlp" in v.note for v in verdicts if v.word is None)
     md = verdicts_markdown(verdicts, runs_per_seed=3, seconds_per_run=10.0, command="qkvlab compare --seeds 4")
     assert "**reproduced**" in md and "**contradicted**" in md and "Not tested" in md
@@ -363,19 +364,19 @@ def test_every_claim_holds_on_the_papers_own_figures():
         values[t] = {v: {s: Measured(1.0, 0.0, 10_000) for s in range(seeds)} for v in cells[t]}
     hib = {t: t != "lm" for t in values}
     metric = {t: "val_loss" if t == "lm" else "accuracy" for t in values}
-    solve_claims = [c for c in pf.ALL_CLAIMS if c.solve]
+    solve_claims = [c for c in pc.ALL_CLAIMS if c.solve]
     # a claim on a variant the paper ran but gave no figure for cannot be read off its figures
-    unreported = [c for c in pf.ALL_CLAIMS if c.tasks == ("lm",) and not set(c.variants) <= set(ppl)]
-    assert [c.id for c in unreported] == ["lm-identity-close-size-matched"]
-    checked = [c for c in pf.ALL_CLAIMS if c not in solve_claims and c not in unreported]
+    unreported = [c for c in pc.ALL_CLAIMS if c.tasks == ("lm",) and not set(c.variants) <= set(ppl)]
+    assert [c.id for c in unreported] == ["lm-identity-close-size-matched", *(c.id for c in pc.CACHE_CLAIMS)]
+    checked = [c for c in pc.ALL_CLAIMS if c not in solve_claims and c not in unreported]
     verdicts = check_claims(values, hib, metric, checked)
     # solve-or-fail claims: the paper's worst scheme fails, the others solve
     solved = {
         t: {v: (0.3 if x == min(cells[t].values()) else 1.0) for v, x in cells[t].items()}
-        for t in pf.SOLVE_OR_FAIL_TASKS
+        for t in pc.SOLVE_OR_FAIL_TASKS
     }
     verdicts += check_claims(table(solved), hib, metric, solve_claims)
-    assert len(verdicts) == len(pf.ALL_CLAIMS) - len(unreported)
+    assert len(verdicts) == len(pc.ALL_CLAIMS) - len(unreported)
     assert {v.claim.id: v.word for v in verdicts if v.word != REPRODUCED} == {}
     for v in verdicts:  # the paper's figure beside each comparison is the gap measured here
         for g in v.gaps:
@@ -404,11 +405,16 @@ def _paper_gap_pts(claim):
 
 
 @pytest.mark.parametrize(
-    "claim", [c for c in pf.ALL_CLAIMS if c.kind in ("better", "worst", "best", "order") and not c.solve]
+    "claim",  # the cache claims' pairs have no perplexity in the papers: tests/test_recipes.py checks theirs
+    [
+        c
+        for c in pc.ALL_CLAIMS
+        if c.kind in ("better", "worst", "best", "order") and not c.solve and c not in pc.CACHE_CLAIMS
+    ],
 )
 def test_ordering_margins_are_half_the_papers_gap(claim):
     """The per-claim margins versions 2-3 applied (version 4 takes each pair's own, tested above)."""
-    assert claim.margin == pytest.approx(pf.SESOI_FRACTION * _paper_gap_pts(claim), abs=0.006)
+    assert claim.margin == pytest.approx(pc.SESOI_FRACTION * _paper_gap_pts(claim), abs=0.006)
 
 
 def test_one_margin_per_compared_pair_across_claims():
@@ -433,7 +439,7 @@ def test_one_margin_per_compared_pair_across_claims():
 def test_docs_margin_table_is_the_codes():
     doc = (ROOT / "docs" / "analysis.md").read_text()
     assert margins_markdown() in doc
-    assert all(c.why for c in pf.ALL_CLAIMS)
+    assert all(c.why for c in pc.ALL_CLAIMS)
     assert re.search(r"SOLVED_ACCURACY|solved.*0\.95", doc)
 
 

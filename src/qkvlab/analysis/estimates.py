@@ -8,7 +8,7 @@ import math
 from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple
 
-from qkvlab.analysis import paper_figures as pf
+from qkvlab.analysis import paper_claims as pc
 from qkvlab.analysis.intervals import MeanEstimate, PairedSolves, Rate, RateDifference, mean_estimate
 
 
@@ -85,7 +85,7 @@ def solve_estimate(a: Mapping[Hashable, Score], b: Mapping[Hashable, Score]) -> 
     keys = [k for k in a if k in b]
     if not keys:
         return None
-    solved = lambda s: sum(_m(s[k]).value >= pf.SOLVED_ACCURACY for k in keys)
+    solved = lambda s: sum(_m(s[k]).value >= pc.SOLVED_ACCURACY for k in keys)
     return RateDifference(Rate(solved(a), len(keys)), Rate(solved(b), len(keys)))
 
 
@@ -94,8 +94,8 @@ def paired_solves(a: Mapping[Hashable, Score], b: Mapping[Hashable, Score]) -> P
     keys = [k for k in a if k in b]
     if not keys:
         return None
-    sa = [_m(a[k]).value >= pf.SOLVED_ACCURACY for k in keys]
-    sb = [_m(b[k]).value >= pf.SOLVED_ACCURACY for k in keys]
+    sa = [_m(a[k]).value >= pc.SOLVED_ACCURACY for k in keys]
+    sb = [_m(b[k]).value >= pc.SOLVED_ACCURACY for k in keys]
     a_only = sum(x and not y for x, y in zip(sa, sb))
     b_only = sum(y and not x for x, y in zip(sa, sb))
     return PairedSolves(a_only, b_only, len(keys), sum(sa), sum(sb))

@@ -1,127 +1,28 @@
-"""Results -> results.csv, results.md (tables beside the papers' figures, which orderings the runs
-reproduced) and the plots."""
+"""Results -> results.md (tables beside the papers' figures, which orderings the runs reproduced),
+results.csv (results_csv.py) and the plots."""
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
+from qkvlab.analysis import paper_claims as pc
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.intervals import Interval
 from qkvlab.analysis.results import Results, collect
+from qkvlab.analysis.results_csv import to_csv
 from qkvlab.analysis.rules import provenance_lines, rules
 from qkvlab.analysis.runs import write_manifest, write_scores
 from qkvlab.analysis.trends import trends_markdown
 from qkvlab.analysis.verdict_table import format_gap, verdicts_markdown
-from qkvlab.analysis.verdicts import PERPLEXITY_METRIC, check
+from qkvlab.analysis.verdicts import check
 from qkvlab.base.files import atomic_write
 from qkvlab.base.units import EMPTY, human
 from qkvlab.model.accounting import analytic_params
 from qkvlab.model.config import preset
 from qkvlab.model.variants import BASELINE, parse_variant
-
-# ---- writing ----------------------------------------------------------------------------------
-CSV_COLUMNS = (
-    "task",
-    "variant",
-    "scheme",
-    "kv_heads",
-    "mlp_hidden",
-    "params_total",
-    "params_non_embedding",
-    "kv_cache_bytes_per_token",
-    "kv_cache_fraction",
-    "metric",
-    "metric_mean",
-    "metric_std",
-    "scored_on",
-    "val_loss_mean",
-    "val_loss_std",
-    "ppl_change_pct_mean",
-    "ppl_change_pct_std",
-    "gap_vs_qkv",
-    "gap_vs_qkv_lo",
-    "gap_vs_qkv_hi",
-    "gap_unit",
-    "gap_trend",
-    "gap_trend_slope_per_10pct",
-    "gap_trend_slope_lo",
-    "gap_trend_slope_hi",
-    "tokens_per_s",
-    "steps",
-    "seeds",
-    "seeds_planned",
-    "paper_metric",
-    "paper_ppl_change_pct",
-    "paper_kv_cache_fraction",
-)
-
-
-def _num(x: float) -> float | str:
-    return "" if x is None or math.isnan(x) else round(x, 6)
-
-
-def csv_rows(res: Results) -> list[dict[str, Any]]:
-    out = []
-    gaps = res.gaps()
-    trends = {(task, traj.variant): tr for task, traj, tr in res.trends()}
-    for r in res.rows:
-        gap, tr = gaps.get((r.task, r.variant)), trends.get((r.task, r.variant))
-        m, s = r.metric_mean_std
-        lm, ls = r.val_loss_mean_std
-        pc = r.ppl_change_mean_std
-        pp = r.paper_ppl_change
-        out.append(
-            {
-                "task": r.task,
-                "variant": r.variant,
-                "scheme": r.cfg.spec.name,
-                "kv_heads": r.cfg.n_kv_heads,
-                "mlp_hidden": r.cfg.hidden,
-                "params_total": r.params.total,
-                "params_non_embedding": r.params.non_embedding,
-                "kv_cache_bytes_per_token": r.kv_bytes if r.causal else "",
-                "kv_cache_fraction": round(r.kv_fraction, 6) if r.causal else "",
-                "metric": r.metric,
-                "metric_mean": m,
-                "metric_std": s,
-                "scored_on": r.scored_on,
-                "val_loss_mean": lm,
-                "val_loss_std": ls,
-                "ppl_change_pct_mean": pc[0] if pc else "",
-                "ppl_change_pct_std": pc[1] if pc else "",
-                "gap_vs_qkv": _num(gap.estimate) if gap else "",
-                "gap_vs_qkv_lo": _num(gap.lo) if gap else "",
-                "gap_vs_qkv_hi": _num(gap.hi) if gap else "",
-                "gap_unit": ("% perplexity" if r.metric == PERPLEXITY_METRIC else f"{r.metric} points") if gap else "",
-                "gap_trend": (tr.word or "") if tr else "",
-                "gap_trend_slope_per_10pct": _num(tr.per_10pct.estimate) if tr else "",
-                "gap_trend_slope_lo": _num(tr.per_10pct.lo) if tr else "",
-                "gap_trend_slope_hi": _num(tr.per_10pct.hi) if tr else "",
-                "tokens_per_s": round(r.tokens_per_s, 1) if r.tokens_per_s else "",
-                "steps": r.steps,
-                "seeds": r.n,
-                "seeds_planned": r.planned,
-                "paper_metric": r.paper_metric if r.paper_metric is not None else "",
-                "paper_ppl_change_pct": pp.value if pp else "",
-                "paper_kv_cache_fraction": r.paper_kv_fraction if r.paper_kv_fraction is not None else "",
-            }
-        )
-    return out
-
-
-def to_csv(res: Results) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
-    w.writeheader()
-    w.writerows(csv_rows(res))
-    return buf.getvalue()
 
 
 def _pm(ms: tuple[float, float] | None, fmt: str = "{:.4f}", n: int = 1) -> str:
@@ -342,11 +243,11 @@ def ranking_section(res: Results) -> list[str]:
     rules = replace(res.rules, among="run", margins="per claim")
     lines = []
     for task, by_variant in vals.items():
-        if len(by_variant) < 3 or task in pf.SOLVE_OR_FAIL_TASKS and res.rules.solve == "newcombe":
+        if len(by_variant) < 3 or task in pc.SOLVE_OR_FAIL_TASKS and res.rules.solve == "newcombe":
             continue
         mean = lambda v: sum(getattr(x, "value", x) for x in by_variant[v].values()) / len(by_variant[v])
         order = sorted(by_variant, key=mean, reverse=hib.get(task, True))  # best first
-        claim = pf.Claim(f"qkvlab-worst-{task}", "qkvlab", f"{order[-1]} is the worst", "worst", (task,), (order[-1],))
+        claim = pc.Claim(f"qkvlab-worst-{task}", "qkvlab", f"{order[-1]} is the worst", "worst", (task,), (order[-1],))
         v = check(claim, vals, hib, metric, rules=rules)
         if v.word is None:
             continue

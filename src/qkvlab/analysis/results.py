@@ -90,7 +90,7 @@ class Row:
 
     @property
     def kv_fraction(self) -> float:
-        base = self.cfg.replace(attn=BASELINE, kv_heads=None, match_params=None)
+        base = self.cfg.replace(attn=BASELINE, kv_heads=None, kv_latent=None, rope_dim=None, match_params=None)
         return self.kv_bytes / kv_cache_bytes_per_token(base, CACHE_DTYPE)
 
     @property

@@ -158,7 +158,7 @@ def plot_gap_trajectories(
 ) -> Path:
     """One panel per task: each variant's seed-mean gap (line) and per-seed gaps (faint), the
     last half shaded, the trend word in the legend (below the axes)."""
-    # startup: matplotlib (0.6 s), imported when a figure is drawn
+    # startup: matplotlib, imported when a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from qkvlab.analysis import paper_figures as pf
+from qkvlab.analysis import paper_claims as pc
 from qkvlab.analysis.seeds import decide_command, decide_seconds, seeds_cell, seeds_to_decide
 from qkvlab.analysis.verdicts import (
     CONTRADICTED,
@@ -51,6 +51,9 @@ def format_gap(g: Gap) -> str:
 
 
 def _bound(x: float, unit: str) -> str:
+    """A region's bound at the precision of the figures beside it (two decimals for % and points, four
+    without a unit), trailing zeros dropped: -0.862496% reads -0.86%, a hand-set 2% reads +2%."""
+    x = round(x, 4 if unit == "" else 2)
     if x == 0:
         return "0"
     return f"{x:+g}%" if unit == "%" else f"{x:+g} pts" if unit == "pts" else f"{x:g}"
@@ -155,11 +158,11 @@ def verdicts_markdown(
     return "\n".join(lines) + "\n"
 
 
-def claim_pairs(c: pf.Claim) -> list[tuple[str, str]]:
+def claim_pairs(c: pc.Claim) -> list[tuple[str, str]]:
     """The compared pairs of an ordering claim as version 4 forms them (worst/best: against every
     other variant the paper ran)."""
     if c.kind in ("worst", "best"):
-        return [(c.variants[0], v) for v in pf.paper_variants(c) if v != c.variants[0]]
+        return [(c.variants[0], v) for v in pc.paper_variants(c) if v != c.variants[0]]
     if c.kind == "order":
         return [(y, x) for x, y in zip(c.variants, c.variants[1:])]
     return [tuple(c.variants[:2])] if c.kind == "better" else []
@@ -183,7 +186,7 @@ def margins_markdown() -> str:
         "| claim | kind | margin (from v4: per compared pair) | v2–v3 | reason (from the paper alone) |",
         "| --- | --- | --- | ---: | --- |",
     ]
-    for c in pf.ALL_CLAIMS:
+    for c in pc.ALL_CLAIMS:
         lm = c.tasks == ("lm",)
         unit = "%" if lm else " pts"
         old = f"{c.threshold:g}" if c.kind == "at_least" else f"{c.margin:g}{unit}"
@@ -191,8 +194,10 @@ def margins_markdown() -> str:
             value, old, why = "none (exact test)", "–", c.why
         elif c.kind in ("better", "worst", "best", "order"):
             cells = [(a, b, pair_margin(c.tasks, a, b, lm)) for a, b in claim_pairs(c)]
-            value = "; ".join(f"{a} vs {b} {m:g}{unit}" for a, b, m in cells if m is not None)
-            why = "half the paper's gap of each pair (the worse over the better)"
+            # a pair the papers give no figure for takes the claim's own margin, as verdicts._pairs does
+            value = "; ".join(f"{a} vs {b} {c.margin if m is None else m:g}{unit}" for a, b, m in cells)
+            paired = all(m is not None for *_, m in cells)
+            why = "half the paper's gap of each pair (the worse over the better)" if paired else c.why
         else:
             value, why = old, c.why
         if c.since > 3:  # the claim did not exist in versions 2-3

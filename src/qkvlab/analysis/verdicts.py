@@ -9,7 +9,7 @@ the seed noise.
 Every claim is a set of comparisons; each comparison states where the truth must lie for the claim
 to hold and where it fails, in the gap's display unit (perplexity change in percent for language
 modelling, metric points otherwise), with the claim's margin fixed in advance
-(:mod:`qkvlab.analysis.paper_figures`):
+(:mod:`qkvlab.analysis.paper_claims`):
 
 - ordering (better, worst, best, order): holds when A is on the claimed side of B (one-sided test
   of "no difference"), fails when the effect is smaller than the margin (one-sided test of "an
@@ -35,6 +35,7 @@ import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from qkvlab.analysis import paper_claims as pc
 from qkvlab.analysis import paper_figures as pf
 from qkvlab.analysis.estimates import (
     Measured,
@@ -146,7 +147,7 @@ class Gap:
 
 @dataclass(frozen=True)
 class ClaimVerdict:
-    claim: pf.Claim
+    claim: pc.Claim
     word: str | None  # None: not tested (a task or variant it needs was not run)
     gaps: tuple[Gap, ...] = ()
     note: str = ""
@@ -211,7 +212,7 @@ def pair_margin(tasks: Sequence[str], a: str, b: str, perplexity: bool) -> float
     (analysis version 4): half the paper's own gap of the pair's worse over its better variant, in
     display units (2 decimals, as docs/analysis.md prints it); None when the paper reports none."""
     gaps = [g for g in (paper_gap(tasks, a, b, perplexity), paper_gap(tasks, b, a, perplexity)) if g is not None]
-    return round(pf.SESOI_FRACTION * max(gaps), 2) if gaps else None  # the worse over the better: symmetric
+    return round(pc.SESOI_FRACTION * max(gaps), 2) if gaps else None  # the worse over the better: symmetric
 
 
 def decide(est, raw_region: Region, seeds: int) -> tuple[float, float]:
@@ -279,7 +280,7 @@ def _comparison(s: _Setup, scores, a: str, b: str, region: Region) -> Gap | None
     return Gap(a, b, iv, s.unit, region, INCONCLUSIVE, paper, est, raw, ph, pfail, method)
 
 
-def _threshold_gaps(claim: pf.Claim, s: _Setup, scores) -> list[Gap]:
+def _threshold_gaps(claim: pc.Claim, s: _Setup, scores) -> list[Gap]:
     region = threshold_region(s.hib, claim.threshold)
     gaps = []
     for v, sc in scores.items():
@@ -294,7 +295,7 @@ def _threshold_gaps(claim: pf.Claim, s: _Setup, scores) -> list[Gap]:
     return gaps
 
 
-def _pairs(claim: pf.Claim, s: _Setup, scores) -> list[tuple[str, str, Region]] | str:
+def _pairs(claim: pc.Claim, s: _Setup, scores) -> list[tuple[str, str, Region]] | str:
     """The claim's comparisons (A, B, region), or why it cannot be tested. Version 4: worst/best
     rank over the variants the paper ran, and every ordering comparison takes its pair's margin."""
     kind, names, m = claim.kind, claim.variants, claim.margin
@@ -318,7 +319,7 @@ def _pairs(claim: pf.Claim, s: _Setup, scores) -> list[tuple[str, str, Region]] 
         return [(names[0], names[1], cost_region(not s.hib, m))]
     if kind in ("worst", "best"):
         target = names[0]
-        pool = [v for v in scores if s.rules.among == "run" or v in pf.paper_variants(claim)]
+        pool = [v for v in scores if s.rules.among == "run" or v in pc.paper_variants(claim)]
         if target not in scores or len(pool) < 3:
             return f"needs {target} and at least two other variants" + (
                 " the paper ran" if s.rules.among == "paper" else ""
@@ -336,7 +337,7 @@ def _pairs(claim: pf.Claim, s: _Setup, scores) -> list[tuple[str, str, Region]] 
 
 
 def check(
-    claim: pf.Claim,
+    claim: pc.Claim,
     values: Values,
     higher_is_better: Mapping[str, bool],
     metric: Mapping[str, str],
@@ -350,7 +351,7 @@ def check(
     if missing_tasks:
         return ClaimVerdict(claim, None, note=f"task {missing_tasks[0]} not run")
     perplexity = metric.get(tasks[0]) == PERPLEXITY_METRIC
-    single_solve_task = len(tasks) == 1 and tasks[0] in pf.SOLVE_OR_FAIL_TASKS and claim.kind != "at_least"
+    single_solve_task = len(tasks) == 1 and tasks[0] in pc.SOLVE_OR_FAIL_TASKS and claim.kind != "at_least"
     # versions <= 3 read every reverse/swap claim as solve rates; from 4 only the solve-or-fail claims
     solve = claim.solve or (single_solve_task and rules.solve == "newcombe")
     s = _Setup(tuple(tasks), higher_is_better.get(tasks[0], True), perplexity, solve, rules)
@@ -376,7 +377,7 @@ def check_claims(
     values: Values,
     higher_is_better: Mapping[str, bool],
     metric: Mapping[str, str],
-    claims: Sequence[pf.Claim] = pf.ALL_CLAIMS,
+    claims: Sequence[pc.Claim] = pc.ALL_CLAIMS,
     sources: Mapping[str, str] | None = None,
     rules: Rules = CURRENT,
 ) -> list[ClaimVerdict]:

@@ -2,6 +2,8 @@
 
 `as_user_error` is the one place where a fault of the machine rather than of qkvlab (a full disk, a
 read-only or forbidden folder) becomes such a line: the CLI, `train` and the atomic writers call it.
+A full disk is a `NoRoom`: the path that filled, the free space of that path's own filesystem, what
+was kept, and the command that continues (`train` words it: `--resume` when a checkpoint exists).
 """
 
 from __future__ import annotations
@@ -47,6 +49,47 @@ def free_bytes(path: str | Path) -> int | None:
         return None
 
 
+def mount_point(path: str | Path) -> Path:
+    """The mount point of the filesystem that holds `path` (its nearest existing ancestor)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+RUN_AGAIN = "run the same command again"
+KEPT = "nothing there was replaced, so the last complete version stays"  # what the atomic writers leave
+
+
+class NoRoom(UserError):
+    """A full disk met while writing `path`: the line names the path, what the write needed, the
+    free space on THAT path's filesystem, what was kept, and what to run once there is room."""
+
+    def __init__(self, path: str | Path | None, room: str, then: str = RUN_AGAIN, kept: str = KEPT):
+        self.path, self.room, self.advice, self.kept = path, room, then, kept
+        where = f"{path}: " if path else ""
+        super().__init__(
+            f"{where}no space left on the device{f' ({room})' if room else ''}; {kept}: free some room, then {then}"
+        )
+
+    def then(self, advice: str) -> NoRoom:
+        """The same fault with another way to continue (e.g. the command with --resume)."""
+        return NoRoom(self.path, self.room, advice, self.kept)
+
+
+def no_room(
+    path: str | Path | None, *, needed: int | None = None, written: int | None = None, kept: str = KEPT
+) -> NoRoom:
+    """The one-line full-disk error for a write to `path`; the free space is that of `path`'s own
+    filesystem (none is given when the path is unknown, rather than another filesystem's)."""
+    need = f"needs about {_mb(needed)}" if needed else f"needs more than {_mb(written)}" if written else ""
+    free = free_bytes(path) if path else None
+    room = ", ".join(x for x in (need, f"{_mb(free)} free on {mount_point(path)}" if free is not None else "") if x)
+    return NoRoom(path, room, kept=kept)
+
+
 def as_user_error(
     e: BaseException, path: str | Path | None = None, *, needed: int | None = None, written: int | None = None
 ) -> UserError | None:
@@ -57,15 +100,8 @@ def as_user_error(
         return e
     code = _errno(e)
     where = path if path is not None else getattr(e, "filename", None)
-    where = f"{where}: " if where else ""
     if code in NO_ROOM:
-        free = free_bytes(path or getattr(e, "filename", None) or ".")
-        need = f"needs about {_mb(needed)}" if needed else f"needs more than {_mb(written)}" if written else ""
-        room = ", ".join(x for x in (need, f"{_mb(free)} free" if free is not None else "") if x)
-        return UserError(
-            f"{where}no space left on the device{f' ({room})' if room else ''}; nothing there was replaced, "
-            "so the last complete version stays: free some room and run the command again"
-        )
+        return no_room(where, needed=needed, written=written)
     if code in NOT_WRITABLE:
-        return UserError(f"{where}cannot write there ({os.strerror(code)})")
+        return UserError(f"{f'{where}: ' if where else ''}cannot write there ({os.strerror(code)})")
     return None

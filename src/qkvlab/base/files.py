@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from qkvlab.base.errors import UserError, as_user_error
+from qkvlab.base.errors import NoRoom, UserError, as_user_error
 
 
 def cache_dir() -> Path:
@@ -78,7 +78,9 @@ def _cleaned_up(e: BaseException, path: Path, tmp: str | Path, needed: int | Non
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-    if isinstance(e, UserError) and str(tmp) in str(e):  # a writer inside a temp folder: name the user's path
+    if isinstance(e, NoRoom) and str(tmp) in str(e.path):  # a writer inside a temp folder: name the user's path
+        raise NoRoom(str(e.path).replace(str(tmp), str(path)), e.room, e.advice, e.kept) from None
+    if isinstance(e, UserError) and str(tmp) in str(e):
         raise UserError(str(e).replace(str(tmp), str(path))) from None
     err = as_user_error(e, path, needed=needed, written=written)
     if err is not None and err is not e:
@@ -228,10 +230,25 @@ def read_json(path: str | Path, label: str | None = None) -> Any:
     """A JSON file, parsed; missing, unreadable, non-UTF-8 or invalid JSON is one line starting
     with `label` (default: the path)."""
     label = label or str(path)
+    return parse_json(read_user_text(path, label), label)
+
+
+def _not_json(token: str) -> None:
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def parse_json(text: str, where: str | Path) -> Any:
+    """JSON text parsed strictly, or one line naming `where` and what is wrong (also what json.loads
+    lets through or raises besides JSONDecodeError: NaN and Infinity, which JSON has not; nesting
+    deeper than the recursion limit; integers of over 4,300 digits)."""
     try:
-        return json.loads(read_user_text(path, label))
+        return json.loads(text, parse_constant=_not_json)
     except json.JSONDecodeError as e:
-        raise UserError(f"{label}: not valid JSON ({e})") from None
+        raise UserError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise UserError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # NaN, or "Exceeds the limit (4300 digits) for integer string conversion ..."
+        raise UserError(f"{where}: not valid JSON ({str(e).split(';')[0]})") from None
 
 
 def json_text(obj: Any, *, indent: int | None = None) -> str:

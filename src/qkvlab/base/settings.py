@@ -15,6 +15,9 @@ gathers that class's options (e.g. the model options) into a mapping.
   (`check`, then the rules across fields). `load(cls, file, args)` is its file + command line.
 - `check(obj)`: types, choices and bounds of every field, from its annotation and metadata.
 
+What an annotation allows (`field_types`) and the parsers of a flag's text (`flag_values`) live
+beside this module in qkvlab.base; this one declares, generates options, resolves and checks.
+
 A short generator over `dataclasses.fields` rather than tyro or jsonargparse: the configs are flat
 (plus nested model options, exposed as their own option group), the flag names must stay what the
 docs and saved scripts use (`--no-mlp-skip`, `--tensorboard`, `--steps`), errors must be qkvlab's
@@ -25,17 +28,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import math
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from qkvlab.base.config_file import config_to_text, read_config_file
 from qkvlab.base.errors import UserError
+from qkvlab.base.field_types import base_type, bound_problem, item_type, type_hints, type_problem
+from qkvlab.base.flag_values import nonempty, parse_key_values, parser_for
 
 MISSING = dataclasses.MISSING
 
@@ -103,138 +104,13 @@ def defaults(cls: type) -> dict[str, Any]:
     return out
 
 
-# ---- value parsers: one line naming the bad value, raised by argparse as exit 2 ---------------
-def finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
-    return value
-
-
+# ---- seeds ----------------------------------------------------------------------------------
 SEED_MAX = 2**63 - 1  # a signed 64-bit integer: what torch's generators and C-side seed arithmetic all take
 
 
 def seed_setting(default: Any = 0, *, help: str) -> Any:
     """A seed: a whole number in [0, SEED_MAX] (a larger one made torch raise an overflow)."""
     return setting(default, help=help, minimum=0, maximum=SEED_MAX)
-
-
-def integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
-def positive_int(text: str) -> int:
-    value = integer(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
-    return value
-
-
-def nonempty(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is empty; give a value")
-    return text
-
-
-def float_list(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(finite_float(x) for x in nonempty(text).split(","))
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated finite numbers") from None
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in nonempty(text).split(","))
-    except (ValueError, argparse.ArgumentTypeError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated integers") from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: each value must be a positive integer")
-    return values
-
-
-# ---- what a field's annotation means ----------------------------------------------------------
-def _base_type(hint: Any) -> tuple[Any, bool]:
-    """(type without None, whether None is allowed) of a field's annotation."""
-    args = typing.get_args(hint)
-    if type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True  # noqa: UP007
-    return hint, False
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _item_type(kind: Any) -> Any:
-    return typing.get_args(kind)[0] if typing.get_origin(kind) is tuple else None
-
-
-def _bound_problem(value: Any, m: Mapping[str, Any]) -> str | None:
-    """What is wrong with a number against the field's bounds (None: nothing)."""
-    whole = isinstance(value, int)
-    if m.get("positive") and not value > 0:
-        return "must be positive"
-    lo, hi = m.get("minimum"), m.get("maximum")
-    if lo is not None and value < lo:
-        return "must be a positive integer" if whole and lo == 1 else f"must be >= {lo}"
-    if hi is not None and value > hi:
-        return f"must be <= {hi}"
-    return None
-
-
-def _bounded(parse, m: Mapping[str, Any]):
-    """`parse` followed by the field's bounds (each item of a tuple)."""
-
-    def parse_bounded(text: str):
-        value = parse(text)
-        for v in value if isinstance(value, tuple) else (value,):
-            problem = _bound_problem(v, m) if isinstance(v, (int, float)) else None
-            if problem:
-                raise argparse.ArgumentTypeError(f"{v} {problem}")
-        return value
-
-    return parse_bounded
-
-
-def int_or_word(text: str) -> int | str:
-    """A whole number, or a word (e.g. --seeds auto); the field's validate() names the words."""
-    try:
-        return integer(text)
-    except argparse.ArgumentTypeError:
-        return nonempty(text)
-
-
-def _is_int_or_word(kind: Any) -> bool:
-    return set(typing.get_args(kind)) == {int, str}
-
-
-def _parser_for(hint: Any, m: Mapping[str, Any]):
-    kind, _ = _base_type(hint)
-    if _is_int_or_word(kind):
-        return _bounded(int_or_word, m)
-    if kind is int:
-        return _bounded(integer, m)
-    if kind is float:
-        return _bounded(finite_float, m)
-    if kind is str:
-        return nonempty
-    item = _item_type(kind)
-    if item is str or typing.get_origin(kind) is dict or kind is dict:
-        return nonempty  # repeatable: TEXT for tuples of text, KEY=VALUE for mappings
-    if item is float:
-        return _bounded(float_list, m)
-    if item is int:
-        return _bounded(int_list, m)
-    return None  # nested configs: not a flag
 
 
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
@@ -265,7 +141,7 @@ def add_options(
         if m["group"] is not None:
             add_options(parser, m["group"], title=m["help"], defaults_in_help=False)
             continue
-        _add_one(target, f, _hints(cls)[f.name], shown.get(f.name), defaults_in_help)
+        _add_one(target, f, type_hints(cls)[f.name], shown.get(f.name), defaults_in_help)
 
 
 def _show(value: Any) -> str:
@@ -280,12 +156,12 @@ def _add_one(group, f: dataclasses.Field, hint: Any, shown: Any, defaults_in_hel
     if defaults_in_help and shown not in (None, False) and not isinstance(shown, (dict, list)):
         if "default" not in help_text:
             help_text += f" (default {_show(shown)})"
-    kind, _ = _base_type(hint)
+    kind, _ = base_type(hint)
     names = (m["flag"] or "--" + f.name.replace("_", "-"), *m["flags"])
     if kind is bool:
         group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         return
-    parse = _parser_for(hint, m)
+    parse = parser_for(hint, m)
     if parse is None:
         return
     metavar = m["metavar"] or (None if m["choices"] else _METAVARS.get(kind, "VALUE"))
@@ -293,7 +169,7 @@ def _add_one(group, f: dataclasses.Field, hint: Any, shown: Any, defaults_in_hel
         nargs = None if m["required"] else "?"
         group.add_argument(f.name, nargs=nargs, type=parse, metavar=metavar, help=help_text)
         return
-    repeat = _item_type(kind) is str or kind is dict or typing.get_origin(kind) is dict
+    repeat = item_type(kind) is str or kind is dict or typing.get_origin(kind) is dict
     extra: dict[str, Any] = {"action": "append"} if repeat else {"required": True} if m["required"] else {}
     if m["const"] is not None:
         extra = {"nargs": "?", "const": m["const"]}
@@ -316,7 +192,7 @@ def options_from_args(args: argparse.Namespace, cls: type) -> dict[str, Any]:
         if value is None:
             continue
         if isinstance(value, list):
-            kind, _ = _base_type(_hints(cls)[f.name])
+            kind, _ = base_type(type_hints(cls)[f.name])
             value = parse_key_values(value) if kind is dict or typing.get_origin(kind) is dict else tuple(value)
         out[f.name] = value
     return out
@@ -432,51 +308,21 @@ def _base_values(cls: type, base: Any, presets: Mapping[str, Mapping[str, Any]])
 
 def _nested_class(cls: type, name: str) -> type | None:
     """The settings dataclass a field holds (resolved from its own layers), or None."""
-    hint = _hints(cls).get(name)
-    kind = _base_type(hint)[0] if hint is not None else None
+    hint = type_hints(cls).get(name)
+    kind = base_type(hint)[0] if hint is not None else None
     return kind if dataclasses.is_dataclass(kind) else None
 
 
 def _coerce(cls: type, body: dict[str, Any]) -> dict[str, Any]:
     """Lists from a file become the tuples the fields declare."""
-    hints = _hints(cls)
+    hints = type_hints(cls)
     for k, v in body.items():
-        if isinstance(v, list) and typing.get_origin(_base_type(hints.get(k))[0]) is tuple:
+        if isinstance(v, list) and typing.get_origin(base_type(hints.get(k))[0]) is tuple:
             body[k] = tuple(v)
     return body
 
 
 # ---- validation from the declarations ----------------------------------------------------------
-def _type_problem(value: Any, kind: Any) -> str | None:
-    """What is wrong with `value` for the type `kind` (None: nothing)."""
-    if kind is bool:
-        return None if isinstance(value, bool) else "must be true or false"
-    if kind is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        return None if ok else "must be a finite number"
-    if kind is str:
-        if not isinstance(value, str):
-            return "must be text"
-        return None if value.strip() else "is empty; give a value"
-    if kind is dict or typing.get_origin(kind) is dict:
-        return None if isinstance(value, Mapping) else "must be a mapping"
-    if typing.get_origin(kind) is tuple:
-        items = typing.get_args(kind)
-        if not isinstance(value, (tuple, list)):
-            return "must be a list"
-        if items[-1] is not Ellipsis and len(value) != len(items):
-            return f"must be a list of {len(items)} values"
-        return next((_type_problem(v, items[0]) for v in value if _type_problem(v, items[0])), None)
-    if _is_int_or_word(kind):
-        ok = isinstance(value, str) or _type_problem(value, int) is None
-        return None if ok else "must be an integer or a word"
-    if dataclasses.is_dataclass(kind):
-        return None if isinstance(value, kind) else f"must be a {kind.__name__}"
-    return None
-
-
 def check(obj: Any) -> Any:
     """Every declared field of `obj` against its type, choices and bounds; a problem is a one-line
     UserError `name=value must be ...`. Returns `obj`."""
@@ -485,41 +331,18 @@ def check(obj: Any) -> Any:
         if "help" not in m:
             continue
         value = getattr(obj, f.name)
-        kind, optional = _base_type(_hints(type(obj))[f.name])
+        kind, optional = base_type(type_hints(type(obj))[f.name])
         if value is None:
             if m["required"]:
                 raise UserError(f"{f.name} is required")
             if optional:
                 continue
-        problem = _type_problem(value, kind)
+        problem = type_problem(value, kind)
         if problem is None and m["choices"] is not None and value not in m["choices"]:
             raise UserError(f"{f.name}={value!r} is not allowed; use one of {', '.join(map(str, m['choices']))}")
         if problem is None and isinstance(value, (int, float, tuple, list)) and not isinstance(value, bool):
             items = value if isinstance(value, (tuple, list)) else (value,)
-            problem = next((p for v in items if (p := _bound_problem(v, m))), None)
+            problem = next((p for v in items if (p := bound_problem(v, m))), None)
         if problem:
             raise UserError(f"{f.name}={value!r} {problem}")
     return obj
-
-
-def parse_key_values(items: Iterable[str], flag: str = "--task-option") -> dict[str, Any]:
-    """KEY=VALUE strings -> mapping; VALUE read as YAML (numbers, true/false, null, [lists]), a
-    number YAML leaves as text (1e-3) becomes a float, and none (Python's spelling) is null."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, eq, text = item.partition("=")
-        if not eq or not key.strip():
-            raise UserError(f"{flag} {item!r} must be KEY=VALUE, e.g. length=64")
-        try:
-            value = yaml.safe_load(text.strip()) if text.strip() else ""
-        except yaml.YAMLError:
-            value = text.strip()
-        if isinstance(value, str) and value.lower() == "none":
-            value = None
-        elif isinstance(value, str):
-            try:
-                value = float(value) if math.isfinite(float(value)) else value
-            except ValueError:
-                pass
-        out[key.strip()] = value
-    return out

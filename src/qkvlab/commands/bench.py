@@ -52,7 +52,7 @@ def run(args) -> int:
     if cfg.json:
         atomic_write(cfg.json, json_text(result, indent=2))
     if cfg.compare_dir:
-        # startup: matplotlib and scipy (1.5 s), for --compare-dir only
+        # startup: matplotlib and scipy, for --compare-dir only
         from qkvlab.analysis.plots import plot_cache_vs_quality
 
         print(f"wrote {plot_cache_vs_quality(cfg.compare_dir, cfg.plot)}")

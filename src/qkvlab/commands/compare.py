@@ -33,7 +33,8 @@ from qkvlab.base.settings import add_config_options, add_options, load, print_co
 from qkvlab.compare import CompareConfig, plan
 from qkvlab.compare import run as run_plan
 from qkvlab.compare.auto import run_auto
-from qkvlab.compare.execute import preflight, render
+from qkvlab.compare.execute import preflight
+from qkvlab.compare.render import render
 
 
 def add_arguments(p) -> None:

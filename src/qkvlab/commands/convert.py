@@ -3,12 +3,18 @@
   qkvlab convert IN OUT --to SCHEME [--layer L]   remove W_Q/W_K by a change of basis (or insert it)
   qkvlab convert --from-hf IN OUT                 IN: a transformers folder (safetensors) or a .gguf
   qkvlab convert IN OUT --to-hf gpt2|llama        write a GPT2LMHeadModel / LlamaForCausalLM folder
-  qkvlab convert IN OUT.gguf --to-gguf            write a llama.cpp GGUF (llama, F32; convert/gguf_export.py)
+  qkvlab convert IN OUT --to-hf deepseek          an MLA model as a DeepseekV3ForCausalLM folder (convert/hf_deepseek.py)
+  qkvlab convert IN OUT.gguf --to-gguf            write a llama.cpp GGUF (F32: llama, or deepseek2 for an MLA model;
+                                                  convert/gguf_export.py), checked by the engines that read it
 
 Steps combine (--from-hf with --to, --to with --to-hf). The tokenizer travels with the weights:
 into OUT/tokenizer/ for a qkvlab folder, into OUT itself (transformers' files) with --to-hf.
 Every step is checked on random inputs;
-the last line printed is max_rel_logit_diff=<value> (max |Δlogit| / max |logit|, worst step).
+the last line printed is max_rel_logit_diff=<value> (max |Δlogit| / max |logit|, worst step). A GGUF is
+checked by engines, never by qkvlab's own forward: llama.cpp where its binaries are (--llama-bin, else
+$QKVLAB_LLAMA_BIN, else the PATH: greedy tokens against qkvlab's), transformers' GGUF reader where it knows
+the architecture (llama: logits); a deepseek2 file no engine here reads is checked by its tensors, read back,
+against the DeepSeek export that transformers computes, and the output says so.
 Exit 0: written and equivalent; 2: refused (the reason on one line); 1: the check failed.
 Nothing is written unless every check passed.
 """
@@ -28,8 +34,10 @@ from qkvlab.base.files import atomic_dir, atomic_path
 from qkvlab.base.folders import check_model_target
 from qkvlab.base.settings import add_config_options, add_options, load, print_config
 from qkvlab.convert.config import ConvertConfig
-from qkvlab.convert.gguf_export import read_vocab, write_gguf
+from qkvlab.convert.gguf_export import gguf_tensors, read_vocab, write_gguf
 from qkvlab.convert.hf import from_hf, gguf_cache_folder, load_hf, quiet, save_hf, to_hf
+from qkvlab.convert.hf_deepseek import DEEPSEEK, check_target, to_deepseek
+from qkvlab.convert.llama_cpp import COMPLETION, LLAMA_BIN_ENV, LlamaCppError, check_greedy, find_llama_bin, version
 from qkvlab.convert.load import TOKENIZER_DIR, hf_tokenizer, model_tokenizer, save_hf_tokenizer
 from qkvlab.convert.reparam import TOLERANCE, CheckFailed, check, convert, logit_diff
 from qkvlab.data.tokenizer import EOT_TOKEN
@@ -53,19 +61,38 @@ def run(args) -> int:
     src = Path(cfg.input)
     if src.resolve() == Path(cfg.output).resolve() and cfg.to_hf:
         raise UserError("OUT must differ from IN when exporting")
-    if cfg.to_gguf:  # before any work: a file to write, and the GGUF its tokenizer comes from
+    if (
+        cfg.to_gguf
+    ):  # before any work: a file to write, a format that holds the model, the GGUF its tokenizer comes from
         if Path(cfg.output).exists() and not cfg.overwrite:
             raise UserError(f"{cfg.output} exists; pass --overwrite to replace it, or choose another OUT")
+        find_llama_bin(cfg.llama_bin)  # a --llama-bin without llama-completion is refused here
+        _check_export(cfg, src)
         cfg.gguf_vocab = str(_gguf_vocab(cfg, src))
     else:
         check_model_target(cfg.output, overwrite=cfg.overwrite, flag="OUT")  # before any work
-    if cfg.from_hf or cfg.to_hf:
+        _check_export(cfg, src)
+    if cfg.from_hf or cfg.to_hf or cfg.to_gguf:  # transformers reads, or writes, what is checked
         quiet()
     try:
         return _run(cfg, src)
     except CheckFailed as e:
         print(f"qkvlab convert: check failed: {e}", file=sys.stderr)
         return 1
+
+
+def _check_export(opts: ConvertConfig, src: Path) -> None:
+    """An export the target format cannot hold is refused from IN's config, before any weights are read."""
+    target = "gguf" if opts.to_gguf else opts.to_hf
+    if target is None:
+        return
+    if not opts.from_hf:
+        check_target(read_config(find_model_dir(src))[0], target)
+    elif target == DEEPSEEK:  # an import is a GPT-2 or a Llama: keys and values, no latent
+        raise UserError(
+            f"--to-hf {DEEPSEEK}: a --from-hf import caches keys and values, not Multi-head Latent Attention's latent; "
+            "retrofit it first (qkvlab retrofit IN OUT --to Q-K-V --kv-latent R --rope-dim P)"
+        )
 
 
 def _run(opts: ConvertConfig, src: Path) -> int:
@@ -106,10 +133,11 @@ def _run(opts: ConvertConfig, src: Path) -> int:
         if opts.to_hf:
             from transformers import AutoModelForCausalLM  # optional: transformers
 
-            save_hf(to_hf(model, cfg, opts.to_hf), tmp)
+            save_hf(to_deepseek(model, cfg) if opts.to_hf == DEEPSEEK else to_hf(model, cfg, opts.to_hf), tmp)
             back = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, use_safetensors=True).eval()
             abs_d, rel_d = logit_diff(model, back, cfg.vocab_size, cfg.context)
-            tol = max(TOLERANCE[dtype], 1e-6 if opts.to_hf == "llama" else 0.0)  # HF computes rotary in float32
+            rotary = {"llama": 1e-6, DEEPSEEK: 1e-5}.get(opts.to_hf, 0.0)  # HF computes rotary angles in float32
+            tol = max(TOLERANCE[dtype], rotary)
             if not rel_d <= tol:
                 raise CheckFailed(f"exported {opts.to_hf} checkpoint differs: max_rel_logit_diff={rel_d:.3g} > {tol:g}")
             worst = max(worst, _step(f"export {cfg.scheme_label} -> {type(back).__name__}", abs_d, rel_d))
@@ -151,19 +179,76 @@ def _gguf_vocab(opts: ConvertConfig, src: Path) -> Path:
 
 
 def _write_gguf(opts: ConvertConfig, model, cfg, worst: float) -> int:
-    """OUT.gguf, read back through transformers' GGUF reader and checked against the model."""
+    """OUT.gguf, read by the engines that know it and checked against the model before it is published."""
 
     model = model.float()  # GGUF F32
-    with atomic_path(opts.output) as tmp:  # published only once the check passed
-        write_gguf(model, cfg, tmp, opts.gguf_vocab, name=Path(opts.output).stem)
-        back, _ = from_hf(load_hf(tmp, cache=False))
-        abs_d, rel_d = logit_diff(model, back, cfg.vocab_size, min(cfg.context, 64))
-        if not rel_d <= 1e-5:
-            raise CheckFailed(f"the written GGUF differs: max_rel_logit_diff={rel_d:.3g} > 1e-05")
-    worst = max(worst, _step(f"export {cfg.scheme_label} -> GGUF llama F32 (read back by transformers)", abs_d, rel_d))
+    llama_bin = find_llama_bin(opts.llama_bin)
+    with atomic_path(opts.output) as tmp:  # published only once the checks passed
+        arch = write_gguf(model, cfg, tmp, opts.gguf_vocab, name=Path(opts.output).stem)
+        what = f"export {cfg.scheme_label} -> GGUF {arch} F32"
+        if arch == "llama":
+            hf = load_hf(tmp, cache=False)  # transformers' GGUF reader: its LlamaForCausalLM computes
+            abs_d, rel_d = logit_diff(model, hf, cfg.vocab_size, min(cfg.context, 64))
+            _gguf_step(f"{what}, read by transformers' GGUF reader ({type(hf).__name__})", abs_d, rel_d, 1e-5)
+        else:
+            _same_tensors(tmp, gguf_tensors(model, cfg))
+            hf = to_deepseek(model, cfg)  # the same tensors, computed by transformers' DeepseekV3ForCausalLM
+            abs_d, rel_d = logit_diff(model, hf, cfg.vocab_size, min(cfg.context, 64))
+            name = type(hf).__name__
+            _gguf_step(
+                f"{what}: its tensors read back are {name}'s; transformers' {name} vs qkvlab", abs_d, rel_d, 1e-5
+            )
+        del hf
+        worst = max(worst, rel_d)
+        if llama_bin is not None:
+            _llama_cpp_step(what, llama_bin, tmp, model, cfg)
+        else:
+            print(
+                f"note: llama.cpp not checked (no {COMPLETION}: --llama-bin DIR, ${LLAMA_BIN_ENV} or the PATH)"
+                + (
+                    "; no engine here read this deepseek2 file (transformers' GGUF reader does not know deepseek2)"
+                    if arch != "llama"
+                    else ""
+                )
+            )
     print(f"wrote {opts.output}")
     print(f"max_rel_logit_diff={worst:.3g}")
     return 0
+
+
+def _gguf_step(what: str, abs_d: float, rel_d: float, tol: float) -> None:
+    if not rel_d <= tol:
+        raise CheckFailed(f"{what}: the written GGUF differs: max_rel_logit_diff={rel_d:.3g} > {tol:g}")
+    _step(what, abs_d, rel_d)
+
+
+def _same_tensors(file: Path, expected: dict) -> None:
+    """Every tensor of `file`, read back by gguf's reader, equal (bit for bit) to the one meant for it."""
+    got = {t.name: torch.tensor(t.data) for t in read_vocab(file).tensors}  # a copy: the reader maps the file read-only
+    if set(got) != set(expected):
+        raise CheckFailed(f"the written GGUF's tensors differ by name: {sorted(set(got) ^ set(expected))[:3]}")
+    for name, t in expected.items():
+        if got[name].shape != t.shape or not torch.equal(got[name], t):
+            raise CheckFailed(f"the written GGUF's {name} differs from the export's")
+
+
+def _llama_cpp_step(what: str, bin_dir: Path, file: Path, model, cfg) -> None:
+    """llama.cpp's greedy tokens from the file against qkvlab's from the same prompt ids."""
+    try:
+        got = check_greedy(bin_dir, file, model, cfg.context)
+    except LlamaCppError as e:
+        raise CheckFailed(f"llama.cpp could not run the written GGUF: {e}") from None
+    tie = (
+        ""
+        if got["first_diff"] is None
+        else f", then a near tie (llama.cpp took qkvlab's runner-up, {got['gap_at_first_diff']:.2g} std below)"
+    )
+    line = f"{what}, read by llama.cpp ({COMPLETION} {version(bin_dir / COMPLETION)}): "
+    line += f"{got['equal_prefix']} of {got['compared']} greedy tokens equal{tie}"
+    if not got["agrees"]:
+        rank = got["rank_of_theirs"]
+        raise CheckFailed(f"{line}; at token {got['first_diff']} llama.cpp's is qkvlab's rank {rank}, not a near tie")
+    print(line)
 
 
 # ---- the tokenizer, carried beside the weights -------------------------------------------------

@@ -4,7 +4,8 @@ The tokenizer comes from the model folder (a `tokenizer/` folder beside the weig
 or transformers' files as `retrofit` and `convert --from-hf` write them; or the GPT-2 tokenizer its
 training config names); otherwise pass --tokenizer (gpt2, bytes, or a folder holding a saved qkvlab or
 transformers tokenizer), or give token ids with --prompt-ids. The settings: GenerateConfig
-(qkvlab/decode/config.py); the decoding: qkvlab.decode.generate.
+(qkvlab/decode/config.py); the decoding: qkvlab.decode.generate, as the DecodeChoices built once here say
+(qkvlab.decode.choices: the dtype, timed for `auto` on the CPU, and the weights' layout).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from qkvlab.base.devices import compile_mode, select_device, torch_dtype
 from qkvlab.base.errors import UserError
 from qkvlab.base.settings import add_config_options, add_options, load, print_config
 from qkvlab.convert.load import model_tokenizer
+from qkvlab.decode.choices import decode_choices
 from qkvlab.decode.config import GenerateConfig
-from qkvlab.decode.dtype_probe import inference_dtype
-from qkvlab.decode.generate import FINISHED, check_prompts, generate, stream
+from qkvlab.decode.generate import FINISHED, generate, stream
+from qkvlab.decode.steps import check_prompts
 from qkvlab.model.folder import find_model_dir, load_model, read_config
 from qkvlab.serve.tokens import serve_tokenizer
 
@@ -50,8 +52,9 @@ def run(args) -> int:
         tok = serve_tokenizer(tok, tok_dir)
     prompts = encode_prompts(cfg, tok, model_cfg.vocab_size)
     device = select_device(cfg.device)
-    dname, probe = inference_dtype(cfg.dtype, device.type, model_cfg, (len(prompts),))  # auto on the CPU: timed
-    model, model_cfg, _ = load_model(model_dir, device=device, dtype=torch_dtype(dname, device.type))
+    # dtype auto on the CPU and a real model's layout: timed (or cached) before the weights are read
+    choices = decode_choices(model_cfg, device=device, dtype=cfg.dtype, batch=len(prompts))
+    model, model_cfg, _ = load_model(model_dir, device=device, dtype=torch_dtype(choices.dtype, device.type))
     mode = compile_mode(cfg.compile, device.type)
 
     def report(seconds: float) -> None:
@@ -62,11 +65,11 @@ def run(args) -> int:
         )
 
     eot = getattr(tok, "eot_id", None)
-    how = dict(eot_id=eot, seed=cfg.seed, compile=mode or False, on_compiled=report)
+    how = dict(choices=choices, eot_id=eot, seed=cfg.seed, compile=mode or False, on_compiled=report)
     how["vocab_limit"] = tok.vocab_size if tok is not None else None
     check_prompts(model, prompts)  # before the notes below: a refusal is one line
-    if probe is not None:  # what auto resolved to, from which figures (this model's decode step, or the cache)
-        print(f"qkvlab generate: {probe.describe()}", file=sys.stderr, flush=True)
+    if choices.dtype_decision is not None:  # what auto resolved to, from which figures (a decode step, or the cache)
+        print(f"qkvlab generate: {choices.dtype_decision.describe()}", file=sys.stderr, flush=True)
     if max(len(p) for p in prompts) + cfg.max_new_tokens > model_cfg.context + 1:
         print(f"qkvlab generate: note: stopping at the model's context of {model_cfg.context} tokens", file=sys.stderr)
     show = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: " ".join(map(str, ids)) + " ")

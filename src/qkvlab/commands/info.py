@@ -5,12 +5,16 @@ The config is a preset with overrides, or the one saved in a model or run folder
   qkvlab info --preset gpt2-124m --variant Q-K-V/width=Id-K-V   # Paper A's original_smaller_overall
   qkvlab info runs/tiny                                         # a model folder or a training run
   qkvlab info --preset paperB-1.2b --memory --batch 4 --world 8 --sharding fsdp   # memory per GPU
+  qkvlab info --decisions                                       # timed decisions cached here, one a line
+  qkvlab info --forget                                          # remove them (measured again when needed)
 """
 
 from __future__ import annotations
 
 import json
 
+from qkvlab.base.files import cache_dir
+from qkvlab.base.measured import cached_lines, forget
 from qkvlab.base.settings import add_config_options, add_options, load, print_config, resolve
 from qkvlab.base.units import human, nbytes
 from qkvlab.model.accounting import memory_estimate, report
@@ -34,6 +38,8 @@ def folder_config(path: str):
 
 def run(args) -> int:
     opts = load(InfoConfig, None, args)
+    if opts.decisions or opts.forget:
+        return decisions(opts)
     saved = folder_config(opts.folder) if opts.folder else model_file_settings(args.config) if args.config else None
     # the folder's config or the file (else the default preset), the command line over it; a --preset
     # replaces a folder's whole config, and a file's keys apply over it
@@ -56,11 +62,7 @@ def run(args) -> int:
         ("scheme", f"{info['scheme']}" + (f"  ({meaning})" if meaning else "")),
         ("layers x heads x d_head", f"{cfg.n_layer} x {cfg.n_head} x {cfg.head_dim} (kv_heads {cfg.n_kv_heads})"),
         *([("per-layer scheme/kv_heads", " ".join(info["layers"]))] if info["layers"] else []),
-        *(
-            [("kv latent", f"{cfg.kv_latent} numbers per token and layer, keys and values read back")]
-            if cfg.kv_latent
-            else []
-        ),
+        *([("kv latent", latent_line(cfg))] if cfg.kv_latent else []),
         ("d_model / MLP hidden", f"{cfg.d_model} / {cfg.hidden}"),
         ("attention scale", f"{cfg.scale:.6g}"),
         ("params total", f"{info['params_total']:,} ({human(info['params_total'])})"),
@@ -82,4 +84,23 @@ def run(args) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def latent_line(cfg) -> str:
+    """What a latent layer caches, in words."""
+    if cfg.rope_dim is None:
+        return f"{cfg.kv_latent} numbers per token and layer, keys and values read back"
+    return (
+        f"MLA: {cfg.kv_latent} + {cfg.rope_dim} numbers per token and layer (the normalised latent, then a RoPE key "
+        "shared by every head); decoded absorbed"
+    )
+
+
+def decisions(opts: InfoConfig) -> int:
+    """--decisions: the cached timed decisions, one line each; --forget: remove them, one line."""
+    if opts.decisions:
+        print("\n".join(cached_lines()) or f"no timed decisions in {cache_dir()}")
+    if opts.forget:
+        print(forget())
     return 0

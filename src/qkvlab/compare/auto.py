@@ -42,7 +42,7 @@ def choose_seeds(
 
 def run_auto(plan_fn: Callable, run_fn: Callable, cfg, *, command: str | None, say: Callable[..., None]) -> Any:
     """The pilot, the choice of n, then the decisive plan (which skips the pilot's finished runs)."""
-    # startup: scipy (about 1 s); planning imports this module, `compare --help` and --dry-run need none
+    # startup: scipy; planning imports this module, `compare --help` and --dry-run need none
     from qkvlab.analysis.report import seconds_per_run as seconds_per_run_here
     from qkvlab.analysis.results import collect
     from qkvlab.analysis.seeds import seeds_for_claims

@@ -1,20 +1,14 @@
-"""Running a plan: the runs train in parallel processes on CPU (one thread each), or one at a time
+"""Running a plan: the runs train in parallel processes on CPU (compare/workers.py), or one at a time
 over every rank under torchrun; compare.json records the plan, machine and timing; results.md,
-results.csv and the plots are written at the end."""
+results.csv and the plots are written at the end (compare/render.py)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
-import multiprocessing as mp
 import os
 import platform
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +16,7 @@ from typing import Any
 import torch
 
 from qkvlab.analysis.rules import ANALYSIS_VERSION
-from qkvlab.analysis.runs import MANIFEST, read_manifest, write_manifest
+from qkvlab.analysis.runs import read_manifest, write_manifest
 from qkvlab.base.devices import cpu_name, select_device, torchrun_env
 from qkvlab.base.errors import UserError
 from qkvlab.base.folders import check_folder, claim_folder, inspect
@@ -30,13 +24,10 @@ from qkvlab.base.units import fmt_duration
 from qkvlab.compare.pace import choose_layout
 from qkvlab.compare.planning import Plan, PlannedRun, run_states
 from qkvlab.compare.recipes import CPU_RECIPES, recipe_name
-from qkvlab.compare.sweep import write_scan_choice
+from qkvlab.compare.render import write_after_training
+from qkvlab.compare.workers import Progress, train_all
 from qkvlab.tasks import FAMILIES, task_from_config
 from qkvlab.train import distributed as D
-from qkvlab.train import loop  # loop.train, looked up per run (tests wrap it)
-
-# function-level imports: startup: qkvlab.analysis.report, .results and .scaling_report import scipy
-# (about 1 s); they load when results are written, so `compare --help` and `--dry-run` start without.
 
 
 @dataclass
@@ -47,93 +38,6 @@ class Outcome:
     results: Any = None  # qkvlab.analysis.results.Results (a sweep: qkvlab.analysis.scaling.Scaling)
     failures: list[str] = field(default_factory=list)
     wall_s: float = 0.0
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent(parent: int) -> None:
-    """A worker trains only for its compare: when that process dies (SIGKILL included) the worker is
-    killed too, so it neither trains on nor holds a run's lock against the re-run. On Linux the
-    kernel sends the signal (PR_SET_PDEATHSIG); elsewhere a thread polls the parent id. SIGKILL is
-    safe: checkpoints are written atomically and an interrupted run resumes bit for bit."""
-    armed = False
-    if sys.platform.startswith("linux"):
-        try:
-            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
-        except (OSError, AttributeError):
-            armed = False
-    if os.getppid() != parent:  # it died before the signal was armed
-        os._exit(1)
-    if not armed:
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(1.0)
-            os._exit(1)
-
-        threading.Thread(target=watch, daemon=True, name="qkvlab-parent-watch").start()
-
-
-def _worker_init(threads: int, parent: int | None = None) -> None:
-    if parent is not None:
-        _die_with_parent(parent)
-    torch.set_num_threads(threads)
-
-
-def _train_one(cfg, out_dir: str, progress: bool):
-    t0 = time.perf_counter()
-    try:
-        res = loop.train(cfg, out_dir, resume=True, progress=progress)
-    except loop.TrainingDiverged as e:
-        return {"error": str(e), "seconds": time.perf_counter() - t0}
-    return {
-        "metrics": res.metrics,
-        "metric": res.metric,
-        "higher_is_better": res.higher_is_better,
-        "seconds": time.perf_counter() - t0,
-    }
-
-
-class Progress:
-    """One line per finished run: run i/N, its score, elapsed and ETA. The ETA weighs each run by
-    `work` (its estimated seconds, by PlannedRun.rel) where given, so a sweep whose last size costs
-    20x its first is not promised early."""
-
-    def __init__(
-        self,
-        total: int,
-        done: int,
-        to_train: int,
-        say: Callable[..., None] = print,
-        work: dict[str, float] | None = None,
-    ):
-        self.total, self.done, self.to_train, self.trained = total, done, to_train, 0
-        self.work = work or {}
-        self.work_total, self.work_done = sum(self.work.values()), 0.0
-        self.t0 = time.perf_counter()
-        self.say = say
-
-    def update(self, run: PlannedRun, result: dict[str, Any]) -> None:
-        self.done += 1
-        self.trained += 1
-        elapsed = time.perf_counter() - self.t0
-        if run.rel in self.work:
-            self.work_done += self.work[run.rel]
-            eta = elapsed / self.work_done * max(0.0, self.work_total - self.work_done) if self.work_done > 0 else 0.0
-        else:
-            eta = elapsed / self.trained * (self.to_train - self.trained)
-        if "error" in result:
-            score = f"FAILED: {result['error']}"
-        else:
-            m = result["metric"]
-            score = f"{m} {result['metrics'].get(m, float('nan')):.4f}"
-        where = f"{run.task}{'/' + run.point if run.point else ''} {run.variant.name} seed {run.seed}"
-        self.say(
-            f"[run {self.done}/{self.total}] {where}: {score} ({result['seconds']:.0f} s)  "
-            f"elapsed {fmt_duration(elapsed)}  ETA {fmt_duration(eta)}",
-            flush=True,
-        )
 
 
 def machine_info(jobs: int, threads: int, device: str, world: int, train_dtype: str) -> dict[str, Any]:
@@ -316,10 +220,10 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
             manifest["estimate_s"] = round(estimate, 1)
     outcome = Outcome(out)
     progress = Progress(len(runs), len(runs) - len(todo), len(todo), say=say, work=work)
-    _train_all(todo, progress, outcome, parallel, jobs, threads, main)
+    outcome.failures += train_all(todo, progress, parallel, jobs, threads, main)
     outcome.wall_s = wall = time.perf_counter() - t_start
     if main:
-        _write(plan, manifest, trained_before, len(runs), len(todo), wall, outcome, command, say)
+        outcome.results = write_after_training(plan, manifest, trained_before, len(runs), len(todo), wall, command, say)
     if env is not None:
         D.barrier(env)
     return outcome
@@ -368,107 +272,3 @@ def _manifest(plan: Plan, runs: list[PlannedRun], metrics, command: str | None, 
         "machine": machine,
         "trained_under_analysis": ANALYSIS_VERSION,  # a re-render keeps the training invocation's (below)
     }
-
-
-def _train_all(todo, progress: Progress, outcome: Outcome, parallel: bool, jobs: int, threads, main: bool) -> None:
-    """Train `todo`: in `jobs` spawned processes on CPU, else one after another in this process."""
-
-    def record(r: PlannedRun, result: dict[str, Any]) -> None:
-        progress.update(r, result)
-        if "error" in result:
-            outcome.failures.append(f"{r.rel}: {result['error']}")
-
-    if not (parallel and jobs > 1):
-        if parallel:
-            _worker_init(threads)
-        for r in todo:
-            record(r, _train_one(r.cfg, str(r.dir), progress=not parallel and main))
-        return
-    with ProcessPoolExecutor(
-        jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init, initargs=(threads, os.getpid())
-    ) as pool:
-        pending = {pool.submit(_train_one, r.cfg, str(r.dir), False): r for r in todo}
-        try:
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    record(pending.pop(fut), fut.result())
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
-
-
-def _write(
-    plan: Plan, manifest, trained_before, n_runs: int, n_trained: int, wall: float, outcome, command, say
-) -> None:
-    """The timing into compare.json, then results.md/csv and plots (the sweep's own writer for --sweep)."""
-    from qkvlab.analysis.report import write_results
-    from qkvlab.analysis.results import collect
-
-    out, cfg = plan.out, plan.config
-    if cfg.sweep:  # its scores.json is the sweep's own (per-window losses), not a family's
-        from qkvlab.analysis.scaling import read_runs
-
-        train_s = [r.train_s for r in read_runs(out)[0]]
-    else:
-        res = collect(out)
-        train_s = [float(r.final.get("elapsed_s") or 0) for r in res.runs]
-    manifest["timing"] = (trained_before or {}).get("timing") or {
-        "wall_s": round(wall, 1),
-        "trained": n_trained,
-        "skipped": n_runs - n_trained,
-        "train_s_total": round(sum(train_s), 1),
-    }
-    write_manifest(out, manifest)
-    if cfg.sweep:
-        from qkvlab.analysis.scaling_report import write_scaling_results
-
-        if (choice := write_scan_choice(out)) is not None:  # first: results.md shows it
-            say(f"compare: wrote {choice}, the lr each size's sweep takes (--lr-scan {out})")
-        outcome.results = write_scaling_results(out, out, command=command or "", plots=cfg.plots)
-    else:
-        res.manifest = manifest
-        outcome.results = write_results(out, res, plots=cfg.plots)
-    plots = " and plots" if cfg.plots else ""
-    say(
-        f"compare: wrote {out / 'results.md'}, {out / 'results.csv'}{plots}; wall time {fmt_duration(wall)} ({wall:.0f} s)"
-    )
-
-
-def render(out: str | Path, analysis_version: int | None = None, *, plots: bool = True, say=print):
-    """`qkvlab compare --render`: no planning, no training. Re-derive OUT's results.md, results.csv
-    and plots from what OUT stores (its run folders, else scores.json; a sweep: its run folders, else
-    its per-seed results.csv) under the analysis rules of analysis_version (default: the current)."""
-    out = Path(out)
-    if not out.is_dir():
-        raise UserError(f"{out}: no such folder (--render re-derives the results of a compare folder)")
-    if _is_sweep(out):
-        from qkvlab.analysis.scaling_report import write_scaling_results
-
-        write_scan_choice(out)
-        result = write_scaling_results(out, out, plots=plots, analysis_version=analysis_version)
-    elif (out / MANIFEST).is_file():
-        from qkvlab.analysis.report import write_results
-
-        result = write_results(out, plots=plots, analysis_version=analysis_version)
-    else:
-        raise UserError(f"{out}: neither a compare folder ({MANIFEST}) nor a sweep's results.csv")
-    say(f"compare: re-derived {out / 'results.md'} and {out / 'results.csv'} from the stored scores")
-    return result
-
-
-def _is_sweep(out: Path) -> bool:
-    """OUT holds a sweep: its compare.json says so (manifests before that key: every grid point carries
-    its own steps, as only a sweep's sizes do), or its results.csv has a size column. Deciding by the
-    results.csv alone rendered a sweep stopped before its end as one pooled grid point."""
-    if (out / MANIFEST).is_file():
-        m = read_manifest(out)
-        if "sweep" in m:
-            return bool(m["sweep"])
-        if m.get("grid") and all("steps" in g for g in m["grid"]):
-            return True
-    if (out / "results.csv").is_file():
-        with (out / "results.csv").open() as f:
-            return "size" in f.readline().split(",")
-    return False

@@ -1,8 +1,8 @@
 """A comparison at this machine's pace: a short probe chooses jobs x threads on CPU, and the plan's
 wall time is estimated (and printed) before any run starts.
 
-Seeds are separate processes: batching seeds into one model does not pay on CPU (a vmap of 8 seeds
-ran 0.70x separate runs: SDPA's backward has no batching rule), so the only choice is how the cores
+Seeds are separate processes: batching seeds into one model (vmap) does not pay on CPU, since SDPA's
+backward has no batching rule (measured: docs/results/speed/history.md), so the only choice is how the cores
 are split between parallel runs and threads inside each. The probe times a few optimizer steps of the
 plan's own first run both ways, in the processes that would train, and keeps the faster layout.
 """
@@ -52,7 +52,7 @@ class Layout:
     step_s: float | None = None  # one run's seconds per optimizer step at this layout (None: not probed)
     note: str = ""
     probed_work: float | None = None  # step_work of the run step_s was measured on
-    # (point_key, seconds per step) of each task/grid point probed: a sweep's sizes differ ~20x in
+    # (point_key, seconds per step) of each task/grid point probed: a sweep's sizes differ many times over in
     # cost, so one point's pace says little about another's
     point_step_s: tuple[tuple[str, float], ...] = ()
 

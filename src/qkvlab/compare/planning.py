@@ -372,7 +372,7 @@ def run_states(runs: list[PlannedRun], out: Path, sweep: bool) -> list[str]:
     states = [run_state(r) for r in runs]
     if not sweep:
         return states
-    # startup: scaling_report imports scipy (about 1 s); only a sweep with a table pays it
+    # startup: scaling_report imports scipy; only a sweep with a table pays it
     from qkvlab.analysis.scaling_report import recorded_runs
 
     recorded = recorded_runs(out)

@@ -41,8 +41,8 @@ SWEEP_VARIANTS = ("Q-K-V", "Id-K-V", "Id-K-V/mlp", "Q-K=V", "Q=K-V", "Q=V-K", "Q
 # 4 widths at depth 2 spanning 19x in non-embedding parameters (55k .. 1.04M, about 2.7x apart), 4
 # heads at every size so MQA keeps 1 of 4 kv heads (25% of Q-K=V's cache) throughout; 20 tokens per
 # parameter (Chinchilla's ratio); 6 seeds where a run costs seconds, 3 where it costs minutes. Depth
-# stays 2 because the cost grows as N^2 (tokens follow N): the largest size is ~21 min per run on one
-# CPU core (measured under bf16 autocast, which the old `auto` rule chose there), the 8 variants about 6 h of 2 cores.
+# stays 2 because the cost grows as N^2 (tokens follow N), and the largest size must fit a CPU's budget
+# (its measured cost per run: docs/results/scaling/README.md, "Why two variants and depth 2").
 SWEEP_SIZES = "d48-L2-h4-b16-s6,d80-L2-h4-b16-s6,d128-L2-h4-b32-s3,d208-L2-h4-b32-s3"
 # lr per size: base_lr * (LR_WIDTH / d_model), the 1/width rule of muP-style transfer for Adam's
 # hidden matrices, fixed before any run (2e-3 is the CPU LM recipe's lr at d 64).
@@ -276,77 +276,84 @@ def plan_sweep(cfg):
     """The sweep's Plan: one TrainConfig per (size, variant, seed)."""
     _check_sweep_settings(cfg)
     cfg, recipe = apply_recipe(cfg)
-    r = SWEEP_RECIPE
+    sizes, chosen = _sizes_with_lrs(cfg, recipe)
+    if any(s.lr is not None for s in sizes) and cfg.lr is not None:
+        raise UserError("--lr sets the 1/width rule's base lr, and these sizes pin their own (-lr..)")
+    if any(s.cell for s in sizes) and cfg.batch_size is not None:
+        raise UserError("--batch-size would override the batch of each cell of this grid (-b..); drop it")
+    variants = parse_variants(cfg.variants if cfg.variants is not None else list(SWEEP_VARIANTS))
+    tpp = cfg.tokens_per_param if cfg.tokens_per_param is not None else SWEEP_RECIPE["tokens_per_param"]
+    if tpp <= 0:
+        raise UserError(f"--tokens-per-param {tpp} must be positive")
+    out = Path(cfg.out or "runs/sweep")
+    runs: list[PlannedRun] = []
+    grid = []
+    for size in sizes:
+        size_runs, point = _size_runs(cfg, size, variants, tpp, recipe.get("first_seed", 0), out)
+        runs += size_runs
+        if cfg.lr_scan and size.shape in chosen:
+            point["lr_scan"] = {"dir": str(cfg.lr_scan), **chosen[size.shape]}
+        grid.append(point)
+    return Plan(cfg, runs, "lm", ["lm"], variants, sorted({r.seed for r in runs}), grid, out)
+
+
+def _sizes_with_lrs(cfg, recipe: dict) -> tuple[list[SweepSize], dict]:
+    """The sweep's sizes, each with the lr its recipe's scan chose where the recipe takes one (next-up:
+    only the sizes whose lr the extended grid moved), and the scan's choices by shape."""
     sizes = parse_sizes(cfg.sizes or SWEEP_SIZES)
     if cfg.lr_scan is not None and "lr_scan" not in recipe:
         raise UserError(
             "--lr-scan goes with a sweep recipe that takes its lr from a scan (--recipe next-L2/L4, next-up-L2/L4)"
         )
-    chosen: dict = {}
-    if "lr_scan" in recipe:
-        if cfg.lr_scan is None:
-            raise UserError(
-                f"--recipe {cfg.recipe} takes each size's lr from its lr scan: run `qkvlab compare --sweep "
-                f"--recipe {recipe['lr_scan']} --out runs/{recipe['lr_scan']}`, then add --lr-scan runs/{recipe['lr_scan']}"
-            )
-        chosen = scan_lrs(cfg.lr_scan)
-        sizes = [s if s.lr is not None else replace(s, lr=_scan_lr(s, chosen, cfg.lr_scan, cfg.recipe)) for s in sizes]
-        if "lr_scan_up" in recipe:
-            sizes = _moved_sizes(sizes, cfg.lr_scan, recipe)
-    if any(s.lr is not None for s in sizes) and cfg.lr is not None:
-        raise UserError("--lr sets the 1/width rule's base lr, and these sizes pin their own (-lr..)")
-    if any(s.cell for s in sizes) and cfg.batch_size is not None:
-        raise UserError("--batch-size would override the batch of each cell of this grid (-b..); drop it")
-    first_seed = recipe.get("first_seed", 0)
-    variants = parse_variants(cfg.variants if cfg.variants is not None else list(SWEEP_VARIANTS))
-    tpp = cfg.tokens_per_param if cfg.tokens_per_param is not None else r["tokens_per_param"]
-    if tpp <= 0:
-        raise UserError(f"--tokens-per-param {tpp} must be positive")
-    lr = cfg.lr if cfg.lr is not None else r["lr"]
+    if "lr_scan" not in recipe:
+        return sizes, {}
+    if cfg.lr_scan is None:
+        raise UserError(
+            f"--recipe {cfg.recipe} takes each size's lr from its lr scan: run `qkvlab compare --sweep "
+            f"--recipe {recipe['lr_scan']} --out runs/{recipe['lr_scan']}`, then add --lr-scan runs/{recipe['lr_scan']}"
+        )
+    chosen = scan_lrs(cfg.lr_scan)
+    sizes = [s if s.lr is not None else replace(s, lr=_scan_lr(s, chosen, cfg.lr_scan, cfg.recipe)) for s in sizes]
+    if "lr_scan_up" in recipe:
+        sizes = _moved_sizes(sizes, cfg.lr_scan, recipe)
+    return sizes, chosen
+
+
+def _size_runs(cfg, size: SweepSize, variants, tpp: float, first_seed: int, out: Path) -> tuple[list, dict]:
+    """One size's runs (every variant x seed) and its grid entry for compare.json."""
+    r = SWEEP_RECIPE
+    fields = {"vocab_size": r["vocab_size"], "context": r["context"], **cfg.model}
+    base = ModelConfig(d_model=size.d_model, n_layer=size.n_layer, n_head=size.n_head, **fields).validate()
+    batch = cfg.batch_size or size.batch_size or r["batch_size"]
+    steps = max(1, round(tpp * analytic_params(base).non_embedding / (batch * base.context)))
+    rate = size.lr if size.lr is not None else size_lr(cfg.lr if cfg.lr is not None else r["lr"], size.d_model)
     task_options = {"tokenizer": cfg.tokenizer or r["tokenizer"], **({"data": cfg.data} if cfg.data else {})}
     task_options.update(cfg.task_options)
-    out = Path(cfg.out or "runs/sweep")
-    runs: list[PlannedRun] = []
-    per_size = []
-    for size in sizes:
-        fields = {"vocab_size": r["vocab_size"], "context": r["context"], **cfg.model}
-        base = ModelConfig(d_model=size.d_model, n_layer=size.n_layer, n_head=size.n_head, **fields).validate()
-        n = analytic_params(base).non_embedding
-        batch = cfg.batch_size or size.batch_size or r["batch_size"]
-        steps = max(1, round(tpp * n / (batch * base.context)))
-        seeds = cfg.seeds or size.seeds or r["seeds"]
-        size_rate = size.lr if size.lr is not None else size_lr(lr, size.d_model)
-        per_size.append((batch, steps, size_rate))
-        for v in variants:
-            model = v.apply(base)
-            for seed in range(first_seed, first_seed + seeds):
-                train_cfg = TrainConfig.from_dict(
-                    dict(
-                        task="lm",
-                        task_options=dict(task_options),
-                        model=model,
-                        seed=seed,
-                        max_steps=steps,
-                        batch_size=batch,
-                        lr=size_rate,
-                        min_lr=size_rate / 10,
-                        warmup_steps=max(5, steps // 20),
-                        weight_decay=default_weight_decay(model),
-                        eval_every=cfg.eval_every or max(1, steps // 10),
-                        log_tensorboard=False,
-                        device=cfg.device,
-                        dtype=cfg.dtype,
-                        **SWEEP_EVAL,
-                    )
+    runs = []
+    for v in variants:
+        model = v.apply(base)
+        for seed in range(first_seed, first_seed + (cfg.seeds or size.seeds or r["seeds"])):
+            train_cfg = TrainConfig.from_dict(
+                dict(
+                    task="lm",
+                    task_options=dict(task_options),
+                    model=model,
+                    seed=seed,
+                    max_steps=steps,
+                    batch_size=batch,
+                    lr=rate,
+                    min_lr=rate / 10,
+                    warmup_steps=max(5, steps // 20),
+                    weight_decay=default_weight_decay(model),
+                    eval_every=cfg.eval_every or max(1, steps // 10),
+                    log_tensorboard=False,
+                    device=cfg.device,
+                    dtype=cfg.dtype,
+                    **SWEEP_EVAL,
                 )
-                run = PlannedRun("lm", v, seed, size.label, train_cfg, out, task_folder=False)
-                run.dir = out / run.rel
-                runs.append(run)
-    seeds_all = sorted({r.seed for r in runs})
-    grid = [
-        {"label": s.label, "d_model": s.d_model, "n_layer": s.n_layer, "n_head": s.n_head, "batch_size": b, "steps": k}
-        | {"lr": rate}
-        | ({"lr_scan": {"dir": str(cfg.lr_scan), **chosen[s.shape]}} if cfg.lr_scan and s.shape in chosen else {})
-        for s, (b, k, rate) in zip(sizes, per_size)
-    ]
-    return Plan(cfg, runs, "lm", ["lm"], variants, seeds_all, grid, out)
+            )
+            run = PlannedRun("lm", v, seed, size.label, train_cfg, out, task_folder=False)
+            run.dir = out / run.rel
+            runs.append(run)
+    point = {"label": size.label, "d_model": size.d_model, "n_layer": size.n_layer, "n_head": size.n_head}
+    return runs, point | {"batch_size": batch, "steps": steps, "lr": rate}

@@ -15,21 +15,26 @@ savings of the reduced schemes are lost in the export; they need qkvlab's own ru
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from qkvlab.base.errors import UserError
-from qkvlab.base.files import atomic_dir, cache_dir, file_sha256, read_json
+from qkvlab.base.files import atomic_dir, cache_dir, file_sha256
+from qkvlab.base.model_files import check_folder, json_key, member, read_json
 from qkvlab.convert.hf_adapter import StateDictAdapter
 from qkvlab.convert.hf_gpt2 import GPT2Adapter
 from qkvlab.convert.hf_llama import LlamaAdapter
 from qkvlab.convert.reparam import role_weights
 from qkvlab.model.config import ModelConfig
-from qkvlab.model.folder import build_model_from_state, is_model_folder
+from qkvlab.model.folder import build_model_from_state, check_declared_size, is_model_folder, safetensors_keys
+from qkvlab.model.limits import check_model
 from qkvlab.model.spec import ROLES
 from qkvlab.model.transformer import GPT
 
+INDEX = "model.safetensors.index.json"
 ADAPTERS: dict[str, StateDictAdapter] = {a.model_type: a for a in (GPT2Adapter(), LlamaAdapter())}
 FORMATS = tuple(ADAPTERS)
 
@@ -57,41 +62,101 @@ def _cache_root() -> Path:
 def load_hf(path: str | Path, *, cache: bool = True):
     """A transformers causal LM from a folder (config.json + safetensors) or a .gguf file, fp32.
 
-    Pickled weights (pytorch_model.bin) are refused: they can run code when loaded."""
+    Pickled weights (pytorch_model.bin) are refused: they can run code when loaded. The folder is read
+    as data first (`check_hf_folder`): transformers then reads only files that resolve inside it, of
+    bounded size, under a config whose model fits the weights it ships."""
     tf = _transformers()
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such file or folder (expected a Hugging Face model folder or a .gguf file)")
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, cache=cache)
+        return _load_gguf(
+            member(path.parent, path.name, "weights", within=Path(os.path.realpath(path)).parent), cache=cache
+        )
     if path.is_file():
         raise UserError(
             f"{path}: a file; give the Hugging Face model folder (config.json + model.safetensors) or a .gguf file"
         )
     ggufs = sorted(path.glob("*.gguf"))
-    if not (path / "config.json").exists():
+    if not os.path.lexists(path / "config.json"):
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], cache=cache)
+            return _load_gguf(member(path, ggufs[0].name, "weights"), cache=cache)
         raise UserError(
             f"{path}: no config.json (not a Hugging Face model folder); qkvlab model folders are read without --from-hf"
         )
-    body = read_json(path / "config.json")
-    if is_model_folder(path):
-        raise UserError(f"{path}: a qkvlab model folder, not a Hugging Face one; drop --from-hf")
-    kind = body.get("model_type")
-    if kind not in FORMATS:
-        raise UserError(f"{path}: model_type {kind!r} is not supported; qkvlab imports {', '.join(FORMATS)}")
-    if not list(path.glob("*.safetensors")):
-        pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
-        what = (
-            f"only {pickles[0]} (a pickle, which can run code when loaded)" if pickles else "no *.safetensors weights"
-        )
-        raise UserError(f"{path}: {what}; qkvlab reads Hugging Face weights only as safetensors")
+    config = hf_config(path)
     try:
-        model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=torch.float32, use_safetensors=True, local_files_only=True
+        )
     except Exception as e:  # transformers raises many kinds; report one line
         raise UserError(f"{path}: transformers could not load it ({str(e).splitlines()[0][:200]})") from None
     return model.eval()
+
+
+def check_hf_folder(path: Path) -> tuple[dict[str, Any], list[Path]]:
+    """A Hugging Face model folder read as data, before transformers reads it: config.json a JSON
+    object naming a supported model_type and no custom code, the safetensors weights (model.safetensors,
+    or the shards its index names) inside the folder with readable headers, every other entry inside
+    the folder (qkvlab.base.model_files). -> (config.json's body, the weights files)."""
+    body = read_json(path, "config.json")
+    if is_model_folder(path):
+        raise UserError(f"{path}: a qkvlab model folder, not a Hugging Face one; drop --from-hf")
+    kind = json_key(body, "model_type", str, path / "config.json", default=None)
+    if kind not in FORMATS:
+        raise UserError(f"{path}: model_type {kind!r} is not supported; qkvlab imports {', '.join(FORMATS)}")
+    if "auto_map" in body:
+        raise UserError(
+            f"{path / 'config.json'}: its auto_map names custom code; qkvlab runs no code from a model folder"
+        )
+    read_json(path, "generation_config.json", missing_ok=True)  # transformers reads it too: valid JSON or refused
+    weights = _weights_files(path)
+    check_folder(path, names=[w.name for w in weights])
+    for file in weights:
+        safetensors_keys(file)
+    return body, weights
+
+
+def _weights_files(path: Path) -> list[Path]:
+    index = read_json(path, INDEX, "weights index", missing_ok=True)
+    if index is not None:
+        where = f"{path / INDEX}'s weight_map"
+        shards = json_key(index, "weight_map", dict, path / INDEX)
+        return [member(path, name, "weights", named_by=where) for name in sorted(set(shards.values()), key=str)]
+    single = member(path, "model.safetensors", "weights", missing_ok=True)
+    if single is not None:
+        return [single]
+    pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
+    what = f"only {pickles[0]} (a pickle, which can run code when loaded)" if pickles else "no model.safetensors"
+    raise UserError(f"{path}: {what}; qkvlab reads Hugging Face weights only as safetensors")
+
+
+def hf_config(path: Path):
+    """The transformers config of a checked folder (`check_hf_folder`), refused when the model it
+    declares is larger than its weights files or than this machine's memory (before transformers
+    builds it: a config.json saying 100,000 layers would take minutes and gigabytes to refuse later)."""
+    tf = _transformers()
+    _, weights = check_hf_folder(path)
+    try:
+        config = tf.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # transformers validates its fields with many kinds of errors
+        raise UserError(f"{path / 'config.json'}: transformers refused it ({str(e).splitlines()[0][:200]})") from None
+    cfg = imported_config(config, path / "config.json")
+    stored = sum(w.stat().st_size for w in weights)
+    check_declared_size(cfg, stored, path / "config.json", "its weights files")
+    check_model(cfg, f"the model in {path}")
+    return config
+
+
+def imported_config(hf_config, where: str | Path) -> ModelConfig:
+    """The qkvlab config of an HF config; a value the adapter cannot map is one line naming `where`."""
+    a = adapter(getattr(hf_config, "model_type", None))
+    try:
+        return a.model_config(hf_config)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError) as e:
+        raise UserError(f"{where}: a value qkvlab cannot read ({type(e).__name__}: {str(e)[:160]})") from None
 
 
 def gguf_cache_folder(file: str | Path) -> Path:
@@ -100,12 +165,44 @@ def gguf_cache_folder(file: str | Path) -> Path:
     return _cache_root() / file_sha256(file)[:16]
 
 
+def check_gguf(file: Path) -> None:
+    """A GGUF file read as data before transformers dequantises it: readable by the gguf package, and
+    the model its metadata declares no larger than the tensors it holds (a block_count of 100,000 over
+    a few tensors is refused here, not built)."""
+    try:
+        import gguf  # optional: gguf (the hf extra)
+    except ImportError as e:
+        raise UserError(f"{file}: reading GGUF needs the gguf package ({e}); pip install 'qkvlab[hf]'") from None
+    try:
+        reader = gguf.GGUFReader(file)
+        arch = _gguf_value(reader, "general.architecture")
+        dims = [_gguf_value(reader, f"{arch}.{k}") for k in ("embedding_length", "block_count", "feed_forward_length")]
+        elements = sum(int(t.n_elements) for t in reader.tensors)
+    except Exception as e:  # a truncated or foreign file: gguf raises ValueError, struct and numpy errors, ...
+        raise UserError(f"{file}: not a readable GGUF file ({str(e).splitlines()[0][:160]})") from None
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in dims):
+        d, layers, ff = dims
+        declared = layers * (d * d + 2 * d * ff)  # a lower bound for any block: its output projection, up and down
+        if declared > elements:
+            raise UserError(
+                f"{file}: its metadata declare {layers:,} layers of width {d:,} (over {declared:,} parameters) "
+                f"but it holds {elements:,}; the file is not a consistent model"
+            )
+
+
+def _gguf_value(reader, name: str):
+    field = reader.fields.get(name)
+    value = None if field is None else field.contents()
+    return value.item() if hasattr(value, "item") else value  # numpy scalars as Python numbers
+
+
 def _load_gguf(file: Path, *, cache: bool):
     """Dequantise through transformers once; later calls read the cached safetensors copy."""
     tf = _transformers()
     folder = gguf_cache_folder(file)
-    if cache and (folder / "config.json").exists():
+    if cache and (folder / "config.json").exists():  # this file's own copy (keyed by its sha256): checked then
         return tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True).eval()
+    check_gguf(file)
     try:
         model = tf.AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     except ImportError as e:

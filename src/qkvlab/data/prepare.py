@@ -47,6 +47,7 @@ import qkvlab
 from qkvlab.base.errors import UserError
 from qkvlab.base.files import atomic_write, cache_dir, file_sha256
 from qkvlab.base.folders import LOCK, no_lock_message
+from qkvlab.base.model_files import json_key, read_json
 from qkvlab.base.settings import setting
 from qkvlab.data.sources import (
     ENCODING_ERRORS,
@@ -115,14 +116,18 @@ def _memmap(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
 def load_prepared(out_dir: str | os.PathLike[str]) -> PreparedData:
     """Open an already prepared folder (read-only memmaps)."""
     d = Path(out_dir)
-    meta_path = d / META_NAME
-    if not meta_path.is_file():
+    meta = read_json(d, META_NAME, missing_ok=True)  # a folder given as --data is data: bounded, typed
+    if meta is None:
         raise UserError(f"prepared data folder {str(d)!r} has no {META_NAME}; run prepare first")
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    where = d / META_NAME
+    if json_key(meta, "dtype", str, where) not in ("uint16", "uint32"):
+        raise UserError(f"{where}: key 'dtype' must be 'uint16' or 'uint32', not {meta['dtype']!r}")
     dtype = np.dtype(meta["dtype"])
+    json_key(meta, "vocab_size", int, where)
+    tokens = json_key(meta, "tokens", dict, where)
     arrays = {}
     for split in ("train", "val"):
-        path, count = d / f"{split}.bin", int(meta["tokens"][split])
+        path, count = d / f"{split}.bin", json_key(tokens, split, int, f"{where}'s 'tokens'")
         if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
             raise UserError(f"{str(path)!r} is missing or has the wrong size; prepare again")
         arrays[split] = _memmap(path, dtype, count)

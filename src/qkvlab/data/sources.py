@@ -182,6 +182,7 @@ def _parquet_pieces(unit: Unit, start: int) -> Iterator[Piece]:
         raise UserError(f"{unit.path}: reading .parquet needs pyarrow: pip install 'qkvlab[parquet]'") from None
     import pyarrow as pa  # optional: pyarrow
 
+    row = 0
     try:
         pf = pq.ParquetFile(unit.path)
         schema = pf.schema_arrow
@@ -190,14 +191,17 @@ def _parquet_pieces(unit: Unit, start: int) -> Iterator[Piece]:
         kind = schema.field("text").type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise UserError(f"{unit.path}: its 'text' column holds {kind}, not strings")
-        row = 0
         for batch in pf.iter_batches(columns=["text"], batch_size=1024):
             for text in batch.column(0).to_pylist():
                 row += 1
                 if row > start:
                     yield Piece(text or "", True, row, len(text or ""))
-    except pa.ArrowException as e:  # not parquet, or damaged (ArrowInvalid, ArrowIOError, ...)
-        raise UserError(f"{unit.path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+    except UserError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as e:  # not parquet, or damaged: ArrowInvalid, and OSError
+        # from a data page that does not decompress ("Corrupt snappy compressed data.")
+        what = f"damaged after row {row:,}" if row else "not a readable parquet file"
+        raise UserError(f"{unit.path}: {what} ({str(e).splitlines()[0]})") from None
 
 
 def _hf_pieces(unit: Unit, start: int) -> Iterator[Piece]:

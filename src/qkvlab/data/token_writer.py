@@ -10,11 +10,16 @@ it comes, and its val tail is moved over when it ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from qkvlab.base.errors import NO_ROOM, no_room
+
+KEPT_UNTIL_CHECKPOINT = "the tokens written up to the last progress.json are kept, and preparing resumes there"
 SPILL_TOKENS = 1 << 24  # a document longer than this goes to train.bin as it comes (split at its end)
 
 
@@ -27,8 +32,8 @@ class TokenWriter:
         self.dtype, self.val_fraction, self.rule = dtype, val_fraction, rule
         self.eot = np.asarray([] if eot is None else [eot], dtype=dtype)
         self.files = {}
-        for split in ("train", "val"):
-            path = d / f"{split}.bin"
+        self.paths = {split: d / f"{split}.bin" for split in ("train", "val")}
+        for split, path in self.paths.items():
             path.touch()
             f = open(path, "r+b")
             f.truncate(state["tokens"][split] * dtype.itemsize)  # drop what came after the last checkpoint
@@ -41,11 +46,29 @@ class TokenWriter:
         self.doc_start, self.spilled = doc["start"], doc["tokens"]
         self.pending: list[np.ndarray] = []
 
+    @contextlib.contextmanager
+    def _writing(self, split: str) -> Iterator[None]:
+        """An OS error while writing a split names its file; a full disk is the one-line NoRoom,
+        which says that what was written up to the last checkpoint is kept and resumed from."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno in NO_ROOM:
+                raise no_room(self.paths[split], kept=KEPT_UNTIL_CHECKPOINT) from None
+            raise OSError(e.errno, e.strerror, str(self.paths[split])) from None
+
     def _append(self, split: str, *arrays: np.ndarray) -> None:
         for a in arrays:
             if len(a):
-                self.files[split].write(a.tobytes())
+                with self._writing(split):
+                    self.files[split].write(a.tobytes())
                 self.counts[split] += len(a)
+
+    def _sync(self) -> None:
+        for split, f in self.files.items():
+            with self._writing(split):
+                f.flush()
+                os.fsync(f.fileno())
 
     def add(self, ids: np.ndarray, doc_end: bool) -> None:
         self.pending.append(ids)
@@ -97,9 +120,7 @@ class TokenWriter:
         """Flush (the document in progress goes to train.bin) -> the resumable state."""
         if self.pending:
             self._spill()
-        for f in self.files.values():
-            f.flush()
-            os.fsync(f.fileno())
+        self._sync()
         doc = {"start": self.doc_start, "tokens": self.spilled} if self.spilled else None
         return {"tokens": dict(self.counts), "content_tokens": self.content, "documents": self.documents, "doc": doc}
 
@@ -108,9 +129,8 @@ class TokenWriter:
         if self.rule == "stream" and self.content:
             n_train = self.content - int(round(self.content * self.val_fraction))
             self._move_tail(self._stream_cut(n_train))
+        self._sync()
         for f in self.files.values():
-            f.flush()
-            os.fsync(f.fileno())
             f.close()
 
     def _stream_cut(self, n_train: int) -> int:
@@ -149,9 +169,11 @@ class TokenWriter:
             lo = max(at, hi - SPILL_TOKENS)
             block = self._read(lo, hi - lo)
             f.seek((lo + 1) * size)
-            f.write(block.tobytes())
+            with self._writing("train"):
+                f.write(block.tobytes())
             hi = lo
         f.seek(at * size)
-        f.write(self.eot.tobytes())
+        with self._writing("train"):
+            f.write(self.eot.tobytes())
         f.seek(0, os.SEEK_END)
         self.counts["train"] += 1

@@ -21,6 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from qkvlab.base.errors import UserError
 from qkvlab.base.files import atomic_write, cache_dir
+from qkvlab.base.model_files import json_key, member, model_root, read_json, read_text
 from qkvlab.data.fetch_gpt2_vocab import GPT2_VOCAB_FILENAME, GPT2_VOCAB_SHA256
 
 if TYPE_CHECKING:
@@ -140,9 +141,17 @@ class BPETokenizer:
 
     @classmethod
     def load(cls, directory: Path, meta: dict) -> BPETokenizer:
-        return cls(
-            HFTokenizer.from_file(str(directory / meta["file"])), TokenizerSpec.parse(meta["spec"]).vocab_size or 0
-        )
+        """From a saved folder: its meta file's "file" names the vocabulary, a file inside the folder."""
+        where = directory / META_FILE
+        spec = TokenizerSpec.parse(json_key(meta, "spec", str, where, default=f"bpe:{DEFAULT_BPE_VOCAB}"))
+        if spec.kind != "bpe":
+            raise UserError(f"{where}: kind 'bpe' with spec {str(spec)!r}; a BPE tokenizer's spec is 'bpe:VOCAB'")
+        path = member(directory, json_key(meta, "file", str, where), "vocabulary", named_by=f"{where}'s 'file'")
+        try:  # parsed from text read here, so the library opens no path the folder names
+            tok = HFTokenizer.from_str(read_text(path))
+        except Exception as e:  # tokenizers raises plain Exception for every malformed file
+            raise UserError(f"{path}: not a tokenizers vocabulary ({str(e).splitlines()[0][:160]})") from None
+        return cls(tok, spec.vocab_size or 0)
 
 
 # ---------------------------------------------------------------- characters
@@ -301,21 +310,28 @@ def build_tokenizer(
     return tok
 
 
-def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
-    """Restore a tokenizer saved with `.save(directory)` (e.g. a prepared data folder)."""
+def load_tokenizer(directory: str | os.PathLike[str], *, within: str | os.PathLike[str] | None = None) -> Tokenizer:
+    """Restore a tokenizer saved with `.save(directory)` (e.g. a prepared data folder). Its files are
+    data (qkvlab.base.model_files): inside `directory` (or the folder `within` that holds it), bounded
+    in size, every key typed; anything else is one line naming the file."""
     d = Path(directory)
-    path = d / META_FILE
-    if not path.is_file():
+    if within is not None:  # a folder a model folder holds: inside it
+        member(d.parent, d.name, "folder", within=within)
+    meta = read_json(d, META_FILE, "tokenizer settings", within=within or d, missing_ok=True)
+    if meta is None:
         raise UserError(f"no tokenizer in {str(d)!r} (missing {META_FILE})")
-    meta = json.loads(path.read_text(encoding="utf-8"))
-    kind = meta.get("kind")
+    path = d / META_FILE
+    kind = json_key(meta, "kind", str, path)
     if kind == "bpe":
         return BPETokenizer.load(d, meta)
     if kind == "char":
-        return CharTokenizer(meta["chars"])
+        chars = json_key(meta, "chars", list, path)
+        if not all(isinstance(c, str) and len(c) == 1 for c in chars) or len(set(chars)) != len(chars):
+            raise UserError(f"{path}: key 'chars' must be a list of distinct single characters")
+        return CharTokenizer(chars)
     if kind == "gpt2":
         return GPT2Tokenizer()
-    raise UserError(f"{str(path)!r} names unknown tokenizer kind {kind!r}")
+    raise UserError(f"{path}: names unknown tokenizer kind {kind!r}; known: {', '.join(KINDS)}")
 
 
 def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
@@ -353,18 +369,24 @@ def resolve_tokenizer(choice: str | None, model_dir: Path, body: dict) -> Tokeni
         if Path(choice).is_dir():
             return load_tokenizer(choice)
         raise UserError(f"--tokenizer {choice!r}: use gpt2, bytes, or a folder holding a saved qkvlab tokenizer")
-    for folder in (model_dir / TOKENIZER_DIR, model_dir.parent / TOKENIZER_DIR):
-        if (folder / META_FILE).is_file():
-            return load_tokenizer(folder)
-    recorded = body.get("tokenizer")
-    if recorded is None:
-        train = body.get("train") if isinstance(body.get("train"), dict) else {}
-        recorded = (train.get("task_options") or {}).get("tokenizer")
-    if isinstance(recorded, str):
-        if recorded == "gpt2":
-            return GPT2Tokenizer()
-        if recorded == "bytes":
-            return ByteTokenizer()
-        if (model_dir / recorded).is_dir():
-            return load_tokenizer(model_dir / recorded)
+    root = model_root(model_dir)  # a run's checkpoint/ reads the run's tokenizer/ beside it
+    for folder in dict.fromkeys((model_dir / TOKENIZER_DIR, root / TOKENIZER_DIR)):
+        if member(folder.parent, folder.name, "folder", within=root, missing_ok=True):  # there: it must load
+            return load_tokenizer(folder, within=root)
+    recorded = recorded_tokenizer(body, model_dir / "config.json")
+    if recorded in ("gpt2", "bytes"):
+        return GPT2Tokenizer() if recorded == "gpt2" else ByteTokenizer()
+    if recorded is not None and member(model_dir, recorded, "folder", within=root, missing_ok=True):
+        return load_tokenizer(model_dir / recorded, within=root)
     return None
+
+
+def recorded_tokenizer(body: dict, where: Path) -> str | None:
+    """The tokenizer a model's config.json records (its own "tokenizer" key, or the training task's
+    option): a name (gpt2, bytes) or a folder inside the model folder; None when it records none."""
+    recorded = json_key(body, "tokenizer", (str, type(None)), where, default=None)
+    if recorded is None:
+        train = json_key(body, "train", (dict, type(None)), where, default=None) or {}
+        options = json_key(train, "task_options", (dict, type(None)), f"{where}'s 'train'", default=None) or {}
+        recorded = json_key(options, "tokenizer", (str, type(None)), f"{where}'s 'train.task_options'", default=None)
+    return recorded

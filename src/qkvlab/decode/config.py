@@ -1,5 +1,6 @@
 """GenerateConfig: what `qkvlab generate` reads. The decoding it configures is qkvlab.decode.generate
-(`stream`, `generate`, `Sampling`); the tokenizer comes from qkvlab.data.tokenizer."""
+(`stream`, `generate`), its choices qkvlab.decode.choices, its sampling qkvlab.decode.sampling; the
+tokenizer comes from qkvlab.data.tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 from qkvlab.base.devices import DEVICE_HELP, check_device, compile_setting, inference_dtype_setting
 from qkvlab.base.errors import UserError
 from qkvlab.base.settings import check, seed_setting, setting
-from qkvlab.decode.generate import Sampling
+from qkvlab.decode.sampling import Sampling
 
 
 @dataclass

@@ -1,32 +1,28 @@
-"""Training's `auto` dtype, decided by measurement: the one place the rule lives.
+"""Training's and inference's `auto` dtype, decided by measurement: the one place the rule lives.
 
 CUDA trains under bf16 autocast. On the CPU whether bf16 autocast pays depends on the chip (AMX
 multiplies bf16 ~4x fp32; AVX512-BF16 without AMX trained the anchor model at 0.58x fp32) and on the
 width (autocast casts every Linear's input and weight at every step), so no CPU flag can decide it.
 `cpu_autocast` times a training step (forward and backward) of one block and the head at the
-model's width, heads, vocabulary and batch x length, in fp32 and under bf16 autocast, alternating
-rounds, best of each, and takes bf16 only if it is faster by more than the rounds' own spread
-(matmuls alone are not enough: the casts, norms and softmax around them decide it at small
-widths). The figures are cached per machine (CPU, torch, threads) and shape class in
-`cache_dir()/dtype_probe.json`, so a machine measures a shape once; the decision and its figures
-go into the run's record. The rounds, the rule and the cache are `qkvlab.base.measured`'s, shared with
-generate's decode layout.
+model's width, heads, vocabulary and batch x length, in fp32 and under bf16 autocast (matmuls alone
+are not enough: the casts, norms and softmax around them decide it at small widths), and takes bf16
+only if it is faster by more than the rounds' own spread. The rounds, the rule, the cache (per
+machine and shape class) and when a cached decision is trusted are `qkvlab.base.measured`'s, shared
+with the decode layout; the decision and its figures go into the run's record.
 
 Inference's `auto` on the CPU is decided the same way (`cpu_decode_dtype`, `inference_dtype`): a
 greedy decode step of the model's own block shape (scheme, heads, MLP) and head, `DECODE_LAYERS`
 deep (so the weights leave the CPU's caches, as a real model's do), at the batch sizes it will run,
-with fp32 weights (in generate's decode layout) against bf16 weights, alternating rounds, the same
-`decide` rule, the same cache file under "decode-..." keys. A decode step is not a training step: at
-batch 1 it reads every weight once (bf16 halves the bytes), at 16 rows its products are small
-matrix products (bf16 dot products can pay without AMX); on a 2-core AMD EPYC with AVX512-BF16 it
-measured bf16 ~1x fp32 at batch 1 and ~1.8x at 16 rows for SmolLM2-135M
-(benchmarks/decode_smollm2.py), so only the measurement can say.
+with fp32 weights (in the decode layout generate would use) against bf16 weights, under "decode-..."
+keys. A decode step is not a training step: at batch 1 it reads every weight once (bf16 halves the
+bytes), at 16 rows its products are small matrix products (bf16 dot products can pay without AMX);
+on a 2-core AMD EPYC with AVX512-BF16 it measured bf16 ~1x fp32 at batch 1 and ~1.8x at 16 rows for
+SmolLM2-135M (benchmarks/decode_smollm2.py), so only the measurement can say.
 """
 
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,13 +32,12 @@ import torch
 
 from qkvlab.base.devices import dtype_name
 from qkvlab.base.errors import UserError
-from qkvlab.base.measured import alternate, cached_or_measured, machine_key, timed
-from qkvlab.decode.generate import decode_layout, decode_step, left_pad, new_cache, prefill
+from qkvlab.base.measured import Measured, Timer, Ways, decide, machine_key
+from qkvlab.decode.layout import choose_layout, linear_shapes, packed_model
+from qkvlab.decode.steps import decode_step, left_pad, new_cache, prefill
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.transformer import GPT
 
-ROUNDS = 5
-ROUND_S = 0.02  # each round repeats the step for about this long, so a round is not one clock tick
 # The timed step is capped (sequence length, rows = batch x length): past the caps the ratio no
 # longer moves much with size, and the probe stays near a second for any model a CPU trains.
 MAX_T = 256
@@ -108,10 +103,10 @@ class Decision:
         )
 
     @classmethod
-    def of(cls, entry: dict[str, Any], shape: str, step: str = "training") -> Decision:
-        """The Decision of a `measured.cached_or_measured` entry for fp32 against bf16."""
-        ms = entry["ms"]
-        return cls(entry["choice"], ms["fp32"], ms["bf16"], entry["noise"], shape, machine_key(), entry["source"], step)
+    def of(cls, measured: Measured, shape: str, step: str = "training") -> Decision:
+        """The Decision of a `measured.decide` record for fp32 against bf16."""
+        ms = measured.ms
+        return cls(measured.choice, ms["fp32"], ms["bf16"], measured.noise, shape, machine_key(), measured.source, step)
 
     def record(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "source"}
@@ -120,11 +115,8 @@ class Decision:
         return out
 
 
-def time_rounds(
-    shape: ShapeClass, rounds: int = ROUNDS, clock: Callable[[], float] = time.perf_counter
-) -> dict[str, list[float]]:
-    """Seconds per forward + backward step, fp32 and under bf16 autocast (fp32 weights, as training
-    runs), `rounds` each in alternating order (`measured.alternate`)."""
+def training_ways(shape: ShapeClass) -> Ways:
+    """One forward + backward step each, fp32 and under bf16 autocast (fp32 weights, as training runs)."""
     torch.manual_seed(0)
     model = shape.model()
     idx = torch.randint(0, shape.vocab, (shape.batch, shape.T))
@@ -135,19 +127,11 @@ def time_rounds(
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    reps = max(1, min(50, round(ROUND_S / max(timed(lambda: step(False), 1, clock), 1e-9))))
-    return alternate(
-        {
-            "fp32": lambda: timed(lambda: step(False), reps, clock),
-            "bf16": lambda: timed(lambda: step(True), reps, clock),
-        },
-        rounds,
-    )
+    return {"fp32": lambda: step(False), "bf16": lambda: step(True)}
 
 
 DECODE_LAYERS = 8  # blocks in the decode probe's model: with its head, more bytes than a CPU's caches hold
-DECODE_FILL = 64  # cached tokens per row before the probe's steps run
-DECODE_STEPS = 4  # steps a round (the rounds continue one prefilled cache per dtype)
+DECODE_FILL = 64  # cached tokens per row when a probe step runs
 
 
 @dataclass(frozen=True)
@@ -179,20 +163,18 @@ class DecodeShape:
             f"-v{self.vocab}-L{self.layers}-b{self.batch}"
         )
 
-    def config(self, base, rounds: int = ROUNDS) -> ModelConfig:
+    def config(self, base) -> ModelConfig:
         """`base` (the served model's config) cut to the probe's depth and one scheme."""
         c = base.layer_config(0)
-        return c.replace(n_layer=self.layers, context=DECODE_FILL + (rounds + 1) * DECODE_STEPS, dropout=0.0)
+        return c.replace(n_layer=self.layers, context=DECODE_FILL + 1, dropout=0.0)
 
 
-def time_decode_rounds(
-    shape: DecodeShape, base, rounds: int = ROUNDS, clock: Callable[[], float] = time.perf_counter
-) -> dict[str, list[float]]:
-    """Seconds per greedy decode step (all rows), fp32 weights in generate's decode layout against
-    bf16 weights, `rounds` each in alternating order (`measured.alternate`)."""
+def decode_ways(shape: DecodeShape, base, timer: Timer = Timer(), cache: Path | None = None) -> Ways:
+    """One greedy decode step each (all rows, at DECODE_FILL cached tokens), fp32 weights in the layout
+    generate would use for them (`layout.choose_layout`) against bf16 weights."""
     torch.manual_seed(0)
     with torch.device("meta"):  # GPT's own init of a 49k vocabulary takes seconds; timing needs no init
-        fp32 = GPT(shape.config(base, rounds))
+        fp32 = GPT(shape.config(base))
     fp32 = fp32.to_empty(device="cpu").eval()
     for p in fp32.parameters():
         p.detach().normal_(0.0, 0.02)
@@ -200,68 +182,66 @@ def time_decode_rounds(
         if hasattr(m, "build_tables"):  # rotary and position tables
             m.build_tables()
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    parts = torch.get_num_threads()
+    layout, _ = choose_layout(linear_shapes(fp32), "fp32", "cpu", shape.batch, parts, timer=timer, cache=cache)
     prompts = left_pad(torch.randint(0, shape.vocab, (shape.batch, DECODE_FILL)).tolist())
-    state = {}
 
-    @torch.inference_mode()
-    def steps(model) -> float:
-        if model not in state:  # its cache, prefilled once; every round continues it
-            cache = new_cache(model, shape.batch, DECODE_FILL + (rounds + 1) * DECODE_STEPS)
-            with decode_layout(model, shape.batch):
-                tok = prefill(model, cache, prompts).argmax(-1)
-            state[model] = (cache, tok, prompts.lengths.clone())
-        cache, tok, pos = state[model]
-        with decode_layout(model, shape.batch):
-            t0 = clock()
-            for _ in range(DECODE_STEPS):
-                tok = decode_step(model, cache, tok, pos).argmax(-1)
-                pos += 1
-            seconds = (clock() - t0) / DECODE_STEPS
-        state[model] = (cache, tok, pos)
-        return seconds
+    def way(model) -> Callable[[], None]:
+        cache_ = new_cache(model, shape.batch, DECODE_FILL + 1)
+        with torch.inference_mode():
+            tok = prefill(model, cache_, prompts).argmax(-1)
+        pos = prompts.lengths.clone()
 
-    return alternate({"fp32": lambda: steps(fp32), "bf16": lambda: steps(bf16)}, rounds)
+        @torch.inference_mode()
+        def step() -> None:
+            cache_.length = DECODE_FILL  # rewound: every call decodes the token after the same fill
+            decode_step(model, cache_, tok, pos)
+
+        return step
+
+    return {"fp32": way(packed_model(fp32, layout, parts)), "bf16": way(bf16)}
 
 
 def cpu_autocast(
     model_cfg,
     rows: int,
     *,
-    measure: Callable[[ShapeClass], tuple[list[float], list[float]]] | None = None,
+    ways: Callable[[ShapeClass], Ways] | None = None,
+    timer: Timer = Timer(),
     cache: Path | None = None,
 ) -> Decision:
-    """The CPU's autocast dtype for a model of `model_cfg` at `rows` rows a micro-batch: cached, or
-    measured now by `measure` (default `time_rounds`) and cached (an unwritable cache only costs a
-    measurement next time)."""
+    """The CPU's autocast dtype for a model of `model_cfg` at `rows` rows a micro-batch, as
+    `measured.decide` gives it (cached, or timed now through `ways`, default `training_ways`)."""
     shape = ShapeClass.of(model_cfg, rows)
-    entry = cached_or_measured(shape.key, "fp32", lambda: (measure or time_rounds)(shape), cache)
-    return Decision.of(entry, shape.key)
+    record = decide(shape.key, "fp32", lambda: (ways or training_ways)(shape), timer=timer, path=cache)
+    return Decision.of(record, shape.key)
 
 
 def cpu_decode_dtype(
     model_cfg,
     batches: tuple[int, ...] = (1,),
     *,
-    measure: Callable[[DecodeShape], tuple[list[float], list[float]]] | None = None,
+    ways: Callable[[DecodeShape], Ways] | None = None,
+    timer: Timer = Timer(),
     cache: Path | None = None,
 ) -> Decision:
     """The CPU's inference dtype for a model of `model_cfg` decoding at each of `batches` rows:
     bf16 weights when bf16 wins at one batch by more than the noise and loses at none by more than
-    it; each batch's figures cached (or measured now by `measure`, default `time_decode_rounds`)."""
-    measure = measure or (lambda shape: time_decode_rounds(shape, model_cfg))
+    it; each batch decided by `measured.decide` (through `ways`, default `decode_ways`)."""
+    ways = ways or (lambda shape: decode_ways(shape, model_cfg, timer, cache))
     shapes = [DecodeShape.of(model_cfg, b) for b in dict.fromkeys(max(1, int(b)) for b in batches)]
-    entries = [cached_or_measured(s.key, "fp32", lambda s=s: measure(s), cache) for s in shapes]
-    ms = [e["ms"] for e in entries]
-    wins = [e["choice"] == "bf16" for e in entries]  # `measured.choose`'s verdict per batch
-    losses = [m["bf16"] > m["fp32"] * (1 + e["noise"]) for m, e in zip(ms, entries)]  # its mirror: bf16 slower
+    records = [decide(s.key, "fp32", lambda s=s: ways(s), timer=timer, path=cache) for s in shapes]
+    ms = [r.ms for r in records]
+    wins = [r.choice == "bf16" for r in records]  # `measured.choose`'s verdict per batch
+    losses = [m["bf16"] > m["fp32"] * (1 + r.noise) for m, r in zip(ms, records)]  # its mirror: bf16 slower
     dtype = "bf16" if any(wins) and not any(losses) else "fp32"
     per_token = [(m["fp32"] / s.batch, m["bf16"] / s.batch) for s, m in zip(shapes, ms)]
-    source = "cached" if all(e["source"] == "cached" for e in entries) else "measured now"
+    source = next((r.source for r in records if r.source != "cached"), "cached")
     return Decision(
         dtype=dtype,
         fp32_ms=round(sum(a for a, _ in per_token), 4),  # ms per token, summed over the batches
         bf16_ms=round(sum(b for _, b in per_token), 4),
-        noise=max(e["noise"] for e in entries),
+        noise=max(r.noise for r in records),
         shape=shapes[0].key.rsplit("-b", 1)[0] + "-b" + "+".join(str(s.batch) for s in shapes),
         machine=machine_key(),
         source=source,

@@ -20,17 +20,9 @@ import torch
 import torch.nn as nn
 
 from qkvlab.base.loadavg import rate
-from qkvlab.decode.generate import (
-    compiled_step,
-    decode_layout,
-    decode_step,
-    eager_static,
-    left_pad,
-    new_cache,
-    prefill,
-    steady,
-    warm_up,
-)
+from qkvlab.decode.choices import DecodeChoices, model_choices
+from qkvlab.decode.compiled import compiled_step, steady, warm_up
+from qkvlab.decode.steps import decode_step, eager_static, left_pad, new_cache, prefill
 
 
 def _sync(device: torch.device) -> None:
@@ -110,31 +102,35 @@ def decode_step_fn(mode: str, device: torch.device | str = "cpu") -> tuple[Calla
 
 
 @torch.inference_mode()
-def time_decode(model, prompt: torch.Tensor, new_tokens: int, mode: str = "eager") -> DecodeTiming:
+def time_decode(
+    model, prompt: torch.Tensor, new_tokens: int, mode: str = "eager", choices: DecodeChoices | None = None
+) -> DecodeTiming:
     """One round: prefill `prompt` (B, T), then greedy-decode new_tokens - 1 steps, timed apart, on
-    generate's path for `mode` (generate.decode_layout set up inside the prefill's time, or, compiled,
-    before the compile, whose time is reported apart)."""
+    generate's path for `mode` and `choices` (default: `model_choices(model, B)`, chosen before the
+    clock starts). The decode layout's tree is built inside the prefill's time, as generate builds it
+    for each decode; compiled, before the compile, whose time is reported apart."""
     device = prompt.device
     step, static = decode_step_fn(mode, device)
     B, T = prompt.shape
+    choices = choices if choices is not None else model_choices(model, B)
     batch = left_pad(prompt.tolist(), device=device)
     cache = new_cache(model, B, T + new_tokens - 1, static=static)
     _sync(device)
     start = time.perf_counter()
-    with decode_layout(model, B):  # eager and compiled steps alike (compiled: the blocks are in its graph)
-        compile_s = warm_up(step, model, cache) if step is not decode_step else None
-        t0 = start if compile_s is None else time.perf_counter()  # eager: packing counts as prefill
-        logits = prefill(model, cache, batch)
-        tok = logits.argmax(-1)
-        _sync(device)
-        t1 = time.perf_counter()
-        positions = batch.lengths.clone()
-        decode = steady(step)
-        for _ in range(new_tokens - 1):
-            tok = decode(model, cache, tok, positions).argmax(-1)
-            positions += 1
-        _sync(device)
-        t2 = time.perf_counter()
+    decoding = choices.decode_model(model, B)  # eager and compiled steps alike (compiled: the blocks are in its graph)
+    compile_s = warm_up(step, decoding, cache) if step is not decode_step else None
+    t0 = start if compile_s is None else time.perf_counter()  # eager: packing counts as prefill
+    logits = prefill(decoding, cache, batch)
+    tok = logits.argmax(-1)
+    _sync(device)
+    t1 = time.perf_counter()
+    positions = batch.lengths.clone()
+    decode = steady(step)
+    for _ in range(new_tokens - 1):
+        tok = decode(decoding, cache, tok, positions).argmax(-1)
+        positions += 1
+    _sync(device)
+    t2 = time.perf_counter()
     step_s = (t2 - t1) / (new_tokens - 1) if new_tokens > 1 else None  # None: no step to time
     return DecodeTiming(B, T, new_tokens, t1 - t0, step_s, compile_s)
 

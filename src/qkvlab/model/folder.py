@@ -7,18 +7,21 @@ live in the torch-free `qkvlab.base.files`; import them from there.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from qkvlab import __version__
 from qkvlab.base.errors import UserError
-from qkvlab.base.files import atomic_dir, atomic_path, atomic_write, json_text, read_json
+from qkvlab.base.files import atomic_dir, atomic_path, atomic_write, json_text
 from qkvlab.base.folders import check_model_target
+from qkvlab.base.model_files import json_key, member, model_root, read_json
+from qkvlab.model.accounting import analytic_params
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.limits import check_model
 from qkvlab.model.positions import is_legacy_key
@@ -44,7 +47,7 @@ def read_metrics(folder: str | Path, *, required: bool = False) -> list[dict[str
         if line.strip():
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # JSONDecodeError, an integer of 4,300+ digits, deep nesting
                 raise UserError(f"{path}:{n}: not a JSON line") from None
     if required and not rows:
         raise UserError(f"{path}: no metrics rows")
@@ -120,44 +123,97 @@ def save_model(
     return Path(path)
 
 
+def run_checkpoint(path: str | Path) -> Path | None:
+    """`path/checkpoint` when `path` is a training run folder that has not written its final model
+    yet (no config.json of its own), checked to lie inside it; else None."""
+    p = Path(path)
+    if not p.is_dir() or (p / CONFIG).exists():
+        return None
+    ckpt = member(p, "checkpoint", "folder", missing_ok=True)
+    return ckpt if ckpt is not None and member(ckpt, CONFIG, "settings", within=p, missing_ok=True) else None
+
+
 def find_model_dir(path: str | Path) -> Path:
     """The model folder a user named: the folder itself, or its `checkpoint/` while a training run has
-    not written its final model (generate, info, similarity, serve)."""
+    not written its final model (generate, info, convert). When it holds weights, its config must fit
+    in them (`check_weights_size`), before anything (a decode probe, a tokenizer) is built from it."""
     p = Path(path)
     if not p.exists():
         raise UserError(f"{path}: no such model folder")
-    if p.is_dir() and not (p / "config.json").exists() and (p / "checkpoint" / "config.json").exists():
-        return p / "checkpoint"
+    p = run_checkpoint(p) or p
     if not p.is_dir():
         raise UserError(
             f"{path}: a file, not a model folder (expected a folder with config.json and "
             "model.safetensors, written by qkvlab init/train/convert)"
         )
+    if os.path.lexists(p / CONFIG) and os.path.lexists(p / WEIGHTS):  # what commands then build from it
+        check_weights_size(read_config(p)[0], p)
     return p
 
 
 def read_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
     """The model config of a model folder (or of its config.json) and the file's whole body: the one
-    reader of qkvlab's config.json."""
+    reader of qkvlab's config.json (through qkvlab.base.model_files: inside the folder, bounded, typed)."""
     path = Path(path)
-    cfg_file = path / CONFIG if path.is_dir() else path
-    if not cfg_file.exists():
+    named = Path(os.path.realpath(path))  # a config.json the user named: where it really is
+    folder, name = (path, CONFIG) if path.is_dir() else (named.parent, named.name)
+    within = model_root(folder)
+    if not os.path.lexists(folder / name):
         raise UserError(f"{path}: no {CONFIG} found (expected a model folder written by qkvlab init/train/convert)")
-    body = read_json(cfg_file)
-    if not isinstance(body, dict) or "model" not in body:
+    body = read_json(folder, name, within=within)
+    cfg_file = folder / name
+    if "model" not in body:
         raise UserError(f"{cfg_file}: not a qkvlab config (no 'model' key); import other formats with qkvlab convert")
-    return ModelConfig.from_dict(body["model"]), body
+    json_key(body, "model", dict, cfg_file)
+    json_key(body, "kind", str, cfg_file, default="gpt")
+    try:
+        cfg = ModelConfig.from_dict(body["model"])
+    except UserError as e:
+        raise UserError(f"{cfg_file}: model: {e}") from None
+    return cfg, body
+
+
+def check_weights_size(cfg: ModelConfig, folder: str | Path) -> Path:
+    """The folder's weights file (inside it), holding at least one byte per parameter of its config
+    (float8; float32 holds 4). -> the file."""
+    weights = member(folder, WEIGHTS, "weights", within=model_root(folder))
+    check_declared_size(cfg, weights.stat().st_size, Path(folder) / CONFIG, weights.name)
+    return weights
+
+
+def check_declared_size(cfg: ModelConfig, stored: int, config_file: str | Path, weights: str) -> None:
+    """One line when the model `config_file` declares has more parameters than `stored` bytes of
+    weights can hold at one byte each: the config and the weights do not belong together (and nothing
+    is built from such a config). Layers and embeddings are bounded first, so a declared depth of
+    10^18 is refused without counting it."""
+    blocks = 1 if cfg.share_layers else cfg.n_layer
+    rough = max(blocks, cfg.vocab_size) * cfg.d_model  # each block holds at least d_model parameters
+    params = rough if rough > stored else analytic_params(cfg).total
+    if params > stored:
+        raise UserError(
+            f"{config_file} declares a model of {'more than ' if rough > stored else ''}{params:,} parameters, "
+            f"more than the {stored:,} bytes of {weights} can hold; config and weights do not belong together"
+        )
 
 
 def is_model_folder(path: str | Path) -> bool:
     """True when `path` is a folder whose config.json is qkvlab's (a JSON object with a "model"
     key), not a Hugging Face folder or a GGUF file; never raises (reading it is `read_config`)."""
-    cfg_file = Path(path) / CONFIG
     try:
-        body = read_json(cfg_file) if cfg_file.is_file() else None
+        body = read_json(path, CONFIG, missing_ok=True) if Path(path).is_dir() else None
     except UserError:
         return False
     return isinstance(body, dict) and "model" in body
+
+
+def safetensors_keys(file: str | Path) -> list[str]:
+    """The tensor names in a safetensors file's header (nothing else is read), or one line naming the
+    file and what is wrong."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0][:160]})") from None
 
 
 def load_weights(file: str | Path) -> dict[str, torch.Tensor]:
@@ -167,7 +223,8 @@ def load_weights(file: str | Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except (SafetensorError, OSError, ValueError) as e:
-        head = file.read_bytes()[:2]
+        with open(file, "rb") as f:
+            head = f.read(2)
         kind = "a pickle" if head[:1] == b"\x80" or head == b"PK" else "not safetensors"
         raise UserError(
             f"{file}: {kind}; qkvlab reads weights only as safetensors ({str(e).splitlines()[0]})"
@@ -183,8 +240,11 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     cfg, body = read_config(path)
     if body.get("kind", "gpt") != "gpt":
         raise UserError(f"{path}: a {body.get('kind')!r} model; this command needs a decoder ('gpt')")
-    check_model(cfg, f"the model in {path}")  # a hostile config.json cannot make us allocate terabytes
-    model = build_model_from_state(GPT, cfg, load_weights(Path(path) / WEIGHTS), str(path))
+    if member(path, WEIGHTS, "weights", within=model_root(path), missing_ok=True) is None:
+        raise UserError(f"{Path(path) / WEIGHTS}: no such weights file (expected {WEIGHTS})")
+    weights = check_weights_size(cfg, path)  # a hostile config.json cannot make us allocate terabytes:
+    check_model(cfg, f"the model in {path}")  # neither more than its weights hold, nor than the machine has
+    model = build_model_from_state(GPT, cfg, load_weights(weights), str(path))
     model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval(), cfg, body
 

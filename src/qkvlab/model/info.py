@@ -1,5 +1,6 @@
 """What `qkvlab info` reports on (`InfoConfig`): a model and the figures asked for (accounting.report,
-accounting.memory_estimate). Beside the config floor, since it names ModelConfig and the presets."""
+accounting.memory_estimate), or the timed decisions cached on this machine (qkvlab.base.measured).
+Beside the config floor, since it names ModelConfig and the presets."""
 
 from __future__ import annotations
 
@@ -34,5 +35,9 @@ class InfoConfig:
     world: int = setting(1, help="GPUs (ranks) in all (--memory)", metavar="W", minimum=1)
     sharding: str = setting("ddp", help="ddp (replicated) or fsdp (--memory)", choices=SHARDINGS)
     json: bool = setting(False, help="print one JSON object")
+    decisions: bool = setting(
+        False, help="list the timed decisions cached on this machine (dtype auto, decode layouts), one line each"
+    )
+    forget: bool = setting(False, help="remove the cached timed decisions (they are measured again when next needed)")
     preset: str | None = setting(None, help=f"start from a model preset (default {DEFAULT_PRESET})", choices=PRESETS)
     model: dict[str, Any] = setting(help="model options", default_factory=dict, group=ModelConfig)

@@ -16,7 +16,6 @@ attention output (retrofit_refine.py); this module is the whole procedure around
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import shutil
 from collections.abc import Callable
@@ -28,9 +27,10 @@ import torch
 from safetensors.torch import save
 
 from qkvlab.base.devices import DEVICE_HELP, TRAIN_DTYPES, check_device, check_dtype, dtype_choices, select_device
-from qkvlab.base.errors import UserError
+from qkvlab.base.errors import RUN_AGAIN, NoRoom, UserError, as_user_error
 from qkvlab.base.files import atomic_dir, atomic_write, json_text
 from qkvlab.base.folders import claimed, inspect
+from qkvlab.base.model_files import read_json
 from qkvlab.base.settings import check, resumable_fields, seed_setting, setting
 from qkvlab.convert.load import TOKENIZER_DIR, load_any, save_hf_tokenizer
 from qkvlab.data.text import describe_source, load_corpus
@@ -54,6 +54,8 @@ from qkvlab.retrofit.fit import (
 )
 from qkvlab.retrofit.latent import check_source as check_latent_source
 from qkvlab.retrofit.latent import fit_latent
+from qkvlab.retrofit.mla import check_source as check_mla_source
+from qkvlab.retrofit.mla import fit_mla
 from qkvlab.retrofit.refine import REFINE_INPUTS, RefineOptions
 from qkvlab.tasks.distill import check_loss_weights
 from qkvlab.train.config import TrainConfig
@@ -172,6 +174,12 @@ class RetrofitOptions:
         "read back from it (a joint low-rank fit; docs/retrofit.md)",
         minimum=1,
     )
+    rope_dim: int | None = setting(
+        None,
+        help="with --kv-latent: Multi-head Latent Attention, a RoPE key of this many numbers shared by every head "
+        "cached beside the latent (RoRoPE keeps the original frequencies; docs/retrofit.md)",
+        minimum=2,
+    )
     layers: str | None = setting(
         None,
         help="layers to convert: 'every4', '0,5,7', '-4:' (default: all, or as --cache-budget picks)",
@@ -273,6 +281,10 @@ class RetrofitOptions:
             if extra:
                 flags = ", ".join("--" + f.replace("_", "-") for f in extra)
                 raise UserError(f"--kv-latent {self.kv_latent} with {flags}: a latent is one rank for every layer")
+        elif self.rope_dim is not None:
+            raise UserError(
+                f"--rope-dim {self.rope_dim} needs --kv-latent R: it is the RoPE part of Multi-head Latent Attention"
+            )
         check_target(self.to, self.pool, self.cache_budget)  # before any model is loaded
         check_dtype(self.dtype, TRAIN_DTYPES)
         check_device(self.device)
@@ -297,12 +309,14 @@ def source_shape(path: str | Path) -> tuple[int, int] | None:
     if is_model_folder(path):
         cfg = read_config(path)[0]
         return cfg.n_layer, cfg.n_head
-    try:
-        body = json.loads((path / "config.json").read_text())
-        n_layer = body.get("num_hidden_layers", body.get("n_layer"))
-        n_head = body.get("num_attention_heads", body.get("n_head"))
-    except (OSError, ValueError, AttributeError):
+    try:  # as data (qkvlab.base.model_files): the loader refuses what is wrong with it, in one line
+        body = read_json(path, "config.json", missing_ok=True) if path.is_dir() else None
+    except UserError:
         return None
+    if body is None:
+        return None
+    n_layer = body.get("num_hidden_layers", body.get("n_layer"))
+    n_head = body.get("num_attention_heads", body.get("n_head"))
     return (n_layer, n_head) if isinstance(n_layer, int) and isinstance(n_head, int) else None
 
 
@@ -340,17 +354,25 @@ def retrofit(
     check_layers(source_shape(source), opts)
     out = Path(out)
     found = inspect(out)
+    if found.kind == "missing" and resume:
+        raise UserError(
+            f"--resume: {out} does not exist, so there is no retrofit to continue; drop --resume to start one"
+        )
     if found.kind not in ("missing", "empty"):
-        if not resume:
-            raise UserError(
-                f"{out} holds {found.what}; pass --resume to continue a retrofit there, or choose another OUT"
-            )
-        if not _owned(out):
+        if not _owned(out):  # --resume cannot continue what retrofit did not write: advise only what works
             raise UserError(
                 f"{out} holds {found.what}, not written by qkvlab retrofit; choose another OUT (nothing was changed)"
             )
+        if not resume:
+            raise UserError(f"{out} holds a retrofit; pass --resume to continue it, or choose another OUT")
     with claimed(out, accept=("model", "other", "run"), advice={}, flag="OUT") as claim:
-        return _retrofit(source, out, opts, claim, resume=resume, progress=progress)
+        try:
+            return _retrofit(source, out, opts, claim, resume=resume, progress=progress)
+        except (NoRoom, OSError) as e:  # a full disk: once OUT holds a retrofit, --resume continues it
+            err = as_user_error(e)
+            if not isinstance(err, NoRoom):
+                raise
+            raise err.then("run the same command with --resume" if claim.keep and not resume else RUN_AGAIN) from None
 
 
 def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, progress: bool) -> dict[str, Any]:
@@ -360,6 +382,8 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     model, cfg = src.model.float().to(device), src.cfg
     if opts.kv_latent is None:  # refused before any text is read or scored
         candidate_layers(cfg, opts.layers, opts.kv_heads, opts.to)
+    elif opts.rope_dim is not None:
+        check_mla_source(cfg, opts.kv_latent, opts.rope_dim)
     else:
         check_latent_source(cfg, opts.kv_latent)
     block = opts.block_size or min(cfg.context, 256)
@@ -378,6 +402,10 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
     res = _reuse_fit(out / "fit", opts) if resume else None
     if res is not None:
         say(f"fit: reused {out / 'fit'} (written by the run being resumed)")
+    elif opts.rope_dim is not None:
+        refine = RefineOptions(opts.refine_steps, opts.refine_lr, seed=opts.seed, inputs="original")
+        res = fit_mla(model, cfg, train_ids, rank=opts.kv_latent, rope_dim=opts.rope_dim, refine=refine,
+                      calib_tokens=opts.calib_tokens, block=block, seed=opts.seed, say=say)  # fmt: skip
     elif opts.kv_latent is not None:
         refine = RefineOptions(opts.refine_steps, opts.refine_lr, seed=opts.seed, inputs="original")
         res = fit_latent(model, cfg, train_ids, rank=opts.kv_latent, refine=refine, calib_tokens=opts.calib_tokens,
@@ -435,19 +463,27 @@ def _retrofit(source, out: Path, opts: RetrofitOptions, claim, *, resume: bool, 
 
 
 # options added after fits were written without them, and the value that says what those fits did
-FITS_BEFORE_THE_OPTION = {"refine_inputs": "original"}
+FITS_BEFORE_THE_OPTION = {"refine_inputs": "original", "rope_dim": None}
 
 
 def _reuse_fit(folder: Path, opts: RetrofitOptions) -> FitResult | None:
-    """The fit an interrupted run wrote (its weights are written before the config, each atomically),
-    when it was made with these options; None otherwise (then it is fitted again)."""
+    """The fit an interrupted run wrote (its weights are written before the config, each atomically); None when
+    there is none yet (then it is fitted). A fit made with other fit options is refused in one line."""
     if not (folder / "config.json").is_file():
         return None
     model, cfg, body = load_model(folder, dtype=torch.float32)
     made, free = body.get("retrofit") or {}, resumable_fields(RetrofitOptions)  # the rest is what the fit read
     made = {**FITS_BEFORE_THE_OPTION, **made}  # an option added since that fit was made: it did what the fit did then
-    if "fit_layers" not in body or any(made.get(k) != v for k, v in asdict(opts).items() if k not in free):
+    if "fit_layers" not in body:
         return None
+    changed = [k for k, v in asdict(opts).items() if k not in free and made.get(k) != v]
+    if changed:  # the uptraining in OUT distils that fit: another one cannot continue it
+        was = ", ".join(f"--{k.replace('_', '-')} {made.get(k)}" for k in changed)
+        now = ", ".join(f"--{k.replace('_', '-')} {getattr(opts, k)}" for k in changed)
+        raise UserError(
+            f"{folder.parent} was fitted with {was}, not {now}; --resume with the options it was made with, "
+            "or choose another OUT"
+        )
     return FitResult(model, cfg, [LayerFit(**lf) for lf in body["fit_layers"]], body["converted_layers"])
 
 

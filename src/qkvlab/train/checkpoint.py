@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from qkvlab.base.errors import UserError
 from qkvlab.base.files import atomic_dir, atomic_file, atomic_write, file_sha256, json_text
+from qkvlab.base.model_files import json_key, typed
 from qkvlab.model.config import ModelConfig
-from qkvlab.model.folder import CONFIG, WEIGHTS, check_state, config_body, load_weights, read_config
+from qkvlab.model.folder import CONFIG, WEIGHTS, check_state, config_body, load_weights, read_config, safetensors_keys
 from qkvlab.model.positions import is_legacy_key
 
 CHECKPOINT = "checkpoint"
@@ -83,16 +83,8 @@ def save_checkpoint(
 
 
 def _file_record(file: Path) -> dict[str, Any]:
-    _safetensors_header(file)
+    safetensors_keys(file)
     return {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
-
-
-def _safetensors_header(file: Path) -> None:
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            f.keys()
-    except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
 
 
 def _read_state(folder: Path) -> dict[str, Any] | None:
@@ -103,9 +95,16 @@ def _read_state(folder: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) and isinstance(state.get("step"), int) else None
 
 
-def verify_checkpoint(folder: Path, *, hashes: bool = True) -> dict[str, Any]:
+def checkpoint_step(out_dir: Path) -> int | None:
+    """The step of OUT's checkpoint; None when it has none (or none that can be read)."""
+    state = _read_state(Path(out_dir) / CHECKPOINT)
+    return None if state is None else state["step"]
+
+
+def verify_checkpoint(folder: Path, *, hashes: bool = True, resuming: bool = False) -> dict[str, Any]:
     """state.json of a checkpoint whose files are all there and intact (sizes and sha256 as
-    recorded, readable safetensors headers); else a one-line UserError naming the bad file.
+    recorded, readable safetensors headers), its state.json and config.json typed key by key (with
+    `resuming`, every key resuming reads present); else a one-line UserError naming the bad file.
     hashes=False: sizes and headers only (a rank whose reader already checked the sha256s: hashing
     reads every byte, 14 GB per rank at 1.2B parameters)."""
     folder = Path(folder)
@@ -116,16 +115,52 @@ def verify_checkpoint(folder: Path, *, hashes: bool = True) -> dict[str, Any]:
     for name in (WEIGHTS, OPTIMIZER, CONFIG):
         if not (folder / name).is_file():
             raise UserError(f"{folder / name}: missing; {how}")
-    for name, want in (state.get("files") or {}).items():
+    try:
+        check_state_json(
+            state, folder / STATE, required=tuple(STATE_TYPES) if resuming else ("step", "optimizer_param_groups")
+        )
+        read_config(folder)  # what `generate OUT` reads: its keys typed
+    except UserError as e:
+        raise UserError(f"{e}; {how}") from None
+    for name, want in state.get("files", {}).items():
         file = folder / name
         if file.stat().st_size != want["bytes"] or (hashes and file_sha256(file) != want["sha256"]):
             raise UserError(f"{file}: size or sha256 differs from what was written (damaged); {how}")
     for name in (WEIGHTS, OPTIMIZER):
         try:
-            _safetensors_header(folder / name)
+            safetensors_keys(folder / name)
         except UserError as e:
             raise UserError(f"{e}; {how}") from None
     return state
+
+
+STATE_TYPES = {  # what resuming reads from state.json (written by train.loop's save_checkpoint)
+    "step": int,
+    "tokens": int,
+    "metrics": list,
+    "loss_sum": float,
+    "loss_n": int,
+    "elapsed_s": float,
+    "rng": list,
+    "train_config": dict,
+    "optimizer_param_groups": list,
+}
+
+
+def check_state_json(state: dict[str, Any], where: Path, required: tuple[str, ...]) -> None:
+    """The keys of a checkpoint's state.json, each of its type; the `required` ones present (resuming
+    needs them all; `load_checkpoint` alone, the step and the optimizer's groups). A damaged
+    state.json is refused naming the key, not read into a crash at the first step."""
+    for name, t in STATE_TYPES.items():
+        json_key(state, name, t, where, **({} if name in required else {"default": None}))
+    for name, want in json_key(state, "files", dict, where, default={}).items():  # older checkpoints have none
+        typed(want, dict, f"{where}'s files.{name}")
+        json_key(want, "bytes", int, f"{where}'s files.{name}")
+        json_key(want, "sha256", str, f"{where}'s files.{name}")
+    for i, row in enumerate(state.get("metrics") or []):
+        typed(row, dict, f"{where}'s metrics[{i}]")
+    for i, rng in enumerate(state.get("rng") or []):
+        json_key(typed(rng, dict, f"{where}'s rng[{i}]"), "torch", str, f"{where}'s rng[{i}]")
 
 
 def find_checkpoint(out_dir: Path, *, repair: bool = True) -> Path | None:

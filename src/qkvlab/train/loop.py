@@ -7,15 +7,13 @@ a run killed at any moment and resumed ends with the same weights and metrics.js
 uninterrupted one (CPU, same world size); only the timing fields tokens_per_s and elapsed_s differ.
 
 Reading order: `train` -> `_train` (the loop, top to bottom) -> the step, evaluation, checkpoint
-and logging functions it calls. What is fixed for a run is a `Run`; what changes is a `State`.
-
-Over 400 lines because the one loop owns resume, divergence and checkpoint-safety rules that
-must stay next to the step they protect; each is a named function.
+and logging functions it calls. What is fixed for a run is a `Run`, what changes a `State`; both
+are made in train/setup.py. The loop keeps the resume, divergence and checkpoint-safety rules next
+to the step they protect, each a named function.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import math
@@ -25,26 +23,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 
-from qkvlab.base.devices import TRAIN_DTYPES, torch_dtype
-from qkvlab.base.errors import UserError, as_user_error
+from qkvlab.base.devices import torch_dtype
+from qkvlab.base.errors import NoRoom, UserError, as_user_error
 from qkvlab.base.files import atomic_write, finite_row, json_text
 from qkvlab.base.folders import Claim
-from qkvlab.base.heap import hold_freed_memory
 from qkvlab.base.settings import resolve
-from qkvlab.decode.dtype_probe import Decision
-from qkvlab.model.config import ModelConfig
-from qkvlab.model.folder import METRICS, drop_aliases, tied_aliases, with_aliases
-from qkvlab.model.limits import check_training
+from qkvlab.model.folder import METRICS, drop_aliases
 from qkvlab.tasks import task_from_config
-from qkvlab.tasks.base import Task
 from qkvlab.train import checkpoint as ck
 from qkvlab.train import distributed as D
 from qkvlab.train.config import TrainConfig
-from qkvlab.train.optim import lr_at, make_optimizer
+from qkvlab.train.optim import lr_at
 from qkvlab.train.progress import Log
-from qkvlab.train.run_folder import Saved, claim_run_folder, read_checkpoint, write_train_config
+from qkvlab.train.run_folder import claim_run_folder, read_checkpoint, write_train_config
+from qkvlab.train.setup import Run, State, check_memory, restore, setup, start
 
 TEST_SCORES = "test.json"  # the final weights on the task's held-out test split (Task.test)
 TIMING_FIELDS = ("tokens_per_s", "elapsed_s")  # wall-clock, excluded from exact comparisons
@@ -68,46 +61,6 @@ class TrainResult:
     train_dtype: str | None = None  # the autocast dtype it trained in (its dtype setting, resolved); None: not recorded
 
 
-@dataclass
-class Run:
-    """What is fixed for the whole run: config, place, task, model (raw and wrapped), optimizer."""
-
-    cfg: TrainConfig
-    out: Path
-    env: D.Env
-    task: Task
-    model_cfg: ModelConfig
-    raw: nn.Module  # the model itself: checkpoints, grad clipping
-    fwd: nn.Module  # raw, compiled if asked: evaluation (and the FSDP forward)
-    train_fwd: nn.Module  # fwd, DDP-wrapped when replicating: the training forward
-    optimizer: torch.optim.Optimizer
-    autocast: Any  # a context manager
-    train_dtype: str  # what cfg.dtype resolved to here: "fp32" (no autocast) or the autocast dtype
-    dtype_probe: dict[str, Any] | None  # the CPU timing that decided "auto" (None: not auto, or not a CPU)
-    dtype_note: str | None  # that decision in one line, printed at the start
-    sharded: bool
-    aliases: dict[str, str]  # tied parameter names (qkvlab.model.folder.tied_aliases)
-    params: int
-    accum: int  # micro-batches per rank per step
-    tokens_per_step: int = 0
-
-
-@dataclass
-class State:
-    """What changes: step, metrics rows, running sums. The checkpointed fields resume the run."""
-
-    step: int = 0
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    loss_sum: float = 0.0  # training loss since the last evaluation
-    loss_n: int = 0
-    elapsed: float = 0.0  # training seconds over the whole run (checkpointed)
-    seg_tokens: int = 0  # throughput since the last evaluation (training time only)
-    seg_time: float = 0.0
-    run_tokens: int = 0  # this process's throughput, for TrainResult
-    run_time: float = 0.0
-    last_checkpoint: dict[str, Any] | None = None  # state.json of the last checkpoint written or read
-
-
 def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> TrainResult:
     """Train `cfg` into `out_dir` (see module doc). With resume=True: continue from OUT's last
     complete checkpoint, start fresh if there is none, return at once if it is already finished.
@@ -120,7 +73,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progre
     env = D.setup(cfg.device, cfg.dist_timeout_s)
     claim = None
     try:
-        _check_memory(cfg, cfg.model, env, with_vocab=False)  # before anything is written or built
+        check_memory(cfg, cfg.model, env, with_vocab=False)  # before anything is written or built
         claim = claim_run_folder(out, env, resume)
         return _train(cfg, out, env, resume, progress, claim)
     except Exception as e:
@@ -129,8 +82,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progre
             raise
         if claim is not None:
             claim.undo()  # a refused run leaves OUT as it found it (its last checkpoint, if it has one)
-            if claim.keep and not resume:  # it wrote a checkpoint before the fault
-                err = UserError(f"{err}; `qkvlab train --out {out} --resume` continues from its last checkpoint")
+            err = how_to_continue(err, out, resume, wrote_checkpoint=claim.keep)
         if err is e:
             raise
         raise err from None
@@ -140,16 +92,31 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progre
         D.teardown(env)
 
 
+def how_to_continue(err: UserError, out: Path, resume: bool, *, wrote_checkpoint: bool) -> UserError:
+    """A run stopped by `err` after OUT was claimed, with the command that continues it: a full disk
+    always says it (`--resume` when OUT holds a checkpoint now: a plain re-run is refused then);
+    another fault only when this process wrote the checkpoint."""
+    step = ck.checkpoint_step(out)
+    resume_it = "run the same command again" if resume else f"run `qkvlab train --out {out} --resume`"
+    if isinstance(err, NoRoom):
+        if step is None:
+            return err.then("run the same command again (no checkpoint was kept, so it starts afresh)")
+        return err.then(f"{resume_it} (it continues from the checkpoint at step {step})")
+    if wrote_checkpoint and not resume and step is not None:
+        return UserError(f"{err}; `qkvlab train --out {out} --resume` continues from its checkpoint at step {step}")
+    return err
+
+
 def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool, claim: Claim | None) -> TrainResult:
     saved = read_checkpoint(cfg, out, env, resume)  # verified, or refused before anything is written
     if env.main:  # before any step, so a resume after a kill at any moment trains this run's config
         write_train_config(out, cfg)
     if saved is not None and saved.state["step"] == cfg.max_steps and not _test_scores_missing(cfg, out):
         return _republish(cfg, out, env, saved.state)
-    run = _setup(cfg, out, env, saved.state if saved is not None else None)
+    run = setup(cfg, out, env, saved.state if saved is not None else None)
     if run.dtype_note and env.main and progress:
         print(run.dtype_note, flush=True)
-    state = _restore(run, saved) if saved is not None else _start(run)
+    state = restore(run, saved) if saved is not None else start(run)
     del saved
     if env.main:
         _write_metrics(out, state.rows)  # truncates rows written after the checkpoint
@@ -193,108 +160,6 @@ def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool
     D.barrier(env)
     tokens_per_s = state.run_tokens / state.run_time if state.run_time > 0 else 0.0
     return _result(out, state.last_checkpoint, tokens_per_s)
-
-
-# ---- set-up ---------------------------------------------------------------------------------------
-def _resolve_dtype(cfg: TrainConfig, env: D.Env, saved_state: dict[str, Any] | None) -> tuple[str, Decision | None]:
-    """The run's autocast dtype. A run resumed where "auto" was timed keeps the dtype it started in
-    (a resume continues the same computation); otherwise rank 0 decides (on the CPU by timing,
-    train.dtype_probe: ranks timing at once would disturb each other) and every rank takes its word."""
-    st = saved_state or {}
-    if cfg.dtype == "auto" and env.device.type == "cpu" and st.get("train_dtype") in TRAIN_DTYPES:
-        try:
-            kept = Decision(**{**(st.get("dtype_probe") or {}), "source": "kept from the checkpoint"})
-        except TypeError:  # no record (checkpoints before the probe) or another layout
-            kept = None
-        return st["train_dtype"], kept
-    decided = cfg.autocast(env.device.type) if env.main else None
-    return D.all_gather_object(env, decided)[0] if env.distributed else decided
-
-
-def _setup(cfg: TrainConfig, out: Path, env: D.Env, saved_state: dict[str, Any] | None = None) -> Run:
-    """Task (ranks never tokenize: `qkvlab prepare` did), model, optimizer, wrappers."""
-    task = task_from_config(cfg)
-    model_cfg = task.adapt_config(cfg.model)
-    _check_memory(cfg, model_cfg, env, with_vocab=True)
-    if env.device.type == "cpu":
-        hold_freed_memory()  # each step reuses the last one's pages instead of faulting in new ones
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    raw = task.build_model(model_cfg).to(env.device)
-    aliases = tied_aliases(raw)
-    params = sum(p.numel() for p in raw.parameters())
-    sharded = env.distributed and cfg.sharding == "fsdp"
-    train_dtype, probe = _resolve_dtype(cfg, env, saved_state)
-    dtype = torch_dtype(train_dtype)
-    if sharded:  # blocks compiled one by one before sharding; bf16 all-gathers, fp32 reduction
-        D.shard(raw, env, param_dtype=dtype if dtype != torch.float32 else None, compile=cfg.compile)
-    optimizer = make_optimizer(raw, cfg.lr, cfg.weight_decay, cfg.betas, env.device, task.lr_scale)
-    fwd = torch.compile(raw) if cfg.compile and not sharded else raw
-    train_fwd = D.replicate(fwd, env) if env.distributed and cfg.sharding == "ddp" else fwd
-    autocast = torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    return Run(
-        cfg=cfg,
-        out=out,
-        env=env,
-        task=task,
-        model_cfg=model_cfg,
-        raw=raw,
-        fwd=fwd,
-        train_fwd=train_fwd,
-        optimizer=optimizer,
-        autocast=autocast,
-        train_dtype=train_dtype,
-        dtype_probe=probe.record() if probe is not None else None,
-        dtype_note=probe.describe() if probe is not None else None,
-        sharded=sharded,
-        aliases=aliases,
-        params=params,
-        accum=cfg.accum_steps(env.world),
-    )
-
-
-def _check_memory(cfg: TrainConfig, model_cfg: ModelConfig, env: D.Env, *, with_vocab: bool) -> None:
-    """Refuse, before allocating, what cannot fit (qkvlab.model.limits). Without the task's vocabulary
-    (before the tokenizer exists) the bound leaves the embeddings and logits out."""
-    # lm and distill train on block_size windows when set; other tasks are bounded at the model context
-    seq = getattr(cfg.task_settings, "block_size", None) or model_cfg.context
-    micro = cfg.batch_size // env.world // cfg.accum_steps(env.world)
-    shards = env.world if env.distributed and cfg.sharding == "fsdp" else 1
-    sized = model_cfg if with_vocab else model_cfg.replace(vocab_size=1)
-    check_training(sized, micro_batch=max(1, micro), seq_len=seq, shards=shards, device=env.device)
-
-
-def _start(run: Run) -> State:
-    torch.manual_seed(ck.derived_seed(run.cfg.seed, 0, run.env.rank))  # per-rank dropout streams
-    return State()
-
-
-def _restore(run: Run, saved: Saved) -> State:
-    """Weights, optimizer state and RNG streams from a checkpoint; the State it recorded."""
-    st = saved.state
-    error = None
-    if run.env.main or not run.sharded:  # under FSDP rank 0 alone read the tensors, and checks them
-        try:
-            ck.check_against_model(saved.weights, saved.optimizer, run.raw, run.aliases, run.out / ck.CHECKPOINT)
-        except UserError as e:
-            error = e
-    verdict = D.all_gather_object(run.env, None if error is None else str(error))[0] if run.sharded else None
-    if error is not None or verdict is not None:
-        raise error or UserError(verdict)
-    weights = with_aliases(saved.weights, run.aliases) if saved.weights else {}
-    D.load_full_state(run.raw, run.optimizer, weights, saved.optimizer, run.sharded, from_rank0=run.sharded)
-    rngs = st["rng"]
-    if len(rngs) == run.env.world:
-        ck.set_rng_state(run.env.device, rngs[run.env.rank])
-    else:  # another world size: dropout streams cannot continue; re-derive them
-        torch.manual_seed(ck.derived_seed(run.cfg.seed, st["step"], run.env.rank))
-    return State(
-        step=st["step"],
-        rows=st["metrics"],
-        loss_sum=st["loss_sum"],
-        loss_n=st["loss_n"],
-        elapsed=st["elapsed_s"],
-        last_checkpoint=st,
-    )
 
 
 # ---- the step and evaluation ---------------------------------------------------------------------

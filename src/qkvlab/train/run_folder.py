@@ -60,7 +60,7 @@ def read_checkpoint(cfg: TrainConfig, out: Path, env: D.Env, resume: bool) -> Sa
         return None
     if not resume:
         raise UserError(f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out")
-    verdict_on_rank0(env, lambda: ck.verify_checkpoint(found))  # sha256 read once, by rank 0, not by every rank
+    verdict_on_rank0(env, lambda: ck.verify_checkpoint(found, resuming=True))  # sha256 read once, by rank 0
     fsdp = env.distributed and cfg.sharding == "fsdp"  # rank 0 alone holds the tensors; it broadcasts them
     weights, optim_state, state = ck.load_checkpoint(found, tensors=env.main or not fsdp, hashes=False)
     check_resumable(state["train_config"], cfg, out)

@@ -1,11 +1,13 @@
 """A/B of compiled decode-step variants, batch 1, alternating rounds in one process.
 usage: ab2.py VARIANTS(comma; each '+'-joined of: base mulsum rN freeze) ROUNDS [--tiny]"""
 import sys, time, dataclasses, statistics, torch
-sys.path.insert(0, "/work/main/benchmarks")
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[5] / "benchmarks"))  # the checkout's benchmarks/
 from decode_smollm2 import default_gguf
 from qkvlab.convert.load import load_any
 from qkvlab.model.transformer import GPT
-from qkvlab.decode import generate as G
+from qkvlab.decode import compiled as C, steps as S
+from qkvlab.decode.choices import model_choices
 import qkvlab.model.attention as A
 torch.set_num_threads(2)
 ORIG = A._sdpa
@@ -32,21 +34,21 @@ variants = sys.argv[1].split(",")
 ROUNDS = int(sys.argv[2])
 def make(name):
     def step_fn(m, c, t, p):
-        return G.decode_step(m, c, t, p)
+        return S.decode_step(m, c, t, p)
     opts = {"cpp_wrapper": True}
     for part in name.split("+"):
         if part == "freeze": opts["freezing"] = True
         if part.startswith("r") and part[1:].isdigit(): opts["realize_opcount_threshold"] = int(part[1:])
     return torch.compile(step_fn, dynamic=False, fullgraph=True, options=opts)
-layout = G.DecodeLayout(model); layout.hold(1)
+model = model_choices(model, 1).decode_model(model)  # the tree generate decodes through
 steps, caches = {}, {}
 with torch.inference_mode():
     for v in variants:
-        caches[v] = G.new_cache(model, 1, 200 + STEPS + 8, static=True)
+        caches[v] = S.new_cache(model, 1, 200 + STEPS + 8, static=True)
         patch(v)
         steps[v] = make(v)
         t = time.perf_counter()
-        G.warm_up(steps[v], model, caches[v])
+        C.warm_up(steps[v], model, caches[v])
         print(v, "compiled in", round(time.perf_counter() - t, 1), flush=True)
     times = {v: [] for v in variants}
     toks = {}
@@ -54,9 +56,9 @@ with torch.inference_mode():
         for v in (variants if r % 2 == 0 else variants[::-1]):
             patch(v)
             cache = caches[v]; cache.reset()
-            batch = G.left_pad(prompt.tolist())
-            tok = G.prefill(model, cache, batch).argmax(-1); pos = batch.lengths.clone(); out = [tok]
-            st = G.steady(steps[v])
+            batch = S.left_pad(prompt.tolist())
+            tok = S.prefill(model, cache, batch).argmax(-1); pos = batch.lengths.clone(); out = [tok]
+            st = C.steady(steps[v])
             t0 = time.perf_counter()
             for _ in range(STEPS):
                 tok = st(model, cache, tok, pos).argmax(-1); pos += 1; out.append(tok)
