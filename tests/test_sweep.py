@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from conftest import FakeClock, fake_timer
 from qkvlab.base.errors import UserError
@@ -164,16 +165,44 @@ def test_compare_dtype_reaches_every_run_and_the_record_says_what_auto_became(mo
             m, rows, ways=f, timer=t, cache=c
         )
         monkeypatch.setattr(dtype_probe, "cpu_autocast", timed)
-        assert execute._train_dtype(wide, "cpu") == grid_dtype
-        assert execute._train_dtype(sweep, "cpu") == sweep_dtype
-        assert execute._train_dtype(grid, "cpu") == "bf16"  # the last grid above: --dtype bf16
-        assert execute._train_dtype(plan(CompareConfig(out="/nowhere", seeds=1)), "cpu") == "fp32"  # d 64: narrow
-    assert execute._train_dtype(wide, "cuda:1") == "bf16"
+        assert execute._train_dtype(wide, "cpu")[0] == grid_dtype
+        assert execute._train_dtype(sweep, "cpu")[0] == sweep_dtype
+        assert execute._train_dtype(grid, "cpu")[0] == "bf16"  # the last grid above: --dtype bf16
+        assert execute._train_dtype(plan(CompareConfig(out="/nowhere", seeds=1)), "cpu")[0] == "fp32"  # d 64: narrow
+    assert execute._train_dtype(wide, "cuda:1")[0] == "bf16"
     assert execute.machine_info(2, 1, "cpu", 1, "bf16, fp32")["train_dtype"] == "bf16, fp32"
+    # each run's decision is handed to the run, so a worker never times while the others train
+    dtypes, per_run = execute._train_dtype(sweep, "cpu")
+    assert set(per_run) == {r.rel for r in sweep.runs} and {d for d, _ in per_run.values()} == set(dtypes.split(", "))
     # the help states the sweep's real defaults
     fields = {f.name: f for f in dataclasses.fields(CompareConfig)}
     assert SWEEP_SIZES in fields["sizes"].metadata["help"]
     assert f"default {SWEEP_RECIPE['tokens_per_param']:g}" in fields["tokens_per_param"].metadata["help"]
+
+
+def test_the_parents_dtype_decision_reaches_every_run(monkeypatch):
+    """Whatever a worker's own timing would say (here: the opposite), a run trains in what compare decided."""
+    from qkvlab.compare import workers
+    from qkvlab.train import setup as train_setup
+
+    seen = []
+    monkeypatch.setattr(workers.loop, "train", lambda cfg, out, **kw: seen.append(kw["decided"]) or pytest.skip("ok"))
+    with pytest.raises(pytest.skip.Exception):
+        workers.train_one(None, "/nowhere", False, ("bf16", None))
+    assert seen == [("bf16", None)]
+
+    class Env:
+        main, distributed = True, False
+        device = torch.device("cpu")
+
+    class Cfg:
+        dtype = "auto"
+
+        def autocast(self, device_type):
+            return ("fp32", None)  # what this process would time
+
+    assert train_setup.resolve_dtype(Cfg(), Env(), None, ("bf16", None)) == ("bf16", None)
+    assert train_setup.resolve_dtype(Cfg(), Env(), None) == ("fp32", None)
 
 
 # ---- issue 27: named sweep recipes, per-size lr, grid cells, the lr scan, one dtype ------------------

@@ -15,7 +15,7 @@ from qkvlab.analysis.verdicts import Region
     "holds,unit,text",
     [
         ((-0.862496, math.inf), "%", "above -0.86%"),  # half of a paper's -1.72992%: was "above -0.862496%"
-        ((-0.596421, math.inf), "%", "above -0.6%"),
+        ((-0.596421, math.inf), "%", "above -0.60%"),
         ((-math.inf, 2.0), "%", "below +2%"),  # a hand-set margin keeps its short form
         ((-1.19, 1.19), "%", "within ±1.19%"),
         ((-0.45, math.inf), "pts", "above -0.45 pts"),
@@ -24,6 +24,8 @@ from qkvlab.analysis.verdicts import Region
         ((-math.inf, 0.0), "%", "below 0"),
         ((-math.inf, 0.004), "%", "below 0"),  # rounds to nothing at two decimals
         ((0.93312345, math.inf), "", "above 0.9331"),
+        ((0.99, math.inf), "", "above 0.99"),
+        ((0.995, math.inf), "", "above 0.995"),
     ],
 )
 def test_a_bound_is_printed_at_the_precision_of_the_figures_beside_it(holds, unit, text):

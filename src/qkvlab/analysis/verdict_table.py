@@ -51,12 +51,14 @@ def format_gap(g: Gap) -> str:
 
 
 def _bound(x: float, unit: str) -> str:
-    """A region's bound at the precision of the figures beside it (two decimals for % and points, four
-    without a unit), trailing zeros dropped: -0.862496% reads -0.86%, a hand-set 2% reads +2%."""
+    """A region's bound at the precision of the figures beside it: two decimals for % (-0.862496% reads
+    -0.86%, -0.596421% reads -0.60%), at most two for points and four without a unit, where margins are
+    hand-set or halves of a paper's figure (+2.15 pts, 0.99); a whole number keeps its short form (+2%)."""
     x = round(x, 4 if unit == "" else 2)
     if x == 0:
         return "0"
-    return f"{x:+g}%" if unit == "%" else f"{x:+g} pts" if unit == "pts" else f"{x:g}"
+    number = f"{x:+.2f}" if unit == "%" and x != int(x) else f"{x:+g}"
+    return f"{number}%" if unit == "%" else f"{number} pts" if unit == "pts" else number.lstrip("+")
 
 
 def holds_text(r: Region, unit: str, method: str = "") -> str:

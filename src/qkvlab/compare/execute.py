@@ -157,12 +157,13 @@ def _quiet(*args, **kwargs) -> None:
 
 def _train_dtype(
     plan: Plan, device: str, threads: int | None = None, say: Callable[..., None] = _quiet, records: list | None = None
-) -> str:
+) -> tuple[str, dict[str, tuple]]:
     """What the runs' dtype setting resolves to on `device` (auto is timed on the CPU per model
-    shape, so a sweep may train its narrow sizes in fp32 and its wide ones under bf16). Decided here,
-    at the workers' thread count, before any worker starts: the workers find it cached instead of
-    timing while the others train. Each CPU decision is said once, with its figures, and its record
-    appended to `records`."""
+    shape, so a sweep may train its narrow sizes in fp32 and its wide ones under bf16), and each run's
+    (dtype, Decision) by its `rel`. Decided here, at the workers' thread count, before any worker
+    starts, and handed to every worker: none of them times while the others train, and all train in
+    what was decided here. Each CPU decision is said once, with its figures, and its record appended
+    to `records`."""
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -175,7 +176,8 @@ def _train_dtype(
         say(f"compare: {p.describe()}")
     if records is not None:
         records.extend(p.record() for p in first.values())
-    return ", ".join(sorted({dtype for dtype, _ in decided})) or "fp32"
+    per_run = {r.rel: d for r, d in zip(plan.runs, decided)}
+    return ", ".join(sorted({dtype for dtype, _ in decided})) or "fp32", per_run
 
 
 def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outcome:
@@ -190,7 +192,7 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
     jobs, threads = (layout.jobs, layout.threads) if layout is not None else (1, None)
     work = (layout.run_estimates(todo) if layout is not None else None) or {}  # seconds per run, once
     probes: list = []
-    train_dtype = _train_dtype(plan, device, threads, say if main else _quiet, probes)
+    train_dtype, decided = _train_dtype(plan, device, threads, say if main else _quiet, probes)
     if cfg.sweep and "," in train_dtype:  # a gap's change with size must not be a change of precision
         raise UserError(
             f"--dtype {cfg.dtype} resolves to {train_dtype} across this sweep's sizes; a sweep trains every size in "
@@ -220,7 +222,7 @@ def _run_plan(plan: Plan, env, say, t_start: float, command: str | None) -> Outc
             manifest["estimate_s"] = round(estimate, 1)
     outcome = Outcome(out)
     progress = Progress(len(runs), len(runs) - len(todo), len(todo), say=say, work=work)
-    outcome.failures += train_all(todo, progress, parallel, jobs, threads, main)
+    outcome.failures += train_all(todo, progress, parallel, jobs, threads, main, decided)
     outcome.wall_s = wall = time.perf_counter() - t_start
     if main:
         outcome.results = write_after_training(plan, manifest, trained_before, len(runs), len(todo), wall, command, say)

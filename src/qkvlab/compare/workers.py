@@ -53,10 +53,12 @@ def worker_init(threads: int, parent: int | None = None) -> None:
     torch.set_num_threads(threads)
 
 
-def train_one(cfg, out_dir: str, progress: bool):
+def train_one(cfg, out_dir: str, progress: bool, decided: tuple | None = None):
+    """One run, in a worker or here; `decided`: the dtype the parent resolved "auto" to for it, so that every
+    worker trains in what the parent decided even when a busy machine kept that timing out of the cache."""
     t0 = time.perf_counter()
     try:
-        res = loop.train(cfg, out_dir, resume=True, progress=progress)
+        res = loop.train(cfg, out_dir, resume=True, progress=progress, decided=decided)
     except loop.TrainingDiverged as e:
         return {"error": str(e), "seconds": time.perf_counter() - t0}
     return {
@@ -108,9 +110,12 @@ class Progress:
         )
 
 
-def train_all(todo, progress: Progress, parallel: bool, jobs: int, threads, main: bool) -> list[str]:
+def train_all(
+    todo, progress: Progress, parallel: bool, jobs: int, threads, main: bool, decided: dict | None = None
+) -> list[str]:
     """Train `todo`: in `jobs` spawned processes on CPU, else one after another in this process. Returns
-    the failures (a run that diverged: its folder and why)."""
+    the failures (a run that diverged: its folder and why). decided: each run's resolved dtype by its `rel`."""
+    decided = decided or {}
     failures: list[str] = []
 
     def record(r: PlannedRun, result: dict[str, Any]) -> None:
@@ -122,12 +127,12 @@ def train_all(todo, progress: Progress, parallel: bool, jobs: int, threads, main
         if parallel:
             worker_init(threads)
         for r in todo:
-            record(r, train_one(r.cfg, str(r.dir), progress=not parallel and main))
+            record(r, train_one(r.cfg, str(r.dir), not parallel and main, decided.get(r.rel)))
         return failures
     with ProcessPoolExecutor(
         jobs, mp_context=mp.get_context("spawn"), initializer=worker_init, initargs=(threads, os.getpid())
     ) as pool:
-        pending = {pool.submit(train_one, r.cfg, str(r.dir), False): r for r in todo}
+        pending = {pool.submit(train_one, r.cfg, str(r.dir), False, decided.get(r.rel)): r for r in todo}
         try:
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)

@@ -61,9 +61,12 @@ class TrainResult:
     train_dtype: str | None = None  # the autocast dtype it trained in (its dtype setting, resolved); None: not recorded
 
 
-def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True) -> TrainResult:
+def train(
+    cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progress: bool = True, decided: tuple | None = None
+) -> TrainResult:
     """Train `cfg` into `out_dir` (see module doc). With resume=True: continue from OUT's last
     complete checkpoint, start fresh if there is none, return at once if it is already finished.
+    decided: (dtype, Decision) that "auto" resolves to, when the caller decided it (setup.resolve_dtype).
     OUT is locked while this runs (qkvlab.base.folders); a refusal leaves it as it was. Under torchrun
     the process group is set up (and torn down) here."""
     cfg = resolve(TrainConfig, cfg)  # validated private copy
@@ -75,7 +78,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False, progre
     try:
         check_memory(cfg, cfg.model, env, with_vocab=False)  # before anything is written or built
         claim = claim_run_folder(out, env, resume)
-        return _train(cfg, out, env, resume, progress, claim)
+        return _train(cfg, out, env, resume, progress, claim, decided)
     except Exception as e:
         err = as_user_error(e)  # a full disk or an unwritable folder (the cache, OUT) is refused like bad input
         if err is None:
@@ -107,13 +110,15 @@ def how_to_continue(err: UserError, out: Path, resume: bool, *, wrote_checkpoint
     return err
 
 
-def _train(cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool, claim: Claim | None) -> TrainResult:
+def _train(
+    cfg: TrainConfig, out: Path, env: D.Env, resume: bool, progress: bool, claim: Claim | None, decided: tuple | None
+) -> TrainResult:
     saved = read_checkpoint(cfg, out, env, resume)  # verified, or refused before anything is written
     if env.main:  # before any step, so a resume after a kill at any moment trains this run's config
         write_train_config(out, cfg)
     if saved is not None and saved.state["step"] == cfg.max_steps and not _test_scores_missing(cfg, out):
         return _republish(cfg, out, env, saved.state)
-    run = setup(cfg, out, env, saved.state if saved is not None else None)
+    run = setup(cfg, out, env, saved.state if saved is not None else None, decided)
     if run.dtype_note and env.main and progress:
         print(run.dtype_note, flush=True)
     state = restore(run, saved) if saved is not None else start(run)

@@ -68,10 +68,14 @@ class State:
     last_checkpoint: dict[str, Any] | None = None  # state.json of the last checkpoint written or read
 
 
-def resolve_dtype(cfg: TrainConfig, env: D.Env, saved_state: dict[str, Any] | None) -> tuple[str, Decision | None]:
+def resolve_dtype(
+    cfg: TrainConfig, env: D.Env, saved_state: dict[str, Any] | None, decided: tuple | None = None
+) -> tuple[str, Decision | None]:
     """The run's autocast dtype. A run resumed where "auto" was timed keeps the dtype it started in
-    (a resume continues the same computation); otherwise rank 0 decides (on the CPU by timing,
-    train.dtype_probe: ranks timing at once would disturb each other) and every rank takes its word."""
+    (a resume continues the same computation); `decided` ((dtype, Decision), what the caller resolved
+    "auto" to, as compare does once for all its runs) is taken as it is; otherwise rank 0 decides (on the
+    CPU by timing, decode.dtype_probe: ranks timing at once would disturb each other) and every rank
+    takes its word."""
     st = saved_state or {}
     if cfg.dtype == "auto" and env.device.type == "cpu" and st.get("train_dtype") in TRAIN_DTYPES:
         try:
@@ -79,12 +83,17 @@ def resolve_dtype(cfg: TrainConfig, env: D.Env, saved_state: dict[str, Any] | No
         except TypeError:  # no record (checkpoints before the probe) or another layout
             kept = None
         return st["train_dtype"], kept
+    if decided is not None and cfg.dtype == "auto":
+        return decided
     decided = cfg.autocast(env.device.type) if env.main else None
     return D.all_gather_object(env, decided)[0] if env.distributed else decided
 
 
-def setup(cfg: TrainConfig, out: Path, env: D.Env, saved_state: dict[str, Any] | None = None) -> Run:
-    """Task (ranks never tokenize: `qkvlab prepare` did), model, optimizer, wrappers."""
+def setup(
+    cfg: TrainConfig, out: Path, env: D.Env, saved_state: dict[str, Any] | None = None, decided: tuple | None = None
+) -> Run:
+    """Task (ranks never tokenize: `qkvlab prepare` did), model, optimizer, wrappers; `decided`: the dtype
+    "auto" resolved to by the caller (resolve_dtype)."""
     task = task_from_config(cfg)
     model_cfg = task.adapt_config(cfg.model)
     check_memory(cfg, model_cfg, env, with_vocab=True)
@@ -95,7 +104,7 @@ def setup(cfg: TrainConfig, out: Path, env: D.Env, saved_state: dict[str, Any] |
     aliases = tied_aliases(raw)
     params = sum(p.numel() for p in raw.parameters())
     sharded = env.distributed and cfg.sharding == "fsdp"
-    train_dtype, probe = resolve_dtype(cfg, env, saved_state)
+    train_dtype, probe = resolve_dtype(cfg, env, saved_state, decided)
     dtype = torch_dtype(train_dtype)
     if sharded:  # blocks compiled one by one before sharding; bf16 all-gathers, fp32 reduction
         D.shard(raw, env, param_dtype=dtype if dtype != torch.float32 else None, compile=cfg.compile)
