@@ -72,9 +72,9 @@ from pathlib import Path
 
 import torch
 
+from qkvlab.base.flag_values import positive_int
 from qkvlab.base.loadavg import ScriptRun, add_options, fmt
-from qkvlab.base.settings import positive_int
-from qkvlab.decode.generate import layout_decisions
+from qkvlab.decode.choices import model_choices
 from qkvlab.decode.speed import cache_bytes_per_token, copy_rate, time_decode, weight_bytes_per_step
 from qkvlab.model.accounting import kv_cache_bytes_per_token
 
@@ -150,14 +150,18 @@ def time_serve(model, prompts: list[list[int]], new_tokens: int, compile: bool =
     """(prefill seconds: the engine's first step, which admits, prefills and decodes once; seconds
     per decode step after it), all `prompts` submitted at once, greedy, `new_tokens` each; with
     compile, the engine's step compiled first (`serve --compile`), its time printed, not counted."""
-    from qkvlab.decode.generate import Sampling
-    from qkvlab.serve.engine import Engine, Request
+    from qkvlab.decode.sampling import Sampling
+    from qkvlab.serve.decoding import runner_decoding
+    from qkvlab.serve.engine import Engine
+    from qkvlab.serve.request import Request
 
     context = max(len(p) for p in prompts) + new_tokens + 1
-    engine = Engine(model, rows=len(prompts), context=context, compile="default" if compile else None)
+    choices = runner_decoding(model, compile="default" if compile else None, rows=len(prompts))
+    engine = Engine(model, rows=len(prompts), context=context, choices=choices)
     try:
+        warm = engine.warm_up()  # the compiled step, or the in-place paged read: not counted
         if compile:
-            print(f"    (serve-compiled, batch {len(prompts)}: compiled in {engine.warm_up():.1f} s)", flush=True)
+            print(f"    (serve-compiled, batch {len(prompts)}: compiled in {warm:.1f} s)", flush=True)
         for p in prompts:
             engine.submit(
                 Request(tuple(p), new_tokens, Sampling(temperature=0.0), stop_ids=frozenset()), lambda e: None
@@ -166,12 +170,12 @@ def time_serve(model, prompts: list[list[int]], new_tokens: int, compile: bool =
         engine.step()
         t1 = time.perf_counter()
         steps = 0
-        while engine.running or engine.waiting:
+        while engine.scheduler.running or engine.scheduler.waiting:
             engine.step()
             steps += 1
         t2 = time.perf_counter()
     finally:
-        engine.stop()  # gives the model its own weight layout back
+        engine.stop()
     return t1 - t0, (t2 - t1) / max(1, steps)
 
 
@@ -209,7 +213,7 @@ def profile_steps(step, steps: int, vocab: int) -> tuple[dict[str, float], float
     for e in prof.key_averages(group_by_input_shape=True):
         ms = e.self_cpu_time_total / 1e3 / steps
         if e.key in ("aten::mm", "aten::addmm", "aten::bmm"):
-            # the head: a (.., vocab) product, or generate.PackedProduct's (P, K, vocab / P) blocks
+            # the head: a (.., vocab) product, or decode.layout.PackedProduct's (P, K, vocab / P) blocks
             head = any(vocab in (s or []) or len(s or []) == 3 and s[0] * s[2] == vocab for s in (e.input_shapes or []))
             out["output head (matmul)" if head else "other matmuls"] += ms
             continue
@@ -222,8 +226,10 @@ def profile_steps(step, steps: int, vocab: int) -> tuple[dict[str, float], float
 @torch.inference_mode()
 def profile_table(models: dict, batches: list[int], paths: list[str], prompt_len: int, steps: int = 8) -> dict:
     """Where a decode step's time goes, per path, dtype and batch (profiler overhead included)."""
-    from qkvlab.decode.generate import Sampling, decode_layout, decode_step, left_pad, new_cache, prefill
-    from qkvlab.serve.engine import Engine, Request
+    from qkvlab.decode.sampling import Sampling
+    from qkvlab.decode.steps import decode_step, left_pad, new_cache, prefill
+    from qkvlab.serve.engine import Engine
+    from qkvlab.serve.request import Request
 
     g = torch.Generator().manual_seed(1)
     table = {}
@@ -234,18 +240,19 @@ def profile_table(models: dict, batches: list[int], paths: list[str], prompt_len
                 vocab = model.cfg.vocab_size
                 if path == "generate":
                     cache = new_cache(model, b, prompt_len + steps + 4)
-                    with decode_layout(model, b):
-                        batch = left_pad(prompts)
-                        state = {"tok": prefill(model, cache, batch).argmax(-1), "pos": batch.lengths.clone()}
+                    tree = model_choices(model, b).decode_model(model)  # what generate decodes through
+                    batch = left_pad(prompts)
+                    state = {"tok": prefill(tree, cache, batch).argmax(-1), "pos": batch.lengths.clone()}
 
-                        def step(state=state, model=model, cache=cache):
-                            state["tok"] = decode_step(model, cache, state["tok"], state["pos"]).argmax(-1)
-                            state["pos"] += 1
+                    def step(state=state, tree=tree, cache=cache):
+                        state["tok"] = decode_step(tree, cache, state["tok"], state["pos"]).argmax(-1)
+                        state["pos"] += 1
 
-                        step()
-                        got, wall = profile_steps(step, steps, vocab)
+                    step()
+                    got, wall = profile_steps(step, steps, vocab)
                 else:
                     engine = Engine(model, rows=b, context=prompt_len + steps + 8)
+                    engine.warm_up()  # the in-place paged read compiled outside the profile
                     for p in prompts:
                         request = Request(tuple(p), steps + 4, Sampling(temperature=0.0), stop_ids=frozenset())
                         engine.submit(request, lambda e: None)
@@ -542,6 +549,7 @@ def main() -> None:
         f"  {'contestant':<23} {'batch':>5} {'prefill s':>9} {'ms/step':>8} {'tok/s':>8} {'limit tok/s':>11} "
         f"{'of limit':>8}  load"
     )
+    layouts = {}  # the layouts generate's choices were timed to, by key
     for b in args.batches:
         prompts = torch.randint(0, cfg.vocab_size, (b, args.prompt_len), generator=g)
         runs: dict[str, list[tuple[float, float]]] = {}
@@ -551,6 +559,10 @@ def main() -> None:
             names.append("llama.cpp f32")
         bin_of = {name: x for x in bins for name in x.names(b)}
         names += list(bin_of)
+        choices = {d: model_choices(models[d], b) for d in dtypes}  # generate's: chosen (or timed) once, not per round
+        for c in choices.values():
+            if c.layout_decision is not None:
+                layouts[c.layout_decision.key] = c.layout_decision
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 if name == "llama.cpp f32":
@@ -560,9 +572,8 @@ def main() -> None:
                 else:
                     _, path, d = name.split()
                     if path in ("generate", "compiled"):
-                        t = time_decode(
-                            models[d], prompts, args.new_tokens, "eager" if path == "generate" else "compiled"
-                        )
+                        mode = "eager" if path == "generate" else "compiled"
+                        t = time_decode(models[d], prompts, args.new_tokens, mode, choices[d])
                         got = (t.prefill_s, t.step_s)
                         if t.compile_s is not None:
                             print(f"    ({name}, batch {b}: compiled in {t.compile_s:.1f} s)", flush=True)
@@ -606,11 +617,11 @@ def main() -> None:
                 flush=True,
             )
     files.close()
-    # the decode layouts generate timed on this machine (generate.layout_by_timing: fp32, up to 16 rows)
-    figures["decode_layouts"] = dict(layout_decisions)
-    for key, entry in layout_decisions.items():
-        ways = ", ".join(f"{w} {ms:.1f}" for w, ms in entry["ms"].items())
-        print(f"  decode layout {key}: {entry['choice']} (ms: {ways}; noise {entry['noise']:.0%}; {entry['source']})")
+    # the decode layouts generate timed on this machine (decode.layout.choose_layout: fp32, up to 16 rows)
+    figures["decode_layouts"] = {k: {**r.entry(), "source": r.source} for k, r in layouts.items()}
+    for key, r in layouts.items():
+        ways = ", ".join(f"{w} {ms:.1f}" for w, ms in r.ms.items())
+        print(f"  decode layout {key}: {r.choice} (ms: {ways}; noise {r.noise:.0%}; {r.source})")
     sys.exit(run.finish(figures))
 
 

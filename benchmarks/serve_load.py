@@ -80,8 +80,8 @@ import numpy as np
 
 from qkvlab.base.errors import UserError
 from qkvlab.base.files import atomic_file, atomic_write, json_text, labelled_path
+from qkvlab.base.flag_values import positive_int
 from qkvlab.base.loadavg import LoadWatch, describe, load1, verdict
-from qkvlab.base.settings import positive_int
 from qkvlab.base.units import byte_size
 from qkvlab.data.text import load_shakespeare
 from qkvlab.model.accounting import kv_cache_bytes_per_token

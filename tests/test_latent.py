@@ -12,12 +12,14 @@ import torch
 
 from qkvlab.base.errors import UserError
 from qkvlab.convert.reparam import role_weights
-from qkvlab.decode.generate import Sampling, generate
+from qkvlab.decode.generate import generate
+from qkvlab.decode.sampling import Sampling
 from qkvlab.model.accounting import analytic_params, counted_params, kv_cache_bytes_per_token, report
 from qkvlab.model.cache import KVCache
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.transformer import GPT
-from qkvlab.serve.engine import Engine, Request
+from qkvlab.serve.engine import Engine
+from qkvlab.serve.request import Request
 from test_serve import VOCAB, run_mixed, tiny_model, tokens
 
 SHAPES = [  # (scheme, positions, kv heads, latent)
@@ -92,8 +94,8 @@ def test_paged_serving_with_preemption_gives_each_request_its_tokens_alone(schem
     ]
     engine = Engine(model, blocks=3, block_size=16)
     events, _ = run_mixed(engine, requests, join_every=1)
-    assert engine.stats()["preemptions"] > 0 and engine.pool.used == 0
-    assert all(tuple(t.shape[1:]) == (1, r) for layer in engine.pool.stores for t in layer.values())
+    assert engine.stats()["preemptions"] > 0 and engine.kv.used == 0
+    assert all(tuple(t.shape[1:]) == (1, r) for layer in engine.runner.store.layers for t in layer.values())
     for req, ev in zip(requests, events.values()):
         assert tokens(ev) == generate(model, [list(req.prompt)], req.max_tokens, Sampling(temperature=0.0))[0]
 

@@ -283,7 +283,8 @@ def test_a_fit_from_before_an_option_is_reused_only_for_what_it_did(trained, cap
     """A fit written before --refine-inputs existed had only the first pass: --resume reuses it for
     --refine-inputs original and refuses converted (today's default) in one line: the uptraining in OUT
     distils that fit, so another fit cannot continue it."""
-    from qkvlab.retrofit.workflow import RetrofitOptions, _reuse_fit
+    from qkvlab.retrofit.options import RetrofitOptions
+    from qkvlab.retrofit.workflow import _reuse_fit
 
     out = trained / "old_fit"
     argv = ["retrofit", str(trained / "teacher"), str(out), "--data", str(trained / "plays.txt"), "--steps", "0"]
@@ -330,7 +331,7 @@ def test_kl_and_distill_options():
 
 def test_distill_trains_only_the_chosen_layers_attention(tmp_path):
     from qkvlab.model.folder import save_model
-    from qkvlab.retrofit.workflow import write_tokens
+    from qkvlab.retrofit.source import write_tokens
     from qkvlab.tasks import get_task
 
     model, cfg = model_with(n_layer=3)
@@ -352,7 +353,7 @@ def test_distill_rest_lr_scale_trains_the_rest_slower(tmp_path):
     """rest_lr_scale > 0: every weight trains, the chosen layers' attention at the lr, the rest at the
     fraction; the loop's optimizer groups carry the scale and each step's lr is multiplied by it."""
     from qkvlab.model.folder import save_model
-    from qkvlab.retrofit.workflow import write_tokens
+    from qkvlab.retrofit.source import write_tokens
     from qkvlab.tasks import get_task
     from qkvlab.train.optim import make_optimizer
 
@@ -432,7 +433,7 @@ def test_retrofit_reads_and_keeps_a_transformers_tokenizer_in_a_qkvlab_folder(tm
 
     from qkvlab.convert.load import save_hf_tokenizer
     from qkvlab.model.folder import save_model
-    from qkvlab.retrofit.workflow import load_source
+    from qkvlab.retrofit.source import load_source
 
     text = "the quick brown fox jumps over the lazy dog. " * 200
     tok = Tokenizer(models.BPE())

@@ -129,9 +129,17 @@ def test_retrofit_to_mla_end_to_end_and_its_refusals(trained, capsys):  # noqa: 
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and re.search(needle, err), err
         assert not out.exists() or not any(out.iterdir())
-    assert main(argv + ["--kv-latent", "24", "--rope-dim", "8"]) == 0
+    assert main([a for a in argv if a != "--quiet"] + ["--kv-latent", "24", "--rope-dim", "8"]) == 0
+    said = capsys.readouterr().out
+    phases = ["loading", "loaded Q-K-V", "text:", "original: held-out ppl", "RoPE on frequencies", "fitted 2 of 2"]
+    phases += ["of the original's ppl", "uptrained (20 steps)"]
+    places = [said.find(p) for p in phases]
+    assert -1 not in places and places == sorted(places), said  # every phase said, in order, each with its time
     report = json.loads((out / "retrofit.json").read_text())
     assert report["cache_ratio"] == 0.25  # (24 + 8) / (2 x 4 heads x 16)
+    for key in ("ratio_fit", "ratio_uptrained"):
+        est, lo, hi = report[key]
+        assert lo <= est <= hi and report["heldout_windows"] == 2048 // 32
     model, cfg, _ = load_model(out)
     assert (cfg.kv_latent, cfg.rope_dim) == (24, 8)
     cache = KVCache(cfg, 1, 8)

@@ -565,7 +565,7 @@ def test_retrofit_refuses_before_loading_the_model(tmp_path, capsys, monkeypatch
 
     save_model(tmp_path / "m", GPT(preset("tiny")), preset("tiny"))  # 2 layers, 4 heads
     monkeypatch.setattr(rf, "load_source", lambda *a, **k: pytest.fail("loaded the model before refusing"))
-    monkeypatch.setattr(rf, "perplexity", lambda *a, **k: pytest.fail("measured perplexity before refusing"))
+    monkeypatch.setattr(rf, "window_nll", lambda *a, **k: pytest.fail("measured perplexity before refusing"))
     assert main(["retrofit", str(tmp_path / "m"), str(tmp_path / "out"), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
@@ -640,10 +640,10 @@ def test_a_broken_tokenizer_is_one_line_from_every_command_that_reads_it(tmp_pat
     assert snapshot(tmp_path) == before  # nothing written, no OUT left behind
     assert main(["info", model]) == 0  # info reads the config alone
     pytest.importorskip("fastapi")
-    from qkvlab.serve.server import ServeConfig, build
+    from qkvlab.serve.server import ServeConfig, load_served
 
     with pytest.raises(UserError, match=words.replace("(", r"\(")):
-        build(ServeConfig(model=model, dtype="fp32"))
+        load_served(ServeConfig(model=model, dtype="fp32"))
 
 
 def test_similarity_says_an_exported_folder_has_no_tokenizer(tmp_path, capsys):

@@ -26,13 +26,16 @@ httpx = pytest.importorskip("httpx")
 from qkvlab.base.errors import UserError  # noqa: E402
 from qkvlab.base.units import byte_size  # noqa: E402
 from qkvlab.cli import main  # noqa: E402
-from qkvlab.decode.generate import Sampling, generate  # noqa: E402
+from qkvlab.decode.generate import generate  # noqa: E402
+from qkvlab.decode.sampling import Sampling  # noqa: E402
 from qkvlab.model.accounting import kv_cache_bytes_per_token  # noqa: E402
 from qkvlab.model.config import ModelConfig  # noqa: E402
 from qkvlab.model.folder import save_model  # noqa: E402
 from qkvlab.model.transformer import GPT  # noqa: E402
-from qkvlab.serve.engine import Engine, Event, Request  # noqa: E402
-from qkvlab.serve.server import ServeConfig, build, listen, make_server, pool_blocks  # noqa: E402
+from qkvlab.serve.decoding import runner_decoding  # noqa: E402
+from qkvlab.serve.engine import Engine  # noqa: E402
+from qkvlab.serve.request import Event, Request  # noqa: E402
+from qkvlab.serve.server import ServeConfig, build, listen, load_served, make_server, pool_blocks  # noqa: E402
 
 VOCAB, CONTEXT = 300, 40
 WAIT = 60.0  # seconds: a bound on waiting for the server, never a measurement
@@ -112,46 +115,48 @@ def test_full_mixed_batch_gives_each_request_its_tokens_alone(scheme, pos, kv):
     assert len({len(r.prompt) for r in requests}) > 5  # neighbours of many lengths
 
 
-def test_the_engine_holds_the_decode_layout_at_small_batches_only_and_gives_it_back():
-    """generate's decode layout (Linear products in blocks, CPU fp32/fp64) while the running batch
-    stays at most LAYOUT_MAX_BATCH, released after LAYOUT_SWITCH_STEPS steps above it and at stop;
-    the tokens are each request's alone either way."""
-    from qkvlab.decode.generate import LAYOUT_MAX_BATCH
-    from qkvlab.serve.engine import LAYOUT_SWITCH_STEPS
+def test_decode_steps_of_at_most_16_rows_call_the_layouts_tree_and_the_model_is_never_patched():
+    """The decode layout as a value (DecodeChoices.decode_model's tree, built once): decode steps of at
+    most LAYOUT_MAX_BATCH rows call the tree, larger ones and prefills the model, whose modules are never
+    changed; each request's tokens are its own alone either way."""
+    from qkvlab.decode.layout import LAYOUT_MAX_BATCH, PackedLinear
 
     model = tiny_model("Q-K-V", "rope", 2, dtype=torch.float32)
+    modules = {name: (type(m), dict(vars(m))) for name, m in model.named_modules()}
     rows = LAYOUT_MAX_BATCH + 2
     engine = Engine(model, rows=rows)
+    tree = engine.choices.tree
+    assert isinstance(tree.lm_head, PackedLinear) and not isinstance(model.lm_head, PackedLinear)
+    calls = []  # (called the tree, rows, tokens a row)
+    tree.lm_head.register_forward_hook(lambda m, args, out: calls.append((True, *args[0].shape[:2])))
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: calls.append((False, *args[0].shape[:2])))
+    requests = [Request((i + 4,) * (i + 2), 12) for i in range(rows)]
     events = {i: [] for i in range(rows)}
-    first = Request((1, 2, 3), 4 + 2 * LAYOUT_SWITCH_STEPS)
-    engine.submit(first, events[0].append)
-    engine.step()
-    packed = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert engine.layout.held and all("forward" in vars(m) for m in packed)  # one stream: held at once
-    rest = [Request((i + 4,) * (i + 2), 2 * LAYOUT_SWITCH_STEPS) for i in range(1, rows)]
-    for i, r in enumerate(rest, 1):
-        engine.submit(r, events[i].append)
-    for _ in range(LAYOUT_SWITCH_STEPS - 1):
+    engine.submit(requests[0], events[0].append)
+    for _ in range(3):  # its prefill, then decode steps of one row
         engine.step()
-    assert engine.layout.held  # not yet: a burst does not copy the weights back and forth
-    engine.step()
-    engine.step()
-    assert not engine.layout.held and all("forward" not in vars(m) for m in packed)
+    for i, r in enumerate(requests[1:], 1):
+        engine.submit(r, events[i].append)
     while not engine.idle():
         engine.step()
-    engine.stop()
-    assert all("forward" not in vars(m) for m in packed)
-    for r, ev in zip([first, *rest], events.values()):
+    hook.remove()
+    decodes = [(tree_called, n) for tree_called, n, width in calls if width == 1]
+    assert all(tree_called == (n <= LAYOUT_MAX_BATCH) for tree_called, n in decodes)
+    assert {n <= LAYOUT_MAX_BATCH for _, n in decodes} == {True, False}  # both kinds of step ran
+    assert all(not tree_called for tree_called, _, width in calls if width > 1)  # prefills: the model
+    assert {name: (type(m), dict(vars(m))) for name, m in model.named_modules()} == modules  # never patched
+    for r, ev in zip(requests, events.values()):
         assert tokens(ev) == generate(model, [list(r.prompt)], r.max_tokens, Sampling(temperature=0.0))[0]
 
 
 def test_a_compiled_engine_compiles_before_serving_and_gives_each_request_its_tokens_alone(monkeypatch):
-    """compile="default": warm_up compiles the paged step for its WARM_UP_SHAPES (dynamo with a counting
-    eager backend stands in for inductor: two graphs, one sequence and two or more), on blocks it
-    gives back; serving a mixed batch
-    of every length then compiles nothing more, keeps the decode layout held, and each request gets
-    the tokens it gets alone."""
-    import qkvlab.decode.generate as gen
+    """compile="default": warm_up compiles the paged step, its in-place read traced into it, for its
+    WARM_UP_SHAPES (dynamo with a counting eager backend stands in for inductor: two graphs, one sequence
+    and two or more), on blocks it gives back; serving a mixed batch of every length then compiles
+    nothing more, calls the layout's tree at every batch, and each request gets the tokens it gets
+    alone. Eager, warm_up compiles the in-place read alone; an engine that gathers compiles nothing."""
+    import qkvlab.decode.compiled as compiled
+    from qkvlab.decode.steps import decode_step
 
     compiles = []
 
@@ -160,24 +165,25 @@ def test_a_compiled_engine_compiles_before_serving_and_gives_each_request_its_to
         return gm.forward
 
     torch._dynamo.reset()
-    step = torch.compile(gen.decode_step, backend=counting, dynamic=True, fullgraph=True)
-    monkeypatch.setitem(gen._COMPILED, ("default", True, "cpu"), step)
+    step = torch.compile(decode_step, backend=counting, dynamic=True, fullgraph=True)
+    monkeypatch.setitem(compiled._COMPILED, ("default", True, "cpu"), step)
     model = tiny_model("Q-K=V", "rope", dtype=torch.float32)
-    engine = Engine(model, rows=3, compile="default")
-    assert engine.layout.held
-    assert engine.warm_up() > 0 and engine.pool.used == 0 and len(compiles) == 2
+    engine = Engine(model, rows=3, choices=runner_decoding(model, compile="default", rows=3))
+    assert engine.choices.paged_read == "in place" and engine.choices.decoder(model, 99) is engine.choices.tree
+    assert engine.warm_up() > 0 and engine.kv.used == 0 and len(compiles) == 2
     rng = random.Random(5)
     requests = [
         Request(tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, CONTEXT // 2))), rng.randint(1, 12))
         for _ in range(7)
     ]
     events, active = run_mixed(engine, requests)
-    assert len(compiles) == 2 and set(active) >= {1, 2, 3} and engine.layout.held
+    assert len(compiles) == 2 and set(active) >= {1, 2, 3} and engine.choices.paged_read == "in place"
     for req, ev in zip(requests, events.values()):
         assert tokens(ev) == generate(model, [list(req.prompt)], req.max_tokens, Sampling(temperature=0.0))[0]
     engine.stop()
-    assert not engine.layout.held
-    assert Engine(model, rows=2).warm_up() == 0.0  # eager: nothing to compile
+    eager = Engine(model, rows=2)
+    assert eager.warm_up() > 0 and eager.choices.paged_read == "in place" and eager.kv.used == 0
+    assert Engine(model, rows=2, choices=runner_decoding(model, paged_read="gather")).warm_up() == 0.0
 
 
 def test_cancel_frees_the_blocks_at_the_next_step_and_neighbours_are_unchanged():
@@ -189,14 +195,14 @@ def test_cancel_frees_the_blocks_at_the_next_step_and_neighbours_are_unchanged()
     engine.step()
     engine.step()
     assert engine.stats()["active"] == 3
-    held = engine.pool.used
+    held = engine.kv.used
     engine.cancel(seqs[0])
     engine.step()
     assert engine.stats()["active"] == 2 and events[0][-1].finish == "cancelled"
-    assert seqs[0] not in engine.running and not seqs[0].table and engine.pool.used < held
+    assert seqs[0] not in engine.scheduler.running and not seqs[0].table and engine.kv.used < held
     while not engine.idle():
         engine.step()
-    assert engine.pool.used == 0  # every block came back
+    assert engine.kv.used == 0  # every block came back
     for i in (1, 2):
         assert tokens(events[i]) == generate(model, [list(prompts[i])], 20, Sampling(temperature=0.0))[0]
 
@@ -235,7 +241,7 @@ def test_capacity_in_tokens_follows_cache_bytes_per_token():
         per_token = kv_cache_bytes_per_token(model.cfg, "fp32")
         blocks = pool_blocks(byte_size("204800"), per_token, CONTEXT, 16)
         engine = Engine(model, blocks=blocks, block_size=16)
-        assert engine.pool.bytes_allocated() == blocks * 16 * per_token  # allocated = analytic
+        assert engine.runner.store.bytes_allocated() == blocks * 16 * per_token  # allocated = analytic
         tokens_held[name] = engine.stats()["capacity_tokens"]
     # per token: layers x (K and V, or one shared tensor) x kv heads x head dim x 4 bytes; whole blocks of 16
     assert tokens_held == {"Q-K-V": 204800 // (2 * 2 * 32 * 4), "Q-K=V": 800, "MQA": 3200}
@@ -259,7 +265,7 @@ def test_preemption_by_recompute_loses_nothing_and_stays_exact(scheme, pos, kv):
     ] + [Request((5, 4, 3), 20, s, seed=3), Request((8,), 25, s, seed=4)]
     engine = Engine(model, blocks=3, block_size=16)
     events, _ = run_mixed(engine, requests, join_every=1)
-    assert engine.stats()["preemptions"] > 0 and engine.pool.used == 0
+    assert engine.stats()["preemptions"] > 0 and engine.kv.used == 0
     for req, ev in zip(requests, events.values()):
         alone = generate(model, [list(req.prompt)], req.max_tokens, req.sampling, seed=req.seed)[0]
         assert tokens(ev) == alone and ev[-1].finish == "length"
@@ -310,7 +316,7 @@ def test_a_short_request_holds_only_its_blocks():
     for i in range(12):
         engine.submit(Request((i + 1, 2, 3), 5), [].append)  # 3 + 5 tokens: one block each
     engine.step()
-    assert engine.stats()["active"] == 12 and engine.pool.used == 12
+    assert engine.stats()["active"] == 12 and engine.kv.used == 12
 
 
 @pytest.mark.parametrize(
@@ -340,8 +346,10 @@ class Running:
     stepping to the test (deterministic interleavings)."""
 
     def __init__(self, model_dir, engine_thread=True, **settings):
-        settings = {"cache_memory": "40KB", "tokenizer": "bytes", "name": "tiny", **settings}
-        self.built = build(ServeConfig(model=str(model_dir), port=0, **settings))
+        # fp32 pinned: the byte counts asserted below are fp32's, whatever this machine's timed decisions say
+        settings = {"cache_memory": "40KB", "tokenizer": "bytes", "name": "tiny", "dtype": "fp32", **settings}
+        cfg = ServeConfig(model=str(model_dir), port=0, **settings)
+        self.built = build(cfg, load_served(cfg))
         self.engine = self.built.engine
         self.sock = listen("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -545,7 +553,7 @@ def test_a_disconnecting_stream_frees_its_row_at_the_next_step(model_dir):
             s.engine.step()
             assert s.engine.stats()["active"] == 1
             next(r.iter_lines())  # the first token arrived; now the client goes away
-        wait_for(lambda: s.engine.running[0].cancel_reason is not None, "the server to notice the disconnect")
+        wait_for(lambda: s.engine.scheduler.running[0].cancel_reason is not None, "the server to notice the disconnect")
         s.engine.step()
         assert s.engine.stats()["active"] == 0 and s.engine.stats()["requests_finished"] == 1
 
@@ -595,7 +603,7 @@ def test_sigterm_drains_a_real_server_process(model_dir, tmp_path):
         url = line.split()[2].removesuffix("/v1")
         with httpx.Client(base_url=url, timeout=WAIT) as client:
             assert client.get("/health").json()["capacity_sequences"] == 3
-            body = {"prompt": [1, 2, 3], "max_tokens": CONTEXT, "temperature": 0, "stream": True}
+            body = {"prompt": [1, 2, 3], "max_tokens": CONTEXT - 3, "temperature": 0, "stream": True}
             with client.stream("POST", "/v1/completions", json=body) as r:
                 lines = r.iter_lines()
                 next(lines)
@@ -615,22 +623,23 @@ def test_auto_serves_in_the_dtype_the_probe_chose(model_dir, decode_probe_bf16):
     the rows served together, at most 16), its figures in /health; fp32 asks no probe."""
     calls = decode_probe_bf16
     lines = []
-    built = build(
-        ServeConfig(model=str(model_dir), cache_memory="40KB", tokenizer="bytes", device="cpu", max_batch=4),
-        log=lines.append,
-    )
+    cfg = ServeConfig(model=str(model_dir), cache_memory="40KB", tokenizer="bytes", device="cpu", max_batch=4)
+    built = build(cfg, load_served(cfg), log=lines.append)
     assert calls == [(1, 4)] and built.dtype == "bf16" and built.dtype_probe.dtype == "bf16"
     assert next(built.engine.model.parameters()).dtype == torch.bfloat16
     assert built.served.cache_bytes_per_token == 2 * 32 * 2  # Q-K=V: 2 layers x d_model x bf16
-    assert len(lines) == 1 and lines[0].startswith("qkvlab serve: dtype auto -> bf16: bf16 weights 2.00x"), lines
-    with Running(model_dir, device="cpu") as s:  # no --max-batch: probed at 1 and 16 rows
+    assert lines[0].startswith("qkvlab serve: dtype auto -> bf16: bf16 weights 2.00x"), lines
+    assert lines[1:] == [] or "compiled the paged read" in lines[1]
+    with Running(model_dir, device="cpu", dtype="auto") as s:  # no --max-batch: probed at 1 and 16 rows
         h = s.client.get("/health").json()
         assert h["dtype"] == "bf16" and h["dtype_probe"]["step"] == "decode" and h["dtype_probe"]["bf16_ms"] == 1.0
-        assert all(k.startswith("layout-") for k in h["decode_layouts"])  # timed only for real models' fp32 weights
+        assert h["decode_layouts"] is None and "(the default)" in h["decode_layout"]  # timed only for real models
+        assert h["paged_read"] == "in place" and h["compiled"] is False
         r = s.post({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
         assert r.json()["choices"][0]["token_ids"] == greedy(s, [1, 2, 3], 4)
     assert calls[-1] == (1, 16)
-    fp32 = build(ServeConfig(model=str(model_dir), cache_memory="40KB", tokenizer="bytes", device="cpu", dtype="fp32"))
+    cfg = ServeConfig(model=str(model_dir), cache_memory="40KB", tokenizer="bytes", device="cpu", dtype="fp32")
+    fp32 = build(cfg, load_served(cfg))
     assert len(calls) == 2 and fp32.dtype == "fp32" and fp32.dtype_probe is None
     assert next(fp32.engine.model.parameters()).dtype == torch.float32
 
@@ -657,24 +666,29 @@ def test_cli_refusals_are_one_line(model_dir, tmp_path, capsys):
 
 
 # ---- n, logprobs, echo, prompt lists (the engine, then HTTP) ------------------------------------
-def test_n_choices_share_one_prefill_and_each_is_exact():
+def test_n_choices_share_the_prompts_blocks_and_each_is_exact():
+    """n choices are n sequences (vLLM's parallel sampling): the prompt's full blocks are computed once,
+    by the first, and found in the prefix cache by the others, which compute only the tail."""
     model = tiny_model("Q-K=V", "rope", 1)
-    batches = []  # the batch size of every forward pass with more than one position (prefills)
-    hook = model.register_forward_pre_hook(
-        lambda m, args: batches.append(args[0].shape[0]) if args[0].shape[1] > 1 else None
-    )
-    prompt = (3, 1, 4, 1, 5, 9)
+    prompt = tuple(range(3, 3 + 37))  # two full blocks of 16 and a tail of 5
     s = Sampling(temperature=0.9, top_k=20)
     engine = Engine(model, rows=4)
+    scheduled = []  # the tokens each sequence computes at each step
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: [scheduled.append(w.count) or w for w in schedule()]
     events: list[Event] = []
-    seqs = engine.submit_all(Request(prompt, 8, s, seed=5, n=3), events.append)
+    seqs = engine.submit_all(Request(prompt, 3, s, seed=5, n=3), events.append)
+    engine.step()
+    assert [q.index for q in seqs] == [0, 1, 2]
+    stats = engine.stats()
+    assert stats["prefix_cache_queries"] == 3 * 37 and stats["prefix_cache_hits"] == 2 * 2 * 16
+    assert scheduled == [37, 5, 5]  # the prompt once, then two tails in the same step
+    assert seqs[1].table[:2] == seqs[2].table[:2] == seqs[0].table[:2]  # its full blocks, shared
     while not engine.idle():
         engine.step()
-    hook.remove()
-    assert batches == [1] and [q.index for q in seqs] == [0, 1, 2]  # one prefill of one prompt for three rows
     got = {i: [e.token for e in events if e.index == i and e.token is not None] for i in range(3)}
     for i in range(3):  # choice i is seeded seed + i: choice 0 is what n=1 gives
-        assert got[i] == generate(model, [list(prompt)], 8, s, seed=5 + i)[0]
+        assert got[i] == generate(model, [list(prompt)], 3, s, seed=5 + i)[0]
     assert len({tuple(v) for v in got.values()}) == 3
 
 
@@ -705,7 +719,7 @@ def test_logprobs_are_the_models_log_softmax_and_the_prompts_too():
 def test_max_model_len_bounds_sequences_and_generation_stays_exact():
     model = tiny_model()
     engine = Engine(model, rows=2, context=12)  # two whole 12-token sequences: one block of 16 each
-    assert engine.pool.blocks == 2 and engine.stats()["capacity_tokens"] == 32
+    assert engine.kv.blocks == 2 and engine.stats()["capacity_tokens"] == 32
     with pytest.raises(UserError, match="longer than the model's context of 12"):
         engine.submit(Request(tuple(range(13)), 3), [].append)
     got: list[Event] = []
@@ -777,6 +791,8 @@ def test_models_by_id_and_metrics(server):
     assert value("vllm:num_preemptions", "_total") == h["preemptions"] and value("vllm:num_requests_running", "") == 0
     assert value("vllm:generation_tokens", "_total") == h["tokens_generated"]
     assert value("vllm:kv_cache_usage_perc", "") == 0  # every block back
+    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    assert all([s.labels for s in fams[g].samples] == [{"model_name": "tiny"}] for g in gauges)  # read, not absent
 
 
 def test_tokenize_detokenize_as_vllm(server):
@@ -820,7 +836,7 @@ def test_disconnecting_n_choices_frees_all_their_rows(model_dir):
             s.engine.step()
             assert s.engine.stats()["active"] == 3
             next(r.iter_lines())
-        wait_for(lambda: all(q.cancel_reason is not None for q in s.engine.running), "the disconnect")
+        wait_for(lambda: all(q.cancel_reason is not None for q in s.engine.scheduler.running), "the disconnect")
         s.engine.step()
         assert s.engine.stats()["active"] == 0 and s.engine.stats()["requests_finished"] == 3
 

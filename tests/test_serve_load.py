@@ -220,3 +220,14 @@ def test_refusals(tiny_dir, tmp_path):
         )
     with pytest.raises(UserError, match="127.0.0.1"):
         sl.main(["--out", str(tmp_path / "o"), "--endpoint", "http://example.com:80/v1"])
+
+
+def test_the_engine_benchmark_dry_runs_on_a_tiny_shape(capsys):
+    """benchmarks/serve_engine.py --tiny: every figure printed (correctness of the run only, no speed)."""
+    spec = importlib.util.spec_from_file_location("serve_engine", ROOT / "benchmarks" / "serve_engine.py")
+    se = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(se)
+    assert se.main(["--tiny", "--streams", "2", "--decoders", "2"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("paged vs contiguous", "cached prefix vs first", "admitting vs not", "/health while"):
+        assert needle in out

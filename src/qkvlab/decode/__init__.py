@@ -10,5 +10,4 @@ that callers pass in. One idea a module:
 - generate.py: `stream` and `generate`, decoding as the choices say;
 - speed.py: decoding timed against the hardware (bench, benchmarks);
 - config.py: `qkvlab generate`'s settings;
-- serve_compat.py: the patching layout serve/ uses until it takes `DecodeChoices` (then deleted).
 """

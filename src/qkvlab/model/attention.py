@@ -25,7 +25,7 @@ from qkvlab.model.config import ModelConfig
 from qkvlab.model.positions import ScoreTerm2D, apply_rotary, plus_channels_pad
 from qkvlab.model.spec import IDENTITY, LATENT
 
-LATENT_NORM_EPS = 1e-6  # DeepSeek's kv_a_layernorm: transformers fixes its eps at 1e-6, so an export computes this
+LATENT_NORM_EPS = 1e-6  # DeepSeek's kv_a_layernorm eps, fixed at 1e-6 by transformers: what an export's engines use
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA enable_gqa= is new in 2.5
 
 
@@ -55,7 +55,7 @@ class Attention(nn.Module):
             widths = [*query, self.latent + self.rope_dim]  # a query head: [d_head, rope_dim]; a row: [latent, key]
             self.kv_up = nn.Linear(self.latent, 2 * self.kv_heads * self.head_dim, bias=False)  # rows: [W_uk; W_uv]
             if cfg.rope_dim is not None:
-                self.kv_norm = nn.RMSNorm(self.latent, eps=LATENT_NORM_EPS)
+                self.kv_norm = nn.RMSNorm(self.latent, eps=cfg.latent_norm_eps)
         self.proj_widths = widths
         self.in_proj = nn.Linear(cfg.d_model, sum(widths), bias=cfg.bias) if widths else None
         self.out_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
@@ -66,6 +66,10 @@ class Attention(nn.Module):
         self.k_shared_with_v = self.spec.role_source("k") == self.spec.role_source("v")
         self.absorbs = self.latent is not None and (cfg.rope_dim is not None or cfg.pos != "rope")
         self.keys_rotate_on_read = self.k_shared_with_v or (self.latent is not None and not self.absorbs)
+        # A cache layer that reads its storage in place (serve's paged decode step, cache.py) is handed the
+        # new tensors and attends itself, for every layout but the "+" term's and a latent whose keys rotate
+        # on read: those attend over what `update` returns.
+        self.attends_in_place = self.score_term is None and (self.latent is None or self.absorbs)
 
     def project(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
         """x (B, T, C) -> {source index: (B, heads, T, hd)} for every source a role reads ((B, 1, T, r + p) for a
@@ -105,12 +109,25 @@ class Attention(nn.Module):
         new = self.project(x)
         if self.absorbs:
             y = self.attend_latent(new[src[0]], new[LATENT], rope, cache, mask)  # (B, nh, T, hd)
-            return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
-        q = new[src[0]]
-        if rope is not None:
-            q = apply_rotary(q, *rope)
-            if not self.keys_rotate_on_read:
-                new[src[1]] = apply_rotary(new[src[1]], *rope)  # store keys rotated
+        else:
+            q = new[src[0]]
+            if rope is not None:
+                q = apply_rotary(q, *rope)
+                if not self.keys_rotate_on_read:
+                    new[src[1]] = apply_rotary(new[src[1]], *rope)  # store keys rotated
+            if cache is not None and cache.reads_in_place and self.attends_in_place:
+                rotate = rope_k if rope is not None and self.keys_rotate_on_read else None
+                stored = {s: new[s] for s in self.spec.cached_sources()}
+                y = cache.attend(q, stored, src[1], src[2], self.scale, rotate)  # (B, nh, T, hd)
+            else:
+                y = self.attend_stored(q, new, q_pos, rope, rope_k, cache, mask)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
+        return self.resid_dropout(self.out_proj(y))
+
+    def attend_stored(self, q, new, q_pos, rope, rope_k, cache, mask) -> torch.Tensor:
+        """q (B, nh, T, hd) rotated; new: the projected sources -> attention's output (B, nh, T, hd) over
+        what the cache holds (`update`), or over `new` alone without a cache."""
+        T, src = q.shape[2], self.spec.source
         lift = None
         if self.latent is not None:
             latent = new[LATENT] if cache is None else cache.update(LATENT, new[LATENT])  # (B, 1, S, r)
@@ -132,8 +149,7 @@ class Attention(nn.Module):
             y = lift(y)  # (B, nh, T, r) -> (B, nh, T, hd)
         if self.score_term is not None:
             y = y[..., : self.head_dim]  # drop the "+" term's padding channels
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
-        return self.resid_dropout(self.out_proj(y))
+        return y
 
     def attend_latent(self, q: torch.Tensor, raw: torch.Tensor, rope, cache, mask) -> torch.Tensor:
         """A latent whose keys need no RoPE (MLA, or a model without RoPE): q (B, nh, T, hd + p) and the new rows
@@ -145,6 +161,9 @@ class Attention(nn.Module):
             latent, k_pe = raw.split((r, self.rope_dim), dim=-1)
             raw = torch.cat((self.kv_norm(latent), apply_rotary(k_pe, *rope)), dim=-1)
             q_pe = apply_rotary(q_pe, *rope)
+        if cache is not None and cache.reads_in_place:  # the rows read where the cache holds them
+            y = cache.attend(self.absorbed_query(q_nope, q_pe), {LATENT: raw}, LATENT, LATENT, self.scale, None, r)
+            return self.lifted(y)
         rows = raw if cache is None else cache.update(LATENT, raw)  # (B, 1, S, r + p)
         attn_mask, is_causal = mask, self.causal and mask is None and cache is None
         dropout_p = self.dropout if self.training else 0.0
@@ -173,13 +192,22 @@ class Attention(nn.Module):
         """q_nope (B, nh, T, hd), q_pe (B, nh, T, p) rotated, rows (B, 1, S, r + p) -> (B, nh, T, hd), exactly the
         explicit form: q·(W_uk c) = (W_ukᵀ q)·c, and Σ_j a_j W_uv c_j = W_uv Σ_j a_j c_j. Every query head reads
         the one row tensor (as MQA reads its one head), so a step reads r + p numbers per cached token."""
+        q_abs = self.absorbed_query(q_nope, q_pe)  # (B, nh, T, r + p)
+        return self.lifted(_sdpa(q_abs, rows, rows[..., : self.latent], attn_mask, False, self.scale, dropout_p))
+
+    def absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """q_nope (B, nh, T, hd), q_pe (B, nh, T, p) -> the query read against whole rows: (B, nh, T, r + p)."""
         B, nh, T, hd = q_nope.shape
         kvh, group = self.kv_heads, self.n_head // self.kv_heads
-        w_uk, w_uv = self.latent_maps()
-        q_lat = torch.einsum("bgqtd,gdr->bgqtr", q_nope.reshape(B, kvh, group, T, hd), w_uk)  # query heads by kv head
-        q_abs = torch.cat((q_lat.reshape(B, nh, T, self.latent), q_pe), dim=-1)  # (B, nh, T, r + p)
-        y = _sdpa(q_abs, rows, rows[..., : self.latent], attn_mask, False, self.scale, dropout_p)  # (B, nh, T, r)
-        return torch.einsum("bgqtr,gdr->bgqtd", y.reshape(B, kvh, group, T, self.latent), w_uv).reshape(B, nh, T, hd)
+        q_lat = torch.einsum("bgqtd,gdr->bgqtr", q_nope.reshape(B, kvh, group, T, hd), self.latent_maps()[0])
+        return torch.cat((q_lat.reshape(B, nh, T, self.latent), q_pe), dim=-1)  # query heads by kv head
+
+    def lifted(self, y: torch.Tensor) -> torch.Tensor:
+        """Attention's output over the latents (B, nh, T, r) -> (B, nh, T, hd), through W_uv."""
+        B, nh, T, _ = y.shape
+        kvh, group = self.kv_heads, self.n_head // self.kv_heads
+        y = y.reshape(B, kvh, group, T, self.latent)
+        return torch.einsum("bgqtr,gdr->bgqtd", y, self.latent_maps()[1]).reshape(B, nh, T, self.head_dim)
 
     def read_latent(self, latent: torch.Tensor, queries: int):
         """latent (B, 1, S, r) -> keys (B, kvh, S, hd), un-rotated, and either the values (B, kvh, S, hd) and

@@ -13,6 +13,11 @@ Two ways to run a one-token decode step:
   ``valid`` mask hiding the unfilled ones, and nothing in the step reads a host value. torch.compile
   then compiles the step once per (batch size, cache length), and CUDA graphs can replay it.
 Prefill (several tokens, or padding) uses the dynamic bookkeeping in both.
+
+A layer cache offers attention one of two reads: `update` (store the new tensors, return what to
+attend over), which every layer cache here offers, or, where `reads_in_place` is true (serve's paged
+decode step, serve/paged.py), `attend(q, new, k_source, v_source, scale, rope_k, v_width)`: it stores
+the new tensors and attends over its storage where it lies (attention.py says which layouts call it).
 """
 
 from __future__ import annotations
@@ -119,6 +124,8 @@ class LayerCache:
     """One layer's storage: a (B, heads, max_len, width) tensor per tensor its config caches
     (ModelConfig.cached_tensors: kv_heads x head_dim per distinct key/value source, or 1 x kv_latent).
     Writes the new tokens' tensors and returns what attention reads."""
+
+    reads_in_place = False  # attention calls update, then attends over what it returns
 
     def __init__(self, cache: KVCache, cfg: ModelConfig, batch_size: int, max_len: int, device, dtype):
         self.cache = cache

@@ -10,7 +10,9 @@ when a token is emitted, which is when its time is known:
 - vllm:request_time_per_output_token_seconds: per request, (last - first token) / (tokens - 1);
 - vllm:e2e_request_latency_seconds: arrival to the end;
 - vllm:num_preemptions_total: sequences preempted (recompute) for want of a free block;
-- vllm:kv_cache_usage_perc: blocks in use / blocks (a fraction from 0 to 1, as vLLM's).
+- vllm:kv_cache_usage_perc: blocks in use / blocks (a fraction from 0 to 1, as vLLM's);
+- vllm:prefix_cache_queries, vllm:prefix_cache_hits: prompt tokens looked up in the prefix cache at
+  admission, and tokens found (counters, as vLLM's v1 names them).
 
 Each app has its own registry: tests run several servers in one process.
 """
@@ -47,8 +49,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Metrics:
+    content_type = CONTENT_TYPE
+
     def __init__(self, model_name: str):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # optional: prometheus_client
 
         self.registry = reg = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": reg}
@@ -70,27 +74,39 @@ class Metrics:
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute).", **label).labels(model_name)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens prefilled.", **label).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", **label).labels(model_name)
+        self.cache_queries = Counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", **label)
+        self.cache_hits = Counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", **label)
+        self.cache_seen = (0, 0)
         self.success = Counter(
             "vllm:request_success", "Finished sequences by reason.", ["model_name", "finished_reason"], registry=reg
         )
 
     def watch(self, engine) -> None:
         """Read the engine's counts at each scrape."""
-        pool = engine.pool
+        kv = engine.kv
         self.running.labels(self.name).set_function(lambda: engine.active)
-        self.waiting.labels(self.name).set_function(lambda: len(engine.waiting))
-        self.usage.labels(self.name).set_function(lambda: pool.used / pool.blocks)
+        self.waiting.labels(self.name).set_function(lambda: len(engine.scheduler.waiting))
+        self.usage.labels(self.name).set_function(lambda: kv.usage)
 
     # ---- observed by the engine ---------------------------------------------------------------
     def token(self, seq, now: float) -> None:
         if seq.first is None:
             self.ttft.observe(now - seq.arrived)
             if seq.index == 0:
-                self.prompt_tokens.inc(len(seq.request.prompt))
+                self.prompt_tokens.inc(seq.prompt_len)
         else:
             self.itl.observe(now - seq.last)
             self.tpot_old.observe(now - seq.last)
         self.generation_tokens.inc()
+
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        """The cache manager's running totals: what grew since the last call is counted."""
+        q0, h0 = self.cache_seen
+        if queries > q0:
+            self.cache_queries.labels(self.name).inc(queries - q0)
+        if hits > h0:
+            self.cache_hits.labels(self.name).inc(hits - h0)
+        self.cache_seen = (queries, hits)
 
     def preempted(self) -> None:
         self.preemptions.inc()
@@ -102,6 +118,6 @@ class Metrics:
         self.success.labels(self.name, reason if reason in ("stop", "length") else "abort").inc()  # vLLM's three
 
     def text(self) -> bytes:
-        from prometheus_client import generate_latest
+        from prometheus_client import generate_latest  # optional: prometheus_client
 
         return generate_latest(self.registry)

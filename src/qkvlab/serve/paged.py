@@ -1,18 +1,25 @@
-"""The KV cache as a pool of fixed-size blocks, vLLM's paging, sized from the projection spec.
+"""The paged KV storage and one step's view of it, read by the model as it reads a KVCache.
 
-The pool is one set of tensors per layer, each holding `blocks x block_size` token slots of the
-distinct tensors the scheme caches (cache.py's rule: K and V as two, K=V as one, kv_heads heads),
-so at one --cache-memory a K=V model's pool holds twice the tokens of Q-K-V, and MQA n_head times.
+Storage (`PagedStore`): per layer, one tensor per distinct tensor the scheme caches
+(`ModelConfig.cached_tensors()`: K and V, or one for K=V, kv_heads heads, or the 1 x (r + p) latent
+row), of `blocks x block_size` token slots and one block more, the null block, where padding writes
+(never handed out, never read unmasked). A K=V model's storage holds one tensor where Q-K-V holds
+two, so at one --cache-memory it holds twice the tokens.
 
-- a sequence's block table lists its blocks in order: its token at position p sits in slot
-  table[p // block_size] * block_size + p % block_size (blocks need not be contiguous);
-- blocks are taken when a sequence is admitted (its prompt's) and one at a time as it grows, and
-  all given back when it ends, so a 200-token request holds 13 blocks of 16, not a whole context;
-- a decode step is a duck-typed cache (`PagedStep`) read by the model as it reads a KVCache
-  (`begin`, `key_positions`, `layer(i).update`): each sequence writes its new token into its own
-  slot and attention reads its slots gathered into (n, kvh, S, hd), S the longest sequence's length,
-  columns past a sequence's own length masked. Column c is position c, so rotary keys read back
-  (K=V's rotate-on-read) at their own positions, and each sequence computes what it would alone.
+A decode step (`PagedStep`: every row one sequence's one new token) reads its blocks where they lie:
+each layer writes the new token's tensors into their slots, then attends through the block tables
+(paged_attention.py, compiled), for every layout attention.py attends in place (all but the "+" term
+and a latent whose keys rotate on read; the runner gathers for those models).
+
+Any other step (`PagedBatch`): rows of `width` query tokens, each row one or more segments, a segment
+one sequence's tokens [start, start + count) at those positions. Each layer writes every new token's
+tensors into its slot first, then gathers, per row, the slots of its segments' whole contexts into
+(rows, heads, S, width) (an index_select of rows computed once per step, one per layer and tensor),
+so a segment admitted in this step reads the prefix-cached blocks another segment wrote in this same
+forward. The mask lets a query see its own segment's keys at positions up to its own; a padding query
+sees column 0 only (finite, and its output is dropped). Column c of a row holds its key's position,
+so rotary keys read back (K=V's rotate-on-read) at their own positions and the "+" term finds them,
+and each sequence computes what it would alone.
 
 Storage starts zeroed and holds only what the model wrote, so a masked column is always finite
 (a masked NaN would still poison the weighted sum).
@@ -22,111 +29,154 @@ from __future__ import annotations
 
 import torch
 
-from qkvlab.model.cache import KVCache
-
-BLOCK_SIZE = 16  # tokens per block: vLLM's default
+from qkvlab.serve.paged_attention import read
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
-class BlockPool:
-    def __init__(self, model, blocks: int, block_size: int = BLOCK_SIZE):
-        p = next(model.parameters())
-        self.blocks, self.block_size, self.device = blocks, block_size, p.device
-        slots = blocks * block_size
-        self.stores = [  # per layer: source -> (slots, kvh, hd), or (slots, 1, r) for a latent
-            {
-                s: torch.zeros(slots, heads, width, device=p.device, dtype=p.dtype)
-                for s, (heads, width) in c.cached_tensors().items()
-            }
-            for c in model.cfg.layer_configs()
+class PagedStore:
+    def __init__(self, layer_configs, blocks: int, block_size: int, device, dtype):
+        self.blocks, self.block_size, self.device = blocks, block_size, device
+        slots = (blocks + 1) * block_size  # the last block: the null block
+        self.null_slot = blocks * block_size
+        self.layers = [  # per layer: source -> (slots, heads, width)
+            {s: torch.zeros(slots, h, w, device=device, dtype=dtype) for s, (h, w) in c.cached_tensors().items()}
+            for c in layer_configs
         ]
-        self.free = list(range(blocks - 1, -1, -1))  # a stack: the lowest ids are taken first
-
-    @property
-    def tokens(self) -> int:
-        return self.blocks * self.block_size
-
-    @property
-    def used(self) -> int:
-        return self.blocks - len(self.free)
 
     def bytes_allocated(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.stores for t in layer.values())
-
-    def take(self, n: int) -> list[int] | None:
-        """n free blocks, or None (and nothing taken) when fewer are free."""
-        if n > len(self.free):
-            return None
-        return [self.free.pop() for _ in range(n)]
-
-    def give_back(self, table: list[int]) -> None:
-        self.free.extend(reversed(table))
-        table.clear()
-
-    def slots(self, table: list[int], length: int) -> torch.Tensor:
-        """The slots of positions [0, length) of the sequence with this block table: (length,)."""
-        B = self.block_size
-        cols = torch.arange(length, device=self.device)
-        return torch.tensor(table, device=self.device)[cols // B] * B + cols % B
-
-    def load(self, table: list[int], prefilled: KVCache, src: int, start: int, length: int) -> None:
-        """Copy row `src` of a prefilled cache, columns [start, start + length) (its real tokens,
-        after any left padding), into positions [0, length) of the table's blocks."""
-        slots = self.slots(table, length)
-        for mine, theirs in zip(self.stores, prefilled.layers):
-            for s, buf in mine.items():
-                buf[slots] = theirs.store[s][src, :, start : start + length].transpose(0, 1)  # (length, kvh, hd)
-
-    def step(self, tables: list[list[int]], positions: list[int]) -> PagedStep:
-        """The cache for one decode step of these sequences: each feeds one token at its position
-        (also its length so far); every table already has the block that position falls in."""
-        return PagedStep(self, tables, positions)
+        """Bytes of the blocks sequences use (the null block left out)."""
+        per_slot = sum(t[0].numel() * t.element_size() for layer in self.layers for t in layer.values())
+        return self.blocks * self.block_size * per_slot
 
 
-class PagedStep:
-    """One decode step over n sequences' blocks, read by the model as it reads a KVCache."""
+class Segment:
+    """One sequence's tokens in a step: row, first column, count, start position, block table."""
 
-    def __init__(self, pool: BlockPool, tables: list[list[int]], positions: list[int]):
-        B, dev = pool.block_size, pool.device
-        n, S = len(tables), max(positions) + 1
-        width = blocks_for(S, B)
-        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]  # block 0 past the end: masked
-        table = torch.tensor(padded, dtype=torch.long, device=dev)  # (n, width)
-        cols = torch.arange(S, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)  # (n,)
-        self.pool, self.shape = pool, (n, S)
-        self.read = table[:, cols // B] * B + cols % B  # (n, S): the slot of each column
-        self.write = self.read[torch.arange(n, device=dev), pos]  # (n,): the new token's slot
-        self.flat = self.read.flatten()  # index_select's index: ~14x faster than buf[read] (n 16, CPU)
-        self.mask = (cols[None, :] <= pos[:, None])[:, None, None, :]  # (n, 1, 1, S)
-        self.kpos = cols.expand(n, S)  # column c holds position c
+    def __init__(self, row: int, col: int, start: int, count: int, table: list[int]):
+        self.row, self.col, self.start, self.count, self.table = row, col, start, count, table
+
+    @property
+    def context(self) -> int:
+        return self.start + self.count
+
+
+class PagedBatch:
+    """One forward over `rows` x `width` tokens whose keys and values live in `store`."""
+
+    def __init__(self, store: PagedStore, segments: list[Segment], rows: int, width: int):
+        dev, B = store.device, store.block_size
+        self.store = store
+        spans = [0] * rows  # key columns each row has used
+        offsets = []  # each segment's first key column in its row
+        for seg in segments:
+            offsets.append(spans[seg.row])
+            spans[seg.row] += seg.context
+        S = max(spans)
+        read = torch.full((rows, S), store.null_slot, dtype=torch.long)
+        kpos = torch.zeros(rows, S, dtype=torch.long)
+        kseg = torch.full((rows, S), -1, dtype=torch.long)
+        qpos = torch.zeros(rows, width, dtype=torch.long)
+        qseg = torch.full((rows, width), -2, dtype=torch.long)
+        write = torch.full((rows, width), store.null_slot, dtype=torch.long)
+        for i, (seg, k0) in enumerate(zip(segments, offsets)):
+            cols = torch.arange(seg.context)
+            slots = torch.tensor(seg.table, dtype=torch.long)[cols // B] * B + cols % B
+            read[seg.row, k0 : k0 + seg.context] = slots
+            kpos[seg.row, k0 : k0 + seg.context] = cols
+            kseg[seg.row, k0 : k0 + seg.context] = i
+            q = slice(seg.col, seg.col + seg.count)
+            qpos[seg.row, q] = cols[seg.start :]
+            qseg[seg.row, q] = i
+            write[seg.row, q] = slots[seg.start :]
+        allowed = (qseg[:, :, None] == kseg[:, None, :]) & (kpos[:, None, :] <= qpos[:, :, None])  # (rows, W, S)
+        allowed[:, :, 0] |= qseg < 0  # a padding query sees column 0: no NaN
+        self.shape = (rows, S)
+        self.positions = qpos.to(dev)  # (rows, width)
+        self.mask = allowed[:, None].to(dev)  # (rows, 1, width, S)
+        self.kpos = kpos.to(dev)  # (rows, S)
+        self.flat = read.flatten().to(dev)
+        self.write = write.flatten().to(dev)
 
     def begin(self, positions: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
-        """positions (n, 1) -> the bool attention mask (n, 1, 1, S)."""
-        assert positions.shape[1] == 1 and token_mask is None, "a decode step feeds one real token per sequence"
+        """The bool attention mask (rows, 1, width, S); the positions are this batch's own."""
+        assert token_mask is None, "a paged batch places its padding itself"
         return self.mask
 
     def key_positions(self) -> torch.Tensor:
-        return self.kpos  # (n, S)
+        return self.kpos  # (rows, S)
 
-    def layer(self, index: int) -> PagedStep.Layer:
-        return PagedStep.Layer(self, self.pool.stores[index])
+    def layer(self, index: int) -> PagedLayer:
+        return PagedLayer(self, self.store.layers[index])
 
-    class Layer:
-        def __init__(self, step: PagedStep, store: dict[int, torch.Tensor]):
-            self.step, self.store = step, store
 
-        def update(self, source: int, new: torch.Tensor) -> torch.Tensor:
-            """new (n, kvh, 1, hd) -> what attention reads: (n, kvh, S, hd)."""
-            buf, step = self.store[source], self.step
-            buf.index_copy_(0, step.write, new[:, :, 0])  # each sequence into its own slot: (n, kvh, hd)
-            # one row gather (index_select, not buf[read]: advanced indexing's generic kernel took
-            # 16% of a 16-row SmolLM2 step, benchmarks/decode_smollm2.py)
-            rows = buf.index_select(0, step.flat).view(*step.shape, *buf.shape[1:])  # (n, S, kvh, hd)
-            return rows.transpose(1, 2)  # (n, kvh, S, hd)
+class PagedLayer:
+    reads_in_place = False  # attention calls update, then attends over what it returns
 
-        def key_positions(self) -> torch.Tensor:
-            return self.step.key_positions()
+    def __init__(self, batch: PagedBatch, store: dict[int, torch.Tensor]):
+        self.batch, self.store = batch, store
+
+    def update(self, source: int, new: torch.Tensor) -> torch.Tensor:
+        """new (rows, h, width, w) -> what attention reads: (rows, h, S, w)."""
+        buf, b = self.store[source], self.batch
+        buf.index_copy_(0, b.write, new.transpose(1, 2).reshape(-1, *buf.shape[1:]))  # each token into its slot
+        # one gather of rows: index_select, whose kernel copies whole rows (advanced indexing's
+        # generic kernel is the slower, benchmarks/decode_smollm2.py)
+        rows = buf.index_select(0, b.flat).view(*b.shape, *buf.shape[1:])  # (rows, S, h, w)
+        return rows.transpose(1, 2)
+
+    def key_positions(self) -> torch.Tensor:
+        return self.batch.key_positions()
+
+
+class PagedStep:
+    """A decode step over `segments` (one token each, row i the i-th) that reads the pool in place:
+    the block tables (rows, n), padded with the null block, and each row's keys [0, start + 1)."""
+
+    def __init__(self, store: PagedStore, segments: list[Segment]):
+        dev, B = store.device, store.block_size
+        null = store.blocks  # the null block's id
+        n = max(2, *(-(-seg.context // B) for seg in segments))  # at least 2: no graph for a size of 1
+        self.store = store
+        held = [seg.table[: -(-seg.context // B)] for seg in segments]
+        self.tables = torch.tensor([t + [null] * (n - len(t)) for t in held], device=dev)  # (rows, n)
+        self.lengths = torch.tensor([seg.context for seg in segments], device=dev)  # (rows,)
+        self.positions = torch.tensor([[seg.start] for seg in segments], device=dev)  # (rows, 1)
+        self.write = torch.tensor([seg.table[seg.start // B] * B + seg.start % B for seg in segments], device=dev)
+        # the position of each (block, slot) column, for keys rotated on read; past the longest
+        # context (masked) clamped into the rotary table
+        longest = max(seg.context for seg in segments)
+        self.kpos = torch.arange(n * B, device=dev).clamp(max=longest - 1)[None]  # (1, n * B)
+
+    def begin(self, positions: torch.Tensor, token_mask: torch.Tensor | None) -> None:
+        """No mask: each row reads its own blocks up to its length."""
+        assert token_mask is None, "a paged step places its rows itself"
+
+    def key_positions(self) -> torch.Tensor:
+        return self.kpos
+
+    def layer(self, index: int) -> PagedStepLayer:
+        return PagedStepLayer(self, self.store.layers[index])
+
+
+class PagedStepLayer:
+    reads_in_place = True  # attention calls attend (model/attention.py)
+
+    def __init__(self, step: PagedStep, store: dict[int, torch.Tensor]):
+        self.step, self.store = step, store
+
+    def attend(self, q, new, k_source: int, v_source: int, scale: float, rope_k=None, v_width=None) -> torch.Tensor:
+        """q (rows, hq, 1, wk); new {source: (rows, h, 1, w)}, written into their slots first; rope_k:
+        cos, sin (1, 1, n * block_size, wk) at `key_positions`, to rotate keys on read; v_width: the
+        values are the first v_width numbers of v_source's -> (rows, hq, 1, wv)."""
+        step = self.step
+        for source, t in new.items():
+            buf = self.store[source]
+            buf.index_copy_(0, step.write, t[:, :, 0].to(buf.dtype))
+        rows, hq, _, wk = q.shape
+        keys = self.store[k_source]
+        cos, sin = (rope_k[0][0, 0], rope_k[1][0, 0]) if rope_k is not None else (None, None)
+        grouped = q.reshape(rows, keys.shape[1], hq // keys.shape[1], wk)  # query heads by kv head
+        y = read(grouped, keys, self.store[v_source], step.tables, step.lengths, scale, step.store.block_size, cos, sin, v_width)  # fmt: skip
+        return y.reshape(rows, hq, 1, y.shape[-1])
+
+    def key_positions(self) -> torch.Tensor:
+        return self.step.key_positions()

@@ -3,9 +3,9 @@
 A request is validated strictly (pydantic, no coercion: "5" is not an integer, true is not a
 number, NaN and inf are refused, unknown fields are refused) and every failure becomes one message
 naming the field and what is allowed. OpenAI fields qkvlab does not implement are accepted only at
-their neutral value (best_of 1, penalties 0, no logit_bias, no suffix, no tools), so a client that
+their neutral value (best_of 1, no logit_bias, no suffix, no tools), so a client that
 sends them by default is served and one that relies on them is told. vLLM's extensions that are
-implemented: top_k, ignore_eos, stop_token_ids, skip_special_tokens, add_special_tokens, and for
+implemented: presence and frequency penalties (OpenAI's, in [-2, 2]), top_k, ignore_eos, stop_token_ids, skip_special_tokens, add_special_tokens, and for
 chat add_generation_prompt, continue_final_message, chat_template_kwargs; any other is refused
 by name as an unknown field.
 
@@ -32,8 +32,6 @@ LOGPROB_FLOOR = -9999.0  # what vLLM reports for a log-probability of -inf (JSON
 NEUTRAL_ONLY = {  # OpenAI fields not implemented: the neutral value a client may send by default
     "best_of": "1 or null",
     "suffix": "null",
-    "presence_penalty": "0",
-    "frequency_penalty": "0",
     "logit_bias": "null or {}",
     "tools": "null (no tool calling)",
     "tool_choice": '"none" or null',
@@ -64,8 +62,8 @@ class Sampled(Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, max_length=0)
     ignore_eos: bool = False  # vLLM's: do not stop at the end-of-text / end-of-turn tokens
     stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's: more tokens that end a choice
@@ -104,13 +102,13 @@ class TextPart(Strict):
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart]  # required, null refused (what a chat template reads)
     name: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """What a chat template reads: role and content as a string (text parts joined by newlines, as vLLM does)."""
         content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
-        out = {"role": self.role, "content": content or ""}
+        out = {"role": self.role, "content": content}
         return {**out, "name": self.name} if self.name is not None else out
 
 
@@ -186,6 +184,8 @@ def problem(error: ValidationError, schema: type[BaseModel] = CompletionRequest)
     got = got if len(got) <= 60 else got[:57] + "..."
     if e["type"] == "model_type" and not loc:
         return f"the request body must be a JSON object, got {got}", None
+    if e["type"] == "missing":
+        return f"missing field {'.'.join(loc)!r}: the request needs it", field
     if e["type"] == "extra_forbidden":
         where = ".".join(loc[:-1])
         allowed = schema.model_fields if len(loc) == 1 else {}

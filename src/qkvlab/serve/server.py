@@ -38,11 +38,12 @@ from qkvlab.base.devices import (
 from qkvlab.base.errors import UserError
 from qkvlab.base.settings import check, setting
 from qkvlab.base.units import byte_size, nbytes
+from qkvlab.serve.kv_cache_manager import blocks_for
 
 
 @dataclass
 class ServeConfig:
-    """What `qkvlab serve` runs; usable from Python (`build(ServeConfig(model="runs/x"))`)."""
+    """What `qkvlab serve` runs; usable from Python: `build(cfg, load_served(cfg))`."""
 
     model: str = setting(
         help="a qkvlab model folder (or run), a Hugging Face folder or a .gguf file", positional=True, metavar="MODEL"
@@ -54,6 +55,15 @@ class ServeConfig:
     )
     block_size: int = setting(16, help="tokens per cache block (vLLM's default 16)", minimum=1, maximum=4096)
     max_batch: int | None = setting(None, help="most sequences at once (default: all the cache blocks hold)", minimum=1)
+    max_num_batched_tokens: int = setting(
+        512,
+        help="tokens one step computes at most (vLLM's name): a long prompt is prefilled in chunks of what is "
+        "left beside the decoding streams; smaller keeps their pace, larger starts long prompts sooner",
+        minimum=1,
+    )
+    prefix_caching: bool = setting(
+        True, help="reuse the cached blocks of a prompt prefix served before (vLLM's automatic prefix caching)"
+    )
     device: str = setting("auto", help=DEVICE_HELP, metavar="DEVICE")
     dtype: str = inference_dtype_setting()
     tokenizer: str | None = setting(
@@ -97,8 +107,6 @@ class ServeConfig:
 
 def pool_blocks(cache_bytes: int, bytes_per_token: int, context: int, block_size: int = 16) -> int:
     """Blocks of block_size tokens that fit in cache_bytes; refuses a pool without one whole context."""
-    from qkvlab.serve.paged import blocks_for
-
     per_block = bytes_per_token * block_size
     blocks = cache_bytes // per_block
     if blocks < blocks_for(context, block_size):
@@ -112,6 +120,18 @@ def pool_blocks(cache_bytes: int, bytes_per_token: int, context: int, block_size
 
 
 @dataclass
+class Weights:
+    """A model ready to serve (`load_served`): on its device in the chosen dtype, its tokenizer as served,
+    the longest sequence served, and the decoding choices it was loaded with."""
+
+    model: Any
+    tokenizer: Any  # serve.tokens.ServeTokenizer, or None: prompts are token ids
+    context: int  # --max-model-len, or the model's context
+    decoding: Any  # serve.decoding.RunnerDecoding
+    device: Any  # torch.device
+
+
+@dataclass
 class Built:
     app: Any
     engine: Any
@@ -121,88 +141,107 @@ class Built:
     dtype_probe: Any = None  # the dtype_probe.Decision when `auto` was measured (the CPU), else None
 
 
-def build(cfg: ServeConfig, log: Callable[[str], None] = lambda s: None) -> Built:
-    """Model, tokenizer, engine and app for `cfg` (no thread started, no port bound); `log` gets the
-    line saying what `--dtype auto` resolved to and why, when it was measured (the CPU)."""
+def load_served(cfg: ServeConfig) -> Weights:
+    """`cfg` checked, the model and its tokenizer read, the decoding choices made once (the dtype: auto
+    on the CPU is this model's decode step timed or cached at one row and at the rows served together,
+    --max-batch up to LAYOUT_MAX_BATCH, its default counted as that many; the layout for those rows),
+    and the model in that dtype on its device."""
+    # startup: torch, the model and the decoding choices, only once a server is built (`--help` stays light)
     from qkvlab.base.devices import select_device, torch_dtype
     from qkvlab.convert.load import load_any
-    from qkvlab.model.accounting import kv_cache_bytes_per_token
-    from qkvlab.model.limits import check_fits
-    from qkvlab.serve.app import ServedModel, create_app
-    from qkvlab.serve.engine import Engine
-    from qkvlab.serve.tokens import serve_tokenizer
+    from qkvlab.decode.choices import decode_choices
+    from qkvlab.decode.layout import LAYOUT_MAX_BATCH
+    from qkvlab.serve.decoding import runner_decoding
 
     cfg.validate()
     device = select_device(cfg.device)  # before the weights are read: a bad --device costs nothing
     loaded = load_any(cfg.model, cfg.tokenizer)
-    model_cfg = loaded.cfg
+    tok = served_tokenizer(loaded, cfg.chat_template)
+    context = served_context(loaded.cfg.context, cfg.max_model_len)
+    rows = min(cfg.max_batch or LAYOUT_MAX_BATCH, LAYOUT_MAX_BATCH)
+    choices = decode_choices(loaded.cfg, device=device, dtype=cfg.dtype, batch=rows, batches=(1, rows))
+    model = loaded.model.to(device=device, dtype=torch_dtype(choices.dtype, device.type)).eval()
+    decoding = runner_decoding(model, choices, compile_mode(cfg.compile, device.type, paged=True))
+    return Weights(model, tok, context, decoding, device)
+
+
+def build(cfg: ServeConfig, weights: Weights, log: Callable[[str], None] = lambda s: None) -> Built:
+    """The engine and app for `cfg` serving `weights` (`load_served(cfg)`), no thread started, no port
+    bound: the pool sized, what the runner compiles compiled; `log` gets a line for that, and one saying
+    what `--dtype auto` resolved to and why when it was measured (the CPU)."""
+    # startup: the engine and the app, only once a server is built
+    from qkvlab.model.accounting import kv_cache_bytes_per_token
+    from qkvlab.model.limits import check_fits
+    from qkvlab.serve.app import create_app
+    from qkvlab.serve.async_engine import AsyncEngine
+    from qkvlab.serve.engine import Engine
+    from qkvlab.serve.served import ServedModel
+
+    model, tok, decoding = weights.model, weights.tokenizer, weights.decoding
+    per_token = kv_cache_bytes_per_token(model.cfg, decoding.choices.dtype)
+    blocks = pool_blocks(cfg.cache_bytes, per_token, weights.context, cfg.block_size)
+    check_fits(blocks * cfg.block_size * per_token, "--cache-memory", "lower --cache-memory", weights.device)
+    name = cfg.name or Path(cfg.model).resolve().name.removesuffix(".gguf")
+    metrics = prometheus_metrics(name)
+    stops = tok.stop_ids if tok is not None else ()
+    engine = Engine(model, cfg.max_batch, blocks=blocks, block_size=cfg.block_size, stop_ids=stops,
+                    vocab_limit=getattr(tok, "vocab_size", None), context=weights.context, metrics=metrics,
+                    choices=decoding, token_budget=cfg.max_num_batched_tokens, prefix_caching=cfg.prefix_caching)  # fmt: skip
+    probe = decoding.choices.dtype_decision
+    if probe is not None:  # once built: a refusal stays one line
+        log(f"qkvlab serve: {probe.describe()}")
+    seconds = engine.warm_up()
+    if seconds:
+        what = "decode step" if decoding.compiled else "paged read"
+        log(f"qkvlab serve: compiled the {what} in {seconds:.1f} s ({decoding.paged_read})")
+    served = ServedModel(name, scheme_text(model.cfg), weights.context, per_token, engine.runner.store.bytes_allocated(),
+                         tok, decoding.report())  # fmt: skip
+    app = create_app(AsyncEngine(engine), served, metrics=metrics)
+    return Built(app, engine, served, str(weights.device), decoding.choices.dtype, probe)
+
+
+def served_tokenizer(loaded, chat_template: str | None):
+    """The model's tokenizer as served (tokens.ServeTokenizer, or None), with --chat-template's
+    template; refused when it has more ids than the model."""
+    from qkvlab.serve.tokens import serve_tokenizer  # startup: transformers' tokenizer types, once built
+
     tok = serve_tokenizer(loaded.tokenizer, loaded.tokenizer_dir)
-    if cfg.chat_template is not None:
+    if chat_template is not None:
         if tok is None:
             raise UserError("--chat-template needs a tokenizer: the model has none; give --tokenizer")
         try:
-            tok.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
+            tok.chat_template = Path(chat_template).read_text(encoding="utf-8")
         except OSError as e:
-            raise UserError(f"--chat-template {cfg.chat_template}: {e.strerror}") from None
-    if tok is not None and tok.vocab_size > model_cfg.vocab_size:
+            raise UserError(f"--chat-template {chat_template}: {e.strerror}") from None
+    if tok is not None and tok.vocab_size > loaded.cfg.vocab_size:
         raise UserError(
-            f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's vocabulary is {model_cfg.vocab_size}"
+            f"tokenizer {tok.name} has {tok.vocab_size} ids but the model's vocabulary is {loaded.cfg.vocab_size}"
         )
-    context = model_cfg.context if cfg.max_model_len is None else cfg.max_model_len
-    if context > model_cfg.context:
-        raise UserError(f"--max-model-len {context:,} exceeds the model's context of {model_cfg.context:,}")
-    from qkvlab.decode.dtype_probe import inference_dtype  # startup: torch, only once a server is built
-
-    # auto on the CPU: this model's decode step timed (or cached) at one row and at the rows served
-    # together (--max-batch, at most 16; its default, all the blocks hold, is counted as 16)
-    dname, probe = inference_dtype(cfg.dtype, device.type, model_cfg, (1, min(cfg.max_batch or 16, 16)))
-    model = loaded.model.to(device=device, dtype=torch_dtype(dname, device.type)).eval()
-    cache_dtype = dtype_name(str(next(model.parameters()).dtype).removeprefix("torch."))
-    per_token = kv_cache_bytes_per_token(model_cfg, cache_dtype)
-    blocks = pool_blocks(cfg.cache_bytes, per_token, context, cfg.block_size)
-    check_fits(blocks * cfg.block_size * per_token, "--cache-memory", "lower --cache-memory", device)
-    name = cfg.name or Path(cfg.model).resolve().name.removesuffix(".gguf")
-    metrics = _metrics(name)
-    engine = Engine(
-        model,
-        cfg.max_batch,
-        blocks=blocks,
-        block_size=cfg.block_size,
-        stop_ids=tok.stop_ids if tok is not None else (),
-        vocab_limit=getattr(tok, "vocab_size", None),
-        context=context,
-        metrics=metrics,
-        compile=compile_mode(cfg.compile, device.type, paged=True),
-    )
-    if engine.compiled:
-        log(f"qkvlab serve: compiled the decode step in {engine.warm_up():.1f} s")
-    if metrics is not None:
-        metrics.watch(engine)
-    scheme = model_cfg.scheme_label + (  # the latent and per-layer schemes named too
-        f", kv heads {model_cfg.n_kv_heads}" if model_cfg.n_kv_heads != model_cfg.n_head else ""
-    )
-    served = ServedModel(
-        name=name,
-        scheme=scheme,
-        context=context,
-        cache_bytes_per_token=per_token,
-        cache_bytes=engine.pool.bytes_allocated(),
-        tokenizer=tok,
-        dtype=cache_dtype,
-        dtype_probe=probe.record() if probe is not None else None,
-    )
-    if probe is not None:  # once built: a refusal stays one line
-        log(f"qkvlab serve: {probe.describe()}")
-    return Built(create_app(engine, served, metrics=metrics), engine, served, str(device), cache_dtype, probe)
+    if tok is not None:
+        tok.max_chars_per_token  # noqa: B018 (measured here, not on the first request)
+    return tok
 
 
-def _metrics(name: str):
+def served_context(model_context: int, max_model_len: int | None) -> int:
+    context = model_context if max_model_len is None else max_model_len
+    if context > model_context:
+        raise UserError(f"--max-model-len {context:,} exceeds the model's context of {model_context:,}")
+    return context
+
+
+def scheme_text(model_cfg) -> str:
+    """The scheme as /health names it: the latent and per-layer schemes, and kv heads when fewer."""
+    heads = f", kv heads {model_cfg.n_kv_heads}" if model_cfg.n_kv_heads != model_cfg.n_head else ""
+    return model_cfg.scheme_label + heads
+
+
+def prometheus_metrics(name: str):
     """Prometheus metrics (serve/metrics.py), or None without prometheus_client (GET /metrics then says so)."""
     try:
-        import prometheus_client  # noqa: F401
+        import prometheus_client  # noqa: F401  # optional: prometheus_client
     except ImportError:
         return None
-    from qkvlab.serve.metrics import Metrics
+    from qkvlab.serve.metrics import Metrics  # startup: only once a server is built
 
     return Metrics(name)
 
@@ -258,23 +297,22 @@ def make_server(built: Built, sock: socket.socket, drain_timeout: float, log=pri
 
 def serve(cfg: ServeConfig) -> int:
     """Run `qkvlab serve` until SIGTERM/Ctrl-C: one start-up line, then requests."""
-    built = build(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    built = build(cfg, load_served(cfg), log=log)
     sock = listen(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     served, engine = built.served, built.engine
     print(  # vLLM's terms: the cache in tokens, the concurrency at full-length requests
         f"qkvlab serve: http://{host if ':' not in host else f'[{host}]'}:{port}/v1 serving {served.name} "
         f"({served.scheme}, {built.dtype} on {built.device}): capacity {engine.capacity_sequences:,} sequences of "
-        f"{served.context:,} tokens; KV cache size: {engine.pool.tokens:,} tokens "
+        f"{served.context:,} tokens; KV cache size: {engine.kv.tokens:,} tokens "
         f"({served.cache_bytes_per_token:,} bytes per token, {nbytes(served.cache_bytes)}), "
         f"maximum concurrency {engine.max_concurrency:.2f}x",
         flush=True,
     )
     built.engine.start()
     try:
-        make_server(built, sock, cfg.drain_timeout, log=lambda s: print(s, file=sys.stderr, flush=True)).run(
-            sockets=[sock]
-        )
+        make_server(built, sock, cfg.drain_timeout, log=log).run(sockets=[sock])
     finally:
         built.engine.stop()
         sock.close()

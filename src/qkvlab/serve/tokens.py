@@ -11,11 +11,16 @@
 `--chat-template FILE` (vLLM's option) sets or replaces the template of either kind; a qkvlab
 tokenizer's is rendered by the same Jinja renderer transformers' apply_chat_template uses.
 
-`encode` may take seconds on a megabyte prompt: the app calls it off the event loop.
+`encode` may take seconds on a megabyte prompt: the app calls it on a worker thread, and both kinds
+encode through an API that releases the GIL while it works (transformers' batch call, qkvlab's
+`encode_batch`: the Rust tokenizers and tiktoken), so the event loop answers meanwhile.
+`max_chars_per_token` bounds the text a token covers (the longest token's UTF-8 bytes), so a prompt
+too long for the context is refused before any tokenizing (serve/prompts.py).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +36,15 @@ class ServeTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """At least the characters of text any one token covers: its text's UTF-8 bytes (a character
+        is one byte or more; a token holding part of a character decodes to U+FFFD, 3 bytes)."""
+        return max((len(t.encode("utf-8")) for t in self.token_texts()), default=1) or 1
+
+    def token_texts(self) -> list[str]:
+        return [self.token_text(i) for i in range(self.vocab_size)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
@@ -64,7 +78,8 @@ class QkvlabTokenizer(ServeTokenizer):
         self.tok = tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text)
+        batch = getattr(self.tok, "encode_batch", None)  # the Rust/tiktoken batch call releases the GIL
+        return batch([text])[0] if batch is not None else self.tok.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids))
@@ -87,6 +102,9 @@ class HFTokenizer(ServeTokenizer):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self) -> list[str]:
+        return self.tok.batch_decode([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
         return self.tok.apply_chat_template(
