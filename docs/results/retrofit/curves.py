@@ -22,15 +22,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from qkvlab.model.accounting import kv_cache_bytes_per_token
-from qkvlab.convert.load import load_any
-from qkvlab.retrofit.workflow import load_source, perplexity
-from qkvlab.retrofit.fit import with_layers
-from qkvlab.data.text import load_corpus
 from qkvlab.base.files import atomic_write, json_text, labelled_path, save_figure
+from qkvlab.convert.load import load_any
+from qkvlab.data.text import load_corpus
 from qkvlab.decode.generate import generate
 from qkvlab.decode.sampling import Sampling
+from qkvlab.model.accounting import kv_cache_bytes_per_token
 from qkvlab.model.folder import load_model
+from qkvlab.retrofit.fit import with_layers
+from qkvlab.retrofit.scoring import perplexity
+from qkvlab.retrofit.source import load_source
 from qkvlab.tasks import get_task
 from qkvlab.train.config import TrainConfig
 from qkvlab.train.run_folder import TRAIN_CONFIG

@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 from curves import text_tokens  # beside this script (run as a file, its folder is on sys.path)
 
+from qkvlab.base.files import atomic_write, json_text, labelled_path
 from qkvlab.model.accounting import kv_cache_bytes_per_token
-from qkvlab.retrofit.workflow import corpus_tokens, load_source, perplexity
 from qkvlab.retrofit.fit import attention_inputs, fit
 from qkvlab.retrofit.latent import ALPHAS, fit_latent_layer, latent_model
 from qkvlab.retrofit.refine import RefineOptions
-from qkvlab.base.files import atomic_write, json_text, labelled_path
+from qkvlab.retrofit.scoring import perplexity
+from qkvlab.retrofit.source import corpus_tokens, load_source
 
 
 def fitted_latent(model, cfg, xs: list[torch.Tensor], rank: int, refine: RefineOptions | None, say):

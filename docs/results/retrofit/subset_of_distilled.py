@@ -16,11 +16,12 @@ from pathlib import Path
 from curves import text_tokens  # beside this script (run as a file, its folder is on sys.path)
 from safetensors.torch import load_file
 
-from qkvlab.model.accounting import kv_cache_bytes_per_token
-from qkvlab.convert.load import load_any
-from qkvlab.retrofit.workflow import load_source, perplexity
-from qkvlab.retrofit.fit import with_layers
 from qkvlab.base.files import atomic_write, json_text, labelled_path
+from qkvlab.convert.load import load_any
+from qkvlab.model.accounting import kv_cache_bytes_per_token
+from qkvlab.retrofit.fit import with_layers
+from qkvlab.retrofit.scoring import perplexity
+from qkvlab.retrofit.source import load_source
 
 
 def main() -> None:
