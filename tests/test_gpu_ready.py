@@ -486,7 +486,23 @@ def test_on_resume_only_rank_0_hashes_the_checkpoint(sharding, tmp_path, monkeyp
     model = GPT(cfg.model)
     opt = torch.optim.AdamW(model.parameters())
     weights, optim = D.full_state(model, opt)
-    ck.save_checkpoint(tmp_path, weights, optim, cfg.model, "gpt", {"step": 1, "train_config": cfg.to_dict()})
+    ck.save_checkpoint(
+        tmp_path,
+        weights,
+        optim,
+        cfg.model,
+        "gpt",
+        {
+            "step": 1,
+            "tokens": 8,
+            "metrics": [],
+            "loss_sum": 0.0,
+            "loss_n": 0,
+            "elapsed_s": 0.0,
+            "rng": [],
+            "train_config": cfg.to_dict(),
+        },
+    )
     hashed = []
     real = ck.file_sha256
     monkeypatch.setattr(ck, "file_sha256", lambda f: hashed.append(f) or real(f))

@@ -4,12 +4,24 @@ sinusoidal input positions, MLP output heads, Paper A's lr horizon, the paper re
 from __future__ import annotations
 
 import math
+import random
+from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from qkvlab.analysis import paper_claims as pc
+from qkvlab.analysis import paper_figures as pf
+from qkvlab.analysis import rules
+from qkvlab.analysis.verdicts import REPRODUCED, check_claims
+from qkvlab.base.config_file import read_config_file
 from qkvlab.base.errors import UserError
+from qkvlab.base.settings import load
+from qkvlab.compare import CompareConfig, plan
+from qkvlab.compare.recipes import CACHE_FRACTIONS, CACHE_ROUTES, LM_CACHE_RECIPE
+from qkvlab.model.accounting import kv_cache_bytes_per_token
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.positions import ScoreTerm2D, encoding_2d
 from qkvlab.model.transformer import GPT, Encoder, TokenInput
@@ -449,3 +461,105 @@ def test_new_options_save_and_load(tmp_path):
     assert cfg2 == cfg
     x = torch.randint(0, 20, (2, 12))
     torch.testing.assert_close(loaded(x)[0], model(x)[0], rtol=0, atol=0)
+
+
+# ---- quality per cache byte, from scratch (compare/recipes.py LM_CACHE_RECIPE) ------------------------
+CACHE_RECIPE_FILE = Path(__file__).resolve().parents[1] / "docs" / "results" / "lm-cache" / "recipe.yaml"
+
+
+def cache_plan(tmp_path):
+    return plan(load(CompareConfig, CACHE_RECIPE_FILE, out=str(tmp_path / "out"), jobs=1, threads=1))
+
+
+def test_cache_recipe_file_is_the_recipe():
+    """The file the documented command reads holds the recipe's settings, nothing else."""
+    assert read_config_file(CACHE_RECIPE_FILE) == LM_CACHE_RECIPE
+
+
+def test_cache_recipe_plans_every_route_at_exact_budgets(tmp_path):
+    """Q-K-V and each route at 50% and 25% of its KV-cache bytes per token, exactly (qkvlab's accounting):
+    MLA with DeepSeek-V2's rotated width d_head / 2 and the rest of the budget in the latent; every run
+    Llama-like (RoPE, RMSNorm, SwiGLU at 8/3 d), on one recipe, 5 seeds each."""
+    p = cache_plan(tmp_path)
+    by_variant = {}
+    for r in p.runs:
+        by_variant.setdefault(r.variant.name, []).append(r)
+    assert list(by_variant) == ["Q-K-V", *(route[i] for i in range(2) for route in CACHE_ROUTES.values())]
+    assert all(sorted(r.seed for r in rs) == list(range(5)) for rs in by_variant.values())
+    base = by_variant["Q-K-V"][0].cfg.model
+    full = kv_cache_bytes_per_token(base)
+    assert full == 2 * base.n_layer * base.n_head * base.head_dim * 2  # K and V, bf16
+    for route, variants in CACHE_ROUTES.items():
+        for fraction, name in zip(CACHE_FRACTIONS, variants):
+            m = by_variant[name][0].cfg.model
+            assert Fraction(kv_cache_bytes_per_token(m), full) == Fraction(fraction), name
+            if route == "MLA":
+                assert m.rope_dim == base.head_dim // 2
+                assert m.kv_latent + m.rope_dim == fraction * 2 * base.n_head * base.head_dim
+    for r in p.runs:
+        m, c = r.cfg.model, r.cfg
+        assert (m.pos, m.norm, m.mlp, m.mlp_hidden) == ("rope", "rmsnorm", "swiglu", 172)
+        assert (m.d_model, m.n_layer, m.n_head, m.context) == (base.d_model, 2, 4, 128)
+        assert (c.max_steps, c.batch_size, c.lr, c.dtype) == (900, 16, 2e-3, "fp32")
+    assert round(8 / 3 * base.d_model / 4) * 4 == 172
+
+
+def test_cache_recipe_dry_run(tmp_path, capsys):
+    from qkvlab import cli
+
+    out = tmp_path / "out"
+    assert cli.main(["compare", "--config", str(CACHE_RECIPE_FILE), "--out", str(out), "--dry-run"]) in (0, None)
+    text = capsys.readouterr().out
+    assert f"compare plan: 45 runs into {out}: tasks lm;" in text and "seeds 5" in text
+    assert "per run: 900 steps x 16 examples, lr 0.002, model d64 L2 h4" in text
+    assert not out.exists()
+
+
+def test_cache_claims_are_registered_before_the_run():
+    """Version 6 brought them (its changelog says before the run that trains their variants); each names
+    only variants the recipe trains, so none is left "not tested"; margins from Paper B's figures."""
+    assert rules.change(6).fingerprint and "before the first run that trains them" in rules.change(6).data_before
+    assert all(c.since == 6 for c in pc.CACHE_CLAIMS) and set(pc.CACHE_CLAIMS) <= set(pc.LM_CLAIMS)
+    trained = set(LM_CACHE_RECIPE["variants"].split(","))
+    assert all(set(c.variants) <= trained for c in pc.CACHE_CLAIMS)
+    gqa, kv = pf.PAPER_B_LM_PPL_CHANGE["Q-K-V/GQA-4"], pf.PAPER_B_LM_PPL_CHANGE["Q-K=V"]
+    half, bound = pc.SESOI_FRACTION, pc.BOUND_FACTOR
+    expected = {
+        "cache-mla-beats-mha-50": half * gqa,
+        "cache-mla-beats-mha-25": half * gqa,
+        "cache-mha-gqa-mqa-order": half * gqa,
+        "cache-mla-beats-kv-50": half * kv,
+        "cache-mla-beats-kv-25": half * kv,
+        "cache-gqa-beats-kv-50": half * 100 * ((1 + kv / 100) / (1 + gqa / 100) - 1),
+        "cache-mla-cost-50": bound * kv,
+        "cache-mla-cost-25": bound * gqa,
+    }
+    assert {c.id: c.margin for c in pc.CACHE_CLAIMS} == pytest.approx(expected, abs=0.006)
+
+
+def test_cache_claims_get_their_words():
+    """On losses shaped as the claims say (MLA best, then MHA, GQA, MQA, the K=V routes last) every cache
+    claim is reproduced; with MLA 3% worse than MHA both MLA-over-MHA claims are contradicted."""
+    rng = random.Random(0)
+    level = {s: 4.0 + rng.gauss(0, 0.05) for s in range(5)}
+    offsets = {"Q-K-V": 0.0, "Q-K-V/GQA-2": 0.01, "Q-K-V/MQA": 0.02, "Q-K=V": 0.05, "Q-K=V/GQA-2": 0.06}
+    offsets |= {"Q-K-V/latent=56/rope=8": -0.01, "Q-K-V/latent=24/rope=8": -0.005}
+
+    def words(offs):
+        vals = {"lm": {v: {s: level[s] + o + rng.gauss(0, 0.001) for s in level} for v, o in offs.items()}}
+        return {v.claim.id: v.word for v in check_claims(vals, {"lm": False}, {"lm": "val_loss"}, pc.CACHE_CLAIMS)}
+
+    assert set(words(offsets).values()) == {REPRODUCED}
+    worse = words(offsets | {"Q-K-V/latent=56/rope=8": 0.03, "Q-K-V/latent=24/rope=8": 0.03})
+    assert worse["cache-mla-beats-mha-50"] == worse["cache-mla-beats-mha-25"] == "contradicted"
+
+
+def test_a_latents_cache_fraction_is_against_q_k_v():
+    """results.md's "KV vs Q-K-V" and ppl_vs_cache.png: a latent (MLA's too) against Q-K-V's K and V."""
+    from qkvlab.analysis.results import Row
+    from qkvlab.model.variants import parse_variant
+
+    base = ModelConfig(n_layer=2, n_head=4, d_model=64, pos="rope")
+    for name, fraction in (("Q-K-V/latent=56/rope=8", 0.5), ("Q-K-V/latent=32", 0.25), ("Q-K=V/GQA-2", 0.25)):
+        row = Row("lm", name, "val_loss", False, [0], 1, parse_variant(name).apply(base), [4.0], [4.0], None, 900)
+        assert row.kv_fraction == fraction

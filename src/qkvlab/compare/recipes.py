@@ -24,13 +24,12 @@ DEFAULT_LM_VARIANTS = (
 )
 
 # CPU-sized recipes used when no --preset is given: (training preset, overrides, model overrides,
-# task options, seeds). Sized so the default comparison of a family fits its budget on 2 cores
-# (lm: 24 runs in <= 15 min; each family <= 20 min); measured wall times and results (2 jobs x 1
-# thread, 2-core Xeon): docs/results/README.md (lm 8.3, synthetic 7.5, vision 6.7, anomaly 4.0, segmentation 8.6 min).
+# task options, seeds). Sized so the default comparison of a family fits a short budget on 2 cores;
+# the measured wall times and results: docs/results/README.md.
 CPU_RECIPES: dict[str, dict[str, Any]] = {
     # BPE-1024 Shakespeare, d64 x 2 layers, context 128: 600 steps x 16 x 128 = 1.2M tokens, ~12 tokens per
     # non-embedding parameter, so every run is well past the initial plateau (the scaling sweep's
-    # curves flatten after ~5 tokens/param) while 24 runs stay within ~15 min on 2 cores. Characters
+    # curves flatten after ~5 tokens/param) while 24 runs stay within the budget on 2 cores. Characters
     # (the first default) spent the budget learning spelling: every variant was still falling steeply.
     "lm": dict(
         preset="tiny",
@@ -68,7 +67,7 @@ CPU_RECIPES: dict[str, dict[str, Any]] = {
         task_options=dict(dataset="mnist5k"),
         seeds=3,
     ),
-    # 64 patches per canvas make a step ~3x a vision step, hence 2 seeds; mIoU still climbs at 600 steps
+    # 64 patches per canvas make a step dearer than a vision step, hence 2 seeds; mIoU still climbs at 600 steps
     # of lr 2e-3 (0.21-0.25), at 1000 steps 0.25-0.30 with Q=K=V (and its '+') last
     "segmentation": dict(
         preset="tiny",
@@ -116,8 +115,35 @@ def recipe_name(requested: str | None, full_grid: bool, family: str) -> str:
     return "paper" if full_grid and family in PAPER_RECIPE_MODULES else "cpu"
 
 
+# ---- quality per cache byte, from scratch (`qkvlab compare --config docs/results/lm-cache/recipe.yaml`) ----
+# Every route to a smaller KV cache at equal bytes per token beside Q-K-V: the LM CPU recipe's model (d 64,
+# 4 heads of 16, 2 layers, context 128, BPE-1024 Shakespeare) made Llama-like, because MLA needs RoPE (its
+# decoupled key) and the models MLA, GQA and the retrofits serve are Llama-family: RoPE for every variant,
+# RMSNorm, SwiGLU at 8/3 d (Llama's width rule: the GELU MLP's parameter count). Q-K-V caches 2 x 4 x 16 =
+# 128 numbers per token and layer; each route's variant at 50% and 25% of it (exact: tests/test_recipes.py).
+# MLA keeps DeepSeek-V2's rotated width d_head / 2 = 8 (d_h^R = d_h / 2) and gives the rest of the budget
+# to the latent. 900 steps x 16 x 128 = 0.97 epoch of the training split (no text seen twice); 5 seeds
+# from the seed spread of the committed LM runs. Why these numbers, and the time they take: the folder's
+# README. The claims it decides were registered before its runs (analysis version 6, paper_claims: cache-*).
+CACHE_FRACTIONS = (0.5, 0.25)
+CACHE_ROUTES = {  # route -> its variant at each of CACHE_FRACTIONS
+    "K=V": ("Q-K=V", "Q-K=V/GQA-2"),
+    "GQA/MQA": ("Q-K-V/GQA-2", "Q-K-V/MQA"),
+    "latent": ("Q-K-V/latent=64", "Q-K-V/latent=32"),
+    "MLA": ("Q-K-V/latent=56/rope=8", "Q-K-V/latent=24/rope=8"),
+}
+LM_CACHE_RECIPE: dict[str, Any] = dict(  # CompareConfig settings; the folder's recipe.yaml spells the same
+    task="lm",
+    variants=",".join(("Q-K-V", *(route[i] for i in range(len(CACHE_FRACTIONS)) for route in CACHE_ROUTES.values()))),
+    seeds=5,
+    max_steps=900,
+    dtype="fp32",
+    model=dict(pos="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=172),
+)
+
+
 # ---- the scaling sweep's named recipes (`qkvlab compare --sweep --recipe NAME`) ---------------------
-# Fixed before any of their runs (issue 27); docs/results/scaling/README.md, "next sweep", gives their
+# Fixed before any of their runs; docs/results/scaling/README.md, "next sweep", gives their
 # sizes, tokens, epochs and estimated times. Each recipe fills the CompareConfig settings the command
 # line leaves unset (sizes, variants, data, tokenizer, tokens per parameter, dtype, device), plus three
 # keys no flag spells: first_seed (a scan's seeds never coincide with the sweep's, so the run an lr is
@@ -148,7 +174,7 @@ SWEEP_SEEDS = 4
 # gap is Q-K=V's cost at Q-K-V's tuned lr; a per-variant best would select on the very difference tested.
 LR_SCAN_FACTORS = (0.5, 1.0, 2.0)
 LR_SCAN_SEED = 100
-# The grid extended upward, decided on 2026-12-06 AFTER the scans above (and next-L2) had run: every
+# The grid extended upward, decided AFTER the scans above (and next-L2) had run: every
 # depth-4 size and three of four depth-2 sizes chose 2x, the grid's top (docs/results/scaling/README.md,
 # "the lr grid's edge"). Same sizes, seed and budget, Q-K-V at 4x and 8x; `--lr-scan A,B` lets both
 # scans' lrs compete. The sweeps scored with the first grid stay the registered result.
@@ -199,7 +225,7 @@ SWEEP_RECIPES: dict[str, dict[str, Any]] = {
             sizes=_sizes(CPU_WIDTHS[L], L, SWEEP_BATCH, SWEEP_SEEDS),
             variants="Q-K-V,Q-K=V",
             lr_scan=f"lr-scan-L{L}",
-            dtype="fp32",  # one dtype at every size; on this project's EPYC bf16 autocast runs 0.75x fp32
+            dtype="fp32",  # one dtype at every size (`auto` may pick per shape); why fp32: docs/results/scaling
             **_SWEEP_COMMON,
         )
         for L in (2, 4)
