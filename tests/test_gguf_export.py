@@ -73,7 +73,7 @@ def test_per_layer_kv_model_to_gguf_reads_back_equal(tmp_path, capsys, tiny_llam
     # provenance names the GGUF: its tokenizer is used
     folder = small_model(tmp_path, tiny_llama_config, meta_from=str(GGUF))
     out = tmp_path / "m.gguf"
-    assert main(["convert", str(folder), str(out), "--to-gguf"]) == 0
+    assert main(["convert", str(folder), str(out), "--to-gguf", "--gguf-vocab", str(GGUF)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("max_rel_logit_diff=") and float(last.split("=")[1]) <= 1e-5
     model, cfg, _ = load_model(folder)
@@ -87,7 +87,7 @@ def test_per_layer_kv_model_to_gguf_reads_back_equal(tmp_path, capsys, tiny_llam
     assert mine.encode(text) == theirs.encode(text) and mine.eos_token == theirs.eos_token
     # OUT exists now: refused without --overwrite, nothing touched
     before = out.stat().st_mtime_ns
-    assert main(["convert", str(folder), str(out), "--to-gguf"]) == 2
+    assert main(["convert", str(folder), str(out), "--to-gguf", "--gguf-vocab", str(GGUF)]) == 2
     assert "--overwrite" in capsys.readouterr().err and out.stat().st_mtime_ns == before
 
 
@@ -97,7 +97,7 @@ def test_to_gguf_refusals_before_any_work(tmp_path, capsys, tiny_llama_config):
         (["--to-gguf"], "must end in .gguf", "m.bin"),
         (["--to-gguf", "--to-hf", "llama"], "no --to-hf", "m.gguf"),
         (["--gguf-vocab", "x.gguf", "--to", "Q-K-V"], "--gguf-vocab is for --to-gguf", "o"),
-        (["--to-gguf"], "did not come from a GGUF", "m.gguf"),
+        (["--to-gguf"], "pass --gguf-vocab FILE.gguf", "m.gguf"),
         (["--to-gguf", "--gguf-vocab", str(tmp_path / "nope.gguf")], "is not a file", "m.gguf"),
     ]
     for extra, needle, out in cases:
@@ -105,6 +105,23 @@ def test_to_gguf_refusals_before_any_work(tmp_path, capsys, tiny_llama_config):
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / out).exists()
+
+
+def test_to_gguf_never_opens_the_gguf_a_folder_records(tmp_path, capsys, tiny_llama_config, monkeypatch):
+    """A folder is data: the origin its config names (a path anywhere on the machine) is named in the
+    refusal, never read."""
+    from qkvlab.commands import convert as cmd
+
+    elsewhere = tmp_path / "elsewhere" / "private.gguf"
+    folder = small_model(tmp_path, tiny_llama_config, meta_from=str(elsewhere))
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"GGUF")
+    opened = []
+    monkeypatch.setattr(cmd, "read_vocab", lambda f: opened.append(f))
+    assert main(["convert", str(folder), str(tmp_path / "m.gguf"), "--to-gguf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"records it came from {elsewhere}" in err and "--gguf-vocab" in err and len(err.splitlines()) == 1
+    assert opened == [] and not (tmp_path / "m.gguf").exists()
 
 
 @needs_smollm2
@@ -140,7 +157,7 @@ def test_mla_model_to_deepseek2_with_what_llama_cpp_reads(tmp_path, capsys, monk
     monkeypatch.delenv("QKVLAB_LLAMA_BIN", raising=False)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no llama-completion: the note says no engine read the file
     folder, out = mla_folder(tmp_path, tiny_llama_config), tmp_path / "mla.gguf"
-    assert main(["convert", str(folder), str(out), "--to-gguf"]) == 0
+    assert main(["convert", str(folder), str(out), "--to-gguf", "--gguf-vocab", str(GGUF)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "its tensors read back are DeepseekV3ForCausalLM's" in lines[0] and float(lines[-1].split("=")[1]) <= 1e-5
     assert any("no engine here read this deepseek2 file" in x for x in lines)
@@ -173,7 +190,9 @@ def test_a_failed_round_trip_writes_nothing(tmp_path, capsys, monkeypatch, tiny_
     fake.mkdir()
     (fake / "llama-completion").write_text("#!/bin/sh\necho 'llama_model_load: error loading model' >&2\nexit 1\n")
     (fake / "llama-completion").chmod(0o755)
-    assert main(["convert", str(folder), str(out), "--to-gguf", "--llama-bin", str(fake)]) == 1
+    assert (
+        main(["convert", str(folder), str(out), "--to-gguf", "--gguf-vocab", str(GGUF), "--llama-bin", str(fake)]) == 1
+    )
     err = capsys.readouterr().err.strip()
     assert (
         "llama.cpp could not run the written GGUF" in err
@@ -183,7 +202,7 @@ def test_a_failed_round_trip_writes_nothing(tmp_path, capsys, monkeypatch, tiny_
     real = convert_cmd.gguf_tensors  # a file whose tensors are not the export's
     monkeypatch.setattr(convert_cmd, "gguf_tensors", lambda m, c: real(m, c) | {"output_norm.weight": torch.zeros(32)})
     monkeypatch.delenv("QKVLAB_LLAMA_BIN", raising=False)
-    assert main(["convert", str(folder), str(out), "--to-gguf"]) == 1
+    assert main(["convert", str(folder), str(out), "--to-gguf", "--gguf-vocab", str(GGUF)]) == 1
     err = capsys.readouterr().err.strip()
     assert "output_norm.weight differs from the export's" in err and len(err.splitlines()) == 1
     assert not out.exists() and not list(tmp_path.glob("*.tmp*"))
@@ -220,7 +239,9 @@ def test_llama_cpp_checks_both_architectures(tmp_path, capsys, tiny_llama_config
         if kind == "deepseek2"
         else small_model(tmp_path, tiny_llama_config, meta_from=str(GGUF))
     )
-    assert main(["convert", str(folder), str(tmp_path / "m.gguf"), "--to-gguf"]) == 0  # $QKVLAB_LLAMA_BIN found
+    assert (
+        main(["convert", str(folder), str(tmp_path / "m.gguf"), "--to-gguf", "--gguf-vocab", str(GGUF)]) == 0
+    )  # $QKVLAB_LLAMA_BIN found
     line = next(x for x in capsys.readouterr().out.splitlines() if "read by llama.cpp" in x)
     assert f"GGUF {kind} F32" in line and "16 of 16 greedy tokens equal" in line, line
 
@@ -244,7 +265,7 @@ def test_deepseek2_is_what_llama_cpps_own_converter_writes(tmp_path, tiny_llama_
     load_hf(GGUF)  # SmolLM2's tokenizer files, in its cache folder: the DeepSeek folder carries them
     skip = shutil.ignore_patterns("*.safetensors", "config.json", "SOURCE")
     shutil.copytree(gguf_cache_folder(GGUF), folder / "tokenizer", ignore=skip)
-    assert main(["convert", str(folder), str(tmp_path / "mine.gguf"), "--to-gguf"]) == 0
+    assert main(["convert", str(folder), str(tmp_path / "mine.gguf"), "--to-gguf", "--gguf-vocab", str(GGUF)]) == 0
     assert main(["convert", str(folder), str(hf), "--to-hf", "deepseek"]) == 0
     theirs = tmp_path / "theirs.gguf"
     env = os.environ | {"PYTHONPATH": str(Path(LLAMA_SRC) / "gguf-py")}

@@ -205,6 +205,7 @@ def test_llama_cpp_reads_a_tiny_kv_export(tmp_path, tiny_llama_config):
     save_model(tmp_path / "m", GPT(cfg).eval(), cfg, meta={"retrofit_from": str(gguf)})
     out = tmp_path / "parity"
     argv = [str(tmp_path / "m"), str(out), "--llama-bin", LLAMA_BIN, "-n", "8", "--prompt", "The capital of France is"]
+    argv += ["--gguf-vocab", str(gguf)]
     assert lp.main(argv + ["--threads", "1"]) == 0
     report = json.loads((out / "parity.json").read_text())
     (p,) = report["prompts"]
@@ -229,6 +230,7 @@ def test_llama_cpp_serves_a_tiny_mla_export_with_its_smaller_cache(tmp_path, tin
     out = tmp_path / "mla.json"
     argv = [str(tmp_path / "mla"), str(tmp_path / "orig"), "--llama-bin", LLAMA_BIN, "--out", str(out), "-n", "8"]
     argv += ["--prompt", "The capital of France is", "--context", "4096", "--bench-gen", "4", "--bench-depths", "0"]
+    argv += ["--gguf-vocab", str(gguf)]
     assert mla.main(argv + ["--bench-reps", "1", "--threads", "1"]) == 0
     report = json.loads(out.read_text())
     assert report["greedy_equal"] and report["greedy_equal_original"], report["greedy_tokens_equal"]

@@ -66,7 +66,7 @@ def _cpuinfo() -> str:
 
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has native bf16 dot products (AVX512-BF16 or AMX): a description of the
-    machine, not a speed policy (with AVX512-BF16 alone bf16 autocast trained at 0.58x fp32; `auto`
+    machine, not a speed policy (AVX512-BF16 alone can make bf16 autocast slower than fp32; `auto`
     is decided by qkvlab.decode.dtype_probe's timing). Reads /proc/cpuinfo's flags (or `cpuinfo`),
     else torch's capability string (AMX only)."""
     cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
@@ -163,7 +163,7 @@ def compile_setting(default: str, help: str) -> Any:
 def compile_mode(choice: str, device_type: str, *, paged: bool = False) -> str | None:
     """--compile's value (COMPILE_CHOICES) -> the torch.compile mode to decode with, None for eager.
     auto: CUDA graphs (reduce-overhead) for the static step on a GPU; eager on the CPU, where compiling
-    (40-90 s for SmolLM2-135M) takes longer than it saves in one run (docs/inference.md), and for the
+    takes longer than it saves in one run (docs/inference.md), and for the
     paged step (serve), whose changing shapes CUDA graphs cannot replay and whose compiled speed is
     measured on the CPU only."""
     if choice not in COMPILE_CHOICES:

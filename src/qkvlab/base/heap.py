@@ -3,8 +3,7 @@
 PyTorch's CPU allocator is plain malloc. glibc serves a block above its mmap threshold with a fresh
 mapping and unmaps it on free, and trims the heap's free top back to the OS: every step of a model
 then touches its activations, logits and gradients on pages the kernel has to fault in and zero
-again (43k page faults a step at L6 D384 T256 B8, 1.5k held; the held heap's step is 1.03-1.04x
-faster: benchmarks/heap_hold.py runs both ways alternately). Raising the mmap threshold and switching off trimming
+again, every step (benchmarks/heap_hold.py measures both ways alternately). Raising the mmap threshold and switching off trimming
 makes the heap a cache: a step's peak stays mapped and the next step reuses it, which is what CUDA's
 caching allocator and the jemalloc/tcmalloc LD_PRELOAD of Intel's PyTorch guides do.
 

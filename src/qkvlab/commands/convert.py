@@ -156,8 +156,9 @@ def _run(opts: ConvertConfig, src: Path) -> int:
 
 # ---- GGUF ------------------------------------------------------------------------------------
 def _gguf_vocab(opts: ConvertConfig, src: Path) -> Path:
-    """The GGUF whose tokenizer fields the written file carries: --gguf-vocab, IN itself (--from-hf
-    X.gguf), or the GGUF a qkvlab folder records it came from (retrofit_from / converted_from)."""
+    """The GGUF whose tokenizer fields the written file carries: --gguf-vocab, or IN itself (--from-hf
+    X.gguf). A path a model folder records (retrofit_from, converted_from) is named in the refusal but
+    never opened: a folder is data, and what it names outside itself is not read."""
     if opts.gguf_vocab is not None:
         found = Path(opts.gguf_vocab)
     elif opts.from_hf and src.suffix == ".gguf":
@@ -165,12 +166,12 @@ def _gguf_vocab(opts: ConvertConfig, src: Path) -> Path:
     else:
         body = read_config(find_model_dir(src))[1]
         origins = [body.get(k) for k in ("retrofit_from", "converted_from")]
-        found = next((Path(o) for o in origins if isinstance(o, str) and o.endswith(".gguf")), None)
-        if found is None:
-            raise UserError(
-                f"--to-gguf: {src} did not come from a GGUF; pass --gguf-vocab FILE.gguf with the model's tokenizer "
-                "(llama.cpp reads the tokenizer in GGUF form)"
-            )
+        recorded = next((o for o in origins if isinstance(o, str) and o.endswith(".gguf")), None)
+        hint = f" (its config records it came from {recorded})" if recorded else ""
+        raise UserError(
+            f"--to-gguf: pass --gguf-vocab FILE.gguf with the model's tokenizer{hint}; llama.cpp reads the "
+            "tokenizer in GGUF form"
+        )
     if not found.is_file():
         raise UserError(f"--to-gguf: the tokenizer's GGUF {found} is not a file")
 

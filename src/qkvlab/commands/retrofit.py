@@ -1,13 +1,14 @@
-"""Retrofit a trained model to K=V / GQA / MQA or a key/value latent: fit on real text, then uptrain.
+"""Retrofit a trained model to K=V / GQA / MQA, a key/value latent or MLA: fit on real text, then uptrain.
 
   qkvlab retrofit IN OUT --to Q-K=V [--kv-heads N] [--layers SEL | --cache-budget F] [--steps N]
-  qkvlab retrofit IN OUT --to Q-K-V --kv-latent R [--steps N]
+  qkvlab retrofit IN OUT --to Q-K-V --kv-latent R [--rope-dim P] [--steps N]
 
-Which route: at equal cache bytes the latent keeps far more quality (SmolLM2-135M at half the cache,
-before any distillation: within x1.04 of the original where K=V's fit is x1.4-3.8), but every decode
-step rebuilds the cached keys (0.73x the original's tokens/s at 1 stream, 0.41x at 16 on a 2-core CPU)
-and no other engine reads it; K=V (0.87-0.91x on 15 layers) and MQA export to transformers and
-llama.cpp. Measured curves: docs/retrofit.md.
+Which route: at equal cache bytes the latent keeps far more quality than K=V or merged heads. With
+--rope-dim P it is DeepSeek's Multi-head Latent Attention (the latent plus one rotated key of P numbers
+shared by all heads): it decodes in the absorbed form, never rebuilding a key, and exports (`convert
+--to-hf deepseek`, `--to-gguf`) to the layout llama.cpp and vLLM cache. Without it the latent stays
+inside qkvlab. K=V and MQA export as stock Llama models, whose engines cache keys and values apart.
+Measured curves: docs/retrofit.md.
 
 IN: a qkvlab model folder (with its tokenizer/) or a Hugging Face GPT-2/Llama folder or .gguf.
 OUT: the retrofitted model folder, with fit/ (the fit alone), uptrain/ (the distillation run:

@@ -33,7 +33,7 @@ class ConvertConfig:
     )
     gguf_vocab: str | None = setting(
         None,
-        help="the GGUF whose tokenizer a --to-gguf file carries (default: the GGUF the model was imported or retrofitted from)",
+        help="the GGUF whose tokenizer a --to-gguf file carries (required unless IN is that GGUF: a path a model folder records is never opened)",
         metavar="FILE",
     )
     llama_bin: str | None = setting(

@@ -29,8 +29,7 @@ def compiled_step(mode: str = "default", device: torch.device | str = "cpu") -> 
     """decode_step under torch.compile (one wrapper per mode and device type). Use it with a static
     cache: its shapes never change, so torch compiles it once per (batch size, cache length) and never
     mid-decode. On the CPU inductor's C++ wrapper calls the step's kernels without Python between
-    them: SmolLM2-135M fp32, one stream, 14.9 ms a step against 17.5 with the Python wrapper and 19.1
-    eager (docs/results/speed)."""
+    them, which is what a one-stream step is short enough to feel (docs/results/speed)."""
     if mode not in COMPILE_MODES:
         raise UserError(f"compile mode {mode!r} is not allowed; use one of {', '.join(COMPILE_MODES)}")
     return _compiled(mode, device, dynamic=False)
@@ -108,9 +107,7 @@ def steady(step: Callable) -> Callable:
     model, cache and shapes; only the values change) with dynamo's guards skipped, bar those that tell
     its compiled graphs apart (torch.compiler.set_stance's skip_guard_eval_unsafe; safe here because
     every guard passed on the first call and nothing they check changes between steps). The eager step
-    is returned as it is. SmolLM2-135M's compiled step, fp32, one stream, 2 threads, avx2 EPYC: 1.05x
-    with the guards skipped (median round 1.02x; benchmarks/decode_guards.py), 1.13x in an earlier run
-    with a copy of the model each way."""
+    is returned as it is (what skipping the guards gains: benchmarks/decode_guards.py)."""
     if step is decode_step:
         return step
     first = True

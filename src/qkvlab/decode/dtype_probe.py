@@ -1,7 +1,7 @@
 """Training's and inference's `auto` dtype, decided by measurement: the one place the rule lives.
 
 CUDA trains under bf16 autocast. On the CPU whether bf16 autocast pays depends on the chip (AMX
-multiplies bf16 ~4x fp32; AVX512-BF16 without AMX trained the anchor model at 0.58x fp32) and on the
+multiplies bf16 several times faster than fp32; AVX512-BF16 without AMX can train slower than fp32) and on the
 width (autocast casts every Linear's input and weight at every step), so no CPU flag can decide it.
 `cpu_autocast` times a training step (forward and backward) of one block and the head at the
 model's width, heads, vocabulary and batch x length, in fp32 and under bf16 autocast (matmuls alone
@@ -15,9 +15,8 @@ greedy decode step of the model's own block shape (scheme, heads, MLP) and head,
 deep (so the weights leave the CPU's caches, as a real model's do), at the batch sizes it will run,
 with fp32 weights (in the decode layout generate would use) against bf16 weights, under "decode-..."
 keys. A decode step is not a training step: at batch 1 it reads every weight once (bf16 halves the
-bytes), at 16 rows its products are small matrix products (bf16 dot products can pay without AMX);
-on a 2-core AMD EPYC with AVX512-BF16 it measured bf16 ~1x fp32 at batch 1 and ~1.8x at 16 rows for
-SmolLM2-135M (benchmarks/decode_smollm2.py), so only the measurement can say.
+bytes), at 16 rows its products are small matrix products (bf16 dot products can pay without AMX;
+benchmarks/decode_smollm2.py), so only the measurement can say.
 """
 
 from __future__ import annotations

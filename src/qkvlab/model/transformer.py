@@ -32,9 +32,9 @@ def fixed_positions(cfg: ModelConfig, n: int) -> SinusoidalPositions | None:
     return SinusoidalPositions(n, cfg.d_model) if cfg.pos == "sinusoidal" else None
 
 
-# PyTorch runs an exact GELU on a CPU float32 tensor through oneDNN, which costs ~20 us a call
-# whatever the size; ATen's own kernel is ~10x faster up to ~64k elements (a decode step's
-# (B, 1, 4d) at batch <= 16) and oneDNN 1.5-3x faster beyond (2 threads; benchmarks/gelu_kernels.py).
+# PyTorch runs an exact GELU on a CPU float32 tensor through oneDNN, whose fixed cost per call
+# dominates small tensors; ATen's own kernel is faster up to ~64k elements (a decode step's
+# (B, 1, 4d) at batch <= 16) and oneDNN beyond (benchmarks/gelu_kernels.py).
 # The two agree to ~1e-6 (different erf approximations); float64 never takes the oneDNN path.
 GELU_ATEN_MAX = 1 << 16
 
@@ -45,7 +45,7 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     if x.numel() > GELU_ATEN_MAX or x.device.type != "cpu" or not mkldnn.enabled or torch.compiler.is_compiling():
         return F.gelu(x)
     # process-wide for the one call: both kernels are exact GELU (mkldnn.flags() would also reset
-    # three other flags and costs ~10 us more a call than this whole function)
+    # three other flags and costs more a call than this whole function)
     mkldnn.enabled = False
     try:
         return F.gelu(x)

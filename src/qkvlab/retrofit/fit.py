@@ -97,11 +97,10 @@ def _pool(w: torch.Tensor, b: torch.Tensor | None, r: int):
     return wp, None if b is None else b.view(h // r, r, -1).mean(1)
 
 
-def fit_layer(block, x: torch.Tensor, dst_scheme: str, dst_kv: int, pool: str, ridge: float = 1e-10, start="keys"):
-    """New fused in_proj rows, out_proj (weight, bias) and R² for one block; x: its (N, d) inputs."""
-    attn = block.attn
-    spec = attn.spec
-    nh, hd, src_kv = attn.n_head, attn.head_dim, attn.kv_heads
+def _fittable_roles(block, dst_kv: int) -> dict:
+    """The layer's role weights, refused unless it has learned, separate query and key projections and
+    `dst_kv` divides its key/value heads."""
+    spec, src_kv = block.attn.spec, block.attn.kv_heads
     roles = role_weights(block, spec)
     if any(roles[r] is None for r in ("q", "k", "v")) or spec.plus or spec.shared("q", "k"):
         raise UserError(
@@ -110,6 +109,14 @@ def fit_layer(block, x: torch.Tensor, dst_scheme: str, dst_kv: int, pool: str, r
         )
     if src_kv % dst_kv:
         raise UserError(f"kv_heads={dst_kv} must divide the layer's {src_kv} kv heads (heads are pooled, never split)")
+    return roles
+
+
+def fit_layer(block, x: torch.Tensor, dst_scheme: str, dst_kv: int, pool: str, ridge: float = 1e-10, start="keys"):
+    """New fused in_proj rows, out_proj (weight, bias) and R² for one block; x: its (N, d) inputs."""
+    attn = block.attn
+    nh, hd, src_kv = attn.n_head, attn.head_dim, attn.kv_heads
+    roles = _fittable_roles(block, dst_kv)
     r = src_kv // dst_kv
     f64 = lambda t: None if t is None else t.detach().double()  # noqa: E731
     wq, bq = map(f64, roles["q"])
@@ -260,15 +267,22 @@ def fit(
     new, out_cfg = with_layers(model, cfg, trial, trial.cfg, chosen)
     if refine.inputs == "converted" and refine.steps > 0:
         windows = calibration_windows(calib, calib_tokens, block, seed)  # the windows xs were read from
-        in_sequence = refine_in_sequence(new, model, chosen, windows, xs, refine)
-        for lf in report:
-            if lf.layer in in_sequence:
-                lf.error_in_model = in_sequence[lf.layer][1]
-                if say:
-                    say(
-                        f"layer {lf.layer}: in the converted model, output error {in_sequence[lf.layer][0]:.4f} -> {lf.error_in_model:.4f}"
-                    )
+        _refine_converted(new, model, chosen, windows, xs, refine, report, say)
     return FitResult(new, out_cfg, report, chosen)
+
+
+def _refine_converted(new, model, chosen, windows, xs, refine, report: list[LayerFit], say) -> None:
+    """Refine the chosen layers in sequence, each on the converted model's own inputs; the report's
+    `error_in_model` is then what each layer errs inside that model."""
+    in_sequence = refine_in_sequence(new, model, chosen, windows, xs, refine)
+    for lf in report:
+        if lf.layer in in_sequence:
+            lf.error_in_model = in_sequence[lf.layer][1]
+            if say:
+                say(
+                    f"layer {lf.layer}: in the converted model, output error {in_sequence[lf.layer][0]:.4f} -> "
+                    f"{lf.error_in_model:.4f}"
+                )
 
 
 def with_layers(model: GPT, cfg: ModelConfig, fitted: GPT, fitted_cfg: ModelConfig, layers: list[int]):

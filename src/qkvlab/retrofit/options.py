@@ -128,7 +128,7 @@ class RetrofitOptions:
             raise UserError(
                 f"--rest-lr {self.rest_lr} is for --train converted (--train all trains every weight at --lr)"
             )
-        if self.rest_lr is None:  # decided by measurement: docs/results/retrofit, "a tenth of the rate" (2026-12-06)
+        if self.rest_lr is None:  # decided by measurement: docs/results/retrofit, "a tenth of the rate"
             self.rest_lr = self.lr / 10 if self.train == "converted" else 0.0
         if self.layers is not None and self.cache_budget is not None:
             raise UserError("give --layers or --cache-budget, not both (the budget chooses the layers)")

@@ -36,8 +36,7 @@ def make_optimizer(
     lr_scale: Callable[[str], float] | None = None,
 ) -> torch.optim.AdamW:
     # fused kernels on CUDA (one launch for all parameters) and on the CPU (one pass over each tensor
-    # instead of one per elementwise op: 12 vs 52 ms per step at the 12M-parameter anchor, one thread,
-    # issue 18); the default foreach path elsewhere (MPS)
+    # instead of one per elementwise op; docs/results/speed); the default foreach path elsewhere (MPS)
     fused = device.type in ("cuda", "cpu")
     groups = param_groups(model, weight_decay, lr_scale)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
