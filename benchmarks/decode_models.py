@@ -1,11 +1,12 @@
 """Decoding speed of trained models side by side: e.g. a model and its retrofits (K=V, a key/value latent).
 
     python benchmarks/decode_models.py NAME=MODEL [NAME=MODEL ...] [--batches 1 16] [--prompt-len 200]
-        [--new-tokens 64] [--rounds 3] [--threads N] [--require-quiet] [--json FILE]
+        [--new-tokens 64] [--rounds 3] [--threads N] [--mode eager|compiled] [--require-quiet] [--json FILE]
 
 MODEL: anything `qkvlab generate` reads (a qkvlab model folder, a Hugging Face folder, a .gguf), in fp32.
 Each round runs every model once at each batch (random prompt tokens, the same for every model; greedy),
-in alternating order (reversed every other round), through generate's eager path (speed.time_decode);
+in alternating order (reversed every other round), through generate's path (speed.time_decode; eager, or
+compiled as `generate --compile` runs it, its compile time apart);
 the best round of each is printed with its KV-cache bytes per token and the ratio to the first model.
 A retrofit's cache is smaller but its step may cost more: a latent rebuilds every cached key each step.
 """
@@ -32,6 +33,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=positive_int, default=64)
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--mode", default="eager", help="eager (generate's default on the CPU) or compiled (generate --compile)"
+    )
     add_options(p)
     args = p.parse_args()
     run = ScriptRun(args, "decode_models")
@@ -50,11 +54,13 @@ def main() -> None:
         for r in range(args.rounds):
             for name in order if r % 2 == 0 else order[::-1]:
                 for b in args.batches:
-                    timings[name, b].append(time_decode(models[name], prompts[b], args.new_tokens))
+                    timings[name, b].append(time_decode(models[name], prompts[b], args.new_tokens, args.mode))
             print(f"round {r + 1} of {args.rounds} done", flush=True)
     figures = {"threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+    figures["mode"] = args.mode
     print(
-        f"\nfp32, {figures['threads']} threads, prompt {args.prompt_len} + {args.new_tokens} new, best of {args.rounds}"
+        f"\nfp32, {args.mode}, {figures['threads']} threads, prompt {args.prompt_len} + {args.new_tokens} new, "
+        f"best of {args.rounds}"
     )
     print("| model | cache bytes/token (fp32) | batch | prefill s | ms/step | tok/s | vs first | load |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")

@@ -62,7 +62,11 @@ def test_the_readme_figures_come_out(committed):
     assert (rest.wall_s, rest.load, rest.distill_tokens) == (6318.2, "not quiet", 1228800)
     fit = next(p for p in committed if p.source.startswith("smollm2_kvmqa18_fit/retrofit.json"))
     assert (fit.route, fit.distill_tokens, fit.wall_s, fit.load) == ("K=V+MQA", 0, None, "")
-    assert {p.route for p in committed} == {"K=V", "MQA", "K=V+MQA", "latent"}
+    assert ratios(committed, "MLA", 0.5, 307200, "mla/mla50/steps.json") == printed(moby_dick=1.035, sotu_2000=1.033)
+    assert ratios(committed, "MLA", 0.5, 0, "mla/mla50/steps.json") == printed(moby_dick=1.066, sotu_2000=1.091)
+    mla = next(p for p in committed if p.source == "mla/mla50/steps.json" and p.distill_tokens)
+    assert (mla.wall_s, mla.load, mla.ratio_hi) == (1813.0, "not quiet", pytest.approx(1.0493, abs=1e-4))
+    assert {p.route for p in committed} == {"K=V", "MQA", "K=V+MQA", "latent", "MLA"}
     keys = [(p.route, p.cache_fraction, p.distill_tokens, p.text, p.ppl, p.ppl_original) for p in committed]
     assert len(keys) == len(set(keys))  # a fit copied into several folders is one row
 
@@ -86,7 +90,7 @@ def results_copy(tmp_path: Path, report: dict, scores: list[dict]) -> Path:
     """The committed results (data files and README) with an MLA run folder beside them."""
     root = tmp_path / "retrofit"
     shutil.copytree(RESULTS, root, ignore=shutil.ignore_patterns("*.png", "*.log", "*.py", "points.csv"))
-    run = root / "mla" / "mla50"
+    run = root / "mla" / "test50"
     run.mkdir(parents=True)
     (run / "retrofit.json").write_text(json.dumps(report))
     (run / "scores.json").write_text(json.dumps({"source": "/work/smol", "run": "mla50", "rows": scores}))
@@ -103,17 +107,17 @@ def test_an_mla_run_joins(tmp_path, committed, monkeypatch):
     root = results_copy(tmp_path, report, [score_row(report, **{"moby-dick": 66.0, "sotu-2000": 28.0})])
     with open(root / "README.md", "a") as f:
         f.write("\nThe MLA run, 50%: fit and distillation quiet, nothing beside it.\n")
-    monkeypatch.setitem(points.LOAD_SAYS, "mla/mla50", "fit and distillation quiet, nothing beside it")
+    monkeypatch.setitem(points.LOAD_SAYS, "mla/test50", "fit and distillation quiet, nothing beside it")
     rows = points.collect(root)
-    mla = [p for p in rows if p.route == "MLA"]
-    assert [p for p in rows if p.route != "MLA"] == committed  # the rows before it do not move
+    mla = [p for p in rows if p.source.startswith("mla/test50")]
+    assert [p for p in rows if not p.source.startswith("mla/test50")] == committed  # the rows before it do not move
     by = {(p.distill_tokens, p.text): p for p in mla}
     assert sorted(by) == [(0, "shakespeare"), (307200, "moby-dick"), (307200, "shakespeare"), (307200, "sotu-2000")]
     fit, up = by[0, "shakespeare"], by[307200, "shakespeare"]
     assert (fit.ratio_lo, fit.ratio_hi, fit.wall_s, fit.load) == (1.08, 1.12, None, "")
     assert fit.ratio == pytest.approx(1.1, rel=1e-12) and fit.cache_fraction == 0.5
     assert (up.ratio_lo, up.ratio_hi, up.wall_s, up.load) == (1.01, 1.03, 2500.0, "quiet")
-    assert up.source == "mla/mla50/retrofit.json; mla/mla50/scores.json"
+    assert up.source == "mla/test50/retrofit.json; mla/test50/scores.json"
     moby = by[307200, "moby-dick"]
     assert moby.ppl_original == 64.07681375882211 and moby.ppl == 66.0  # smollm2_kv30_mix/curves.json's original
     assert (moby.wall_s, moby.load, moby.ratio_lo) == (2500.0, "quiet", None)
@@ -125,20 +129,20 @@ def test_an_mla_run_joins(tmp_path, committed, monkeypatch):
 def test_another_source_model_is_refused_unless_it_scores_its_original(tmp_path):
     report = mla_report(ppl_original=HELD_OUT_ORIGINAL * 1.05)
     root = results_copy(tmp_path, report, [score_row(report, **{"moby-dick": 66.0})])
-    with pytest.raises(UserError, match=r"mla/mla50: the original scores 45\.13 .* another source model"):
+    with pytest.raises(UserError, match=r"mla/test50: the original scores 45\.13 .* another source model"):
         points.collect(root)
     own = score_row(report, layers=0, **{"moby-dick": 60.0})
-    (root / "mla" / "mla50" / "scores.json").write_text(
+    (root / "mla" / "test50" / "scores.json").write_text(
         json.dumps({"rows": [own, score_row(report, **{"moby-dick": 66.0})]})
     )
-    moby = next(p for p in points.collect(root) if p.route == "MLA" and p.text == "moby-dick")
+    moby = next(p for p in points.collect(root) if p.source.startswith("mla/test50") and p.text == "moby-dick")
     assert (moby.ppl, moby.ppl_original) == (66.0, 60.0)
 
 
 def test_a_text_under_another_name_is_refused(tmp_path):
     report = mla_report()
     root = results_copy(tmp_path, report, [score_row(report, sotu=28.0)])
-    with pytest.raises(UserError, match=r"mla/mla50/scores.json: a row scores \['sotu'\]; the texts are named"):
+    with pytest.raises(UserError, match=r"mla/test50/scores.json: a row scores \['sotu'\]; the texts are named"):
         points.collect(root)
 
 

@@ -5,7 +5,9 @@ with its 95% interval over the windows, retrofit/scoring.py).
 Steps, cumulative: `rope` (RoPE kept on one head's worth, RoRoPE; the latent as wide as the keys and values, no
 norm), `latent` (the rank-R latent, no norm), `norm` (the latent norm, kept linear), `eps` (the main norms at the
 latent norm's eps: the model `qkvlab retrofit` fits before refining), `refined` (the per-layer refinement steps:
-the retrofit's fit) and, with --distilled RUN (a `qkvlab retrofit` OUT of the same SOURCE, R and P), `distilled`.
+the retrofit's fit, refined here on the original's inputs; --refine-steps 0 leaves it out) and, with --distilled RUN
+(a `qkvlab retrofit` OUT of the same SOURCE, R and P), `fit` (the run's own fit/, as `retrofit` refined it) and
+`distilled`.
 The held-out text is the retrofit's own split of --data (the run's tokens.safetensors with --distilled).
 
 Run: python docs/results/retrofit/mla_steps.py SOURCE OUT.json --rank R --rope-dim P [--distilled RUN]
@@ -84,6 +86,8 @@ def step_models(model, cfg, calib, args, say):
         layers = [fit_layer_at(b.attn, p, mcfg, stride, a, norm=norm) for b, p, a in zip(blocks, plans, alphas)]
         yield ("norm" if norm else "latent"), with_layers(model, layers, rotary)
     yield "eps", with_layers(model, layers, rotary, mcfg.norm_eps)
+    if args.refine_steps == 0:
+        return
     refine = RefineOptions(args.refine_steps, 1e-3, seed=0, inputs="original")
     for layer, b, x in zip(layers, blocks, xs):
         refine_layer(layer, b.attn, x, model.trunk.rotary, refine, new_rotary=rotary)
@@ -121,8 +125,9 @@ def main() -> None:
     base = {name: score(model, t) for name, t in texts.items()}
     rows = [{"step": "original", **{n: float(v.mean().exp()) for n, v in base.items()}}]
     models = step_models(model, cfg, calib, args, print)
-    if args.distilled is not None:
-        models = [*models, ("distilled", load_any(args.distilled).model.float().eval())]
+    if args.distilled is not None:  # the run's own fit (its fit/ folder), then the distilled model
+        fitted = [("fit", load_any(args.distilled / "fit").model.float().eval())]
+        models = [*models, *fitted, ("distilled", load_any(args.distilled).model.float().eval())]
     for name, m in models:
         t0 = time.perf_counter()
         row = {"step": name}

@@ -24,8 +24,8 @@ writes points.csv and points.png beside it, replacing its own earlier ones. One 
 - ratio_lo, ratio_hi: the 95% interval of ppl / ppl_original over the held-out windows, where the report has it
   (`qkvlab retrofit`'s ratio_fit / ratio_uptrained).
 
-MLA runs land as folders mla/NAME/ (retrofit.json as `qkvlab retrofit` writes it, scores.json from
-subset_of_distilled.py): a rerun adds them. Their load joins when LOAD_SAYS names the README's words for them.
+MLA runs land as folders mla/NAME/ (retrofit.json as `qkvlab retrofit` writes it, steps.json from mla_steps.py
+with --distilled: its fit and distilled rows on the other texts): a rerun adds them. Their load joins when LOAD_SAYS names the README's words for them.
 
 Not in a committed file, so not in points.csv:
 - the whole-run wall times, peak RSS and CPU shares the README states (e.g. 2:06:24 for smollm2_kv15_rest/);
@@ -66,6 +66,7 @@ ROUTES = ("K=V", "MQA", "GQA", "K=V+MQA", "K=V+GQA", "latent", "MLA")  # the ord
 SAME_ORIGINAL = 1e-3  # relative: further apart, a run's held-out original is another model's
 # run (folder, or report file) -> the README's words on what ran beside its distillation
 LOAD_SAYS = {
+    "mla/mla50": "mla/mla50: not measured quiet",
     "smollm2_kv15": "possibly while tests ran: not measured quiet",
     "smollm2_kv15_long": "not all quiet",
     "smollm2_kv15_lr1e-4_pilot": "the same fit as the 1,200-step run below; 9:12 wall, quiet",
@@ -183,18 +184,35 @@ def scored_points(rows: list[dict], originals: dict, source: str, route: str, ru
     return out
 
 
+def step_points(body: dict, source: str, route: str, own: list[Point]) -> list[Point]:
+    """mla_steps.py's file: the run's own fit and distilled model on the texts other than the held-out one
+    (which the report gives), each against the original on the same windows, with its interval."""
+    original = next(r for r in body["rows"] if r["step"] == "original")
+    out = []
+    for row, run in (
+        (r, own[0] if r["step"] == "fit" else own[-1]) for r in body["rows"] if r["step"] in ("fit", "distilled")
+    ):
+        for text in (t for t in TEXTS.values() if t != TEXTS["heldout"] and t in row):
+            ratio, lo, hi = row[text]
+            out.append(Point(route, run.cache_fraction, run.distill_tokens, text, ratio * original[text], original[text],
+                             run.wall_s, run.load, source, lo, hi))  # fmt: skip
+    return out
+
+
 def run_points(root: Path, folder: str, originals: dict, loads: dict) -> list[Point]:
     """A run folder: its retrofit.json, the scores (subset.json, scores.json ...) and curves.json beside it."""
     report = read_json(root, f"{folder}/retrofit.json")
     route = route_of(report["options"])
     own = report_points(report, f"{folder}/retrofit.json", route, loads.get(folder, ""))
     distilled = own[1] if len(own) > 1 else None
-    scores, curves = [], None
+    scores, curves, steps = [], None, []
     for path in sorted((root / folder).glob("*.json")):
         body = json.loads(path.read_text())
         rows = body.get("rows") if isinstance(body, dict) else None
         if path.name == "curves.json":
             curves = body
+        elif rows and "step" in rows[0]:
+            steps += step_points(body, f"{folder}/{path.name}", route, own)
         elif rows and "layers_converted" in rows[0]:
             scores.append((path.name, rows))
     mine, scored = {"heldout": report["ppl_original"]}, set()
@@ -208,7 +226,7 @@ def run_points(root: Path, folder: str, originals: dict, loads: dict) -> list[Po
             f"scores {originals['heldout']:.4g}: another source model; score the original on every text in the "
             "folder (a scores row with layers_converted 0)"
         )
-    out = list(own)
+    out = list(own) + steps
     for name, rows in scores:
         out += scored_points(rows, texts, f"{folder}/{name}", route, distilled)
     if curves:

@@ -170,7 +170,10 @@ class Attention(nn.Module):
         if T * self.n_head < rows.shape[2] * self.kv_heads:
             return self.absorbed(q_nope, q_pe, rows, attn_mask, dropout_p)
         k, v = self.expand_rows(rows)
-        return _sdpa(torch.cat((q_nope, q_pe), dim=-1), k, v, attn_mask, is_causal, self.scale, dropout_p)
+        if self.rope_dim:  # values as wide as the keys: SDPA's CPU flash kernel wants one width, else falls to math
+            v = F.pad(v, (0, self.rope_dim))  # (B, kvh, S, hd + p), zeros that only add zero outputs
+        y = _sdpa(torch.cat((q_nope, q_pe), dim=-1), k, v, attn_mask, is_causal, self.scale, dropout_p)
+        return y[..., :hd]
 
     def latent_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_uk and W_uv per kv head: (kvh, hd, r) each."""
@@ -194,7 +197,7 @@ class Attention(nn.Module):
         the one row tensor (as MQA reads its one head), so a step reads r + p numbers per cached token."""
         q_abs = self.absorbed_query(q_nope, q_pe)  # (B, nh, T, r + p)
         # the whole row as the value, its first r outputs kept: a sliced value tensor (a row stride of r + p) takes
-        # SDPA's CPU kernel off its fast path, at ~2x the time of the few extra outputs
+        # SDPA's CPU kernel off its fast path (one-token queries ride as one query per kv head: _sdpa)
         y = _sdpa(q_abs, rows, rows, attn_mask, False, self.scale, dropout_p)  # (B, nh, T, r + p)
         return self.lifted(y[..., : self.latent])
 
