@@ -104,7 +104,7 @@ def shard(model: nn.Module, env: Env, *, param_dtype: torch.dtype | None = None,
     are gathered in bf16, so sum(w) (its score scale) is summed from bf16-rounded values (docs/gpu.md).
     compile: each block compiled before it is sharded (torchtitan's order: no graph breaks at the
     FSDP hooks between blocks)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # imported for FSDP only: it is slow to import
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # startup: slow to import, FSDP only
 
     mesh = init_device_mesh(env.device.type, (env.world,))
     reduce = torch.float32 if param_dtype else None
