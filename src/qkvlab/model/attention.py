@@ -170,10 +170,7 @@ class Attention(nn.Module):
         if T * self.n_head < rows.shape[2] * self.kv_heads:
             return self.absorbed(q_nope, q_pe, rows, attn_mask, dropout_p)
         k, v = self.expand_rows(rows)
-        if self.rope_dim:  # values as wide as the keys: SDPA's CPU flash kernel wants one width, else falls to math
-            v = F.pad(v, (0, self.rope_dim))  # (B, kvh, S, hd + p), zeros that only add zero outputs
-        y = _sdpa(torch.cat((q_nope, q_pe), dim=-1), k, v, attn_mask, is_causal, self.scale, dropout_p)
-        return y[..., :hd]
+        return _sdpa(torch.cat((q_nope, q_pe), dim=-1), k, v, attn_mask, is_causal, self.scale, dropout_p)
 
     def latent_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_uk and W_uv per kv head: (kvh, hd, r) each."""
@@ -251,6 +248,10 @@ def ride_key_term(term: ScoreTerm2D, q, k, v, k_pos: torch.Tensor, scale: float)
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
     """SDPA with GQA: kv heads are shared by groups of query heads."""
+    width = v.shape[-1]
+    if width < k.shape[-1]:  # SDPA's CPU flash kernel takes keys and values of one width, else its math path
+        v = F.pad(v, (0, k.shape[-1] - width))  # zeros: outputs that are dropped
+        return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)[..., :width]
     B, hq, T, hd = q.shape
     hk = k.shape[1]
     if hq != hk and T == 1 and not is_causal and (attn_mask is None or attn_mask.shape[1] == 1):

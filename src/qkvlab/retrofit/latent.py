@@ -69,6 +69,15 @@ def out_metric_root(attn) -> torch.Tensor:
     return torch.block_diag(*blocks)
 
 
+def calibration_split(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's calibration windows xs (n, T, d) -> the fitted tokens (N, d) in float64, their second moment
+    XᵀX / N (d, d), and the held windows (the last n // 8, which no closed form reads; all of xs for one window)."""
+    n_check = max(1, len(xs) // 8) if len(xs) > 1 else 0
+    fit_x, check = (xs[:-n_check], xs[-n_check:]) if n_check else (xs, xs)
+    flat = fit_x.flatten(0, 1).double()
+    return flat, flat.T @ flat / len(flat), check
+
+
 def query_metric_root(attn, gram: torch.Tensor) -> torch.Tensor:
     """L (kv·hd, kv·hd), block-diagonal per kv group, float64: L Lᵀ = Σ_h W_Q,h G W_Q,hᵀ over the query heads h
     reading the group (G: the inputs' second moment), so that |Lᵀ Δk|² is the mean square a key error moves
@@ -145,10 +154,7 @@ def fit_latent_layer(attn, xs: torch.Tensor, rank: int, rotary, refine: RefineOp
     width = 2 * attn.kv_heads * attn.head_dim
     if not 0 < rank <= width:
         raise UserError(f"rank {rank} must be in [1, {width}] (2 · kv_heads · head_dim)")
-    n_check = max(1, len(xs) // 8) if len(xs) > 1 else 0
-    fit_x, check = (xs[:-n_check], xs[-n_check:]) if n_check else (xs, xs)
-    flat = fit_x.flatten(0, 1).double()
-    gram = flat.T @ flat / len(flat)
+    flat, gram, check = calibration_split(xs)
     w = attn.in_proj.weight.detach().double()
     wk, wv = w[role_rows(attn, "k")], w[role_rows(attn, "v")]
     root = out_metric_root(attn)

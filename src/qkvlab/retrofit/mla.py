@@ -46,7 +46,14 @@ from qkvlab.model.folder import build_model_from_state
 from qkvlab.model.positions import Rotary
 from qkvlab.model.transformer import GPT
 from qkvlab.retrofit.fit import FitResult, LayerFit, attention_inputs
-from qkvlab.retrofit.latent import ALPHAS, latent_factors, out_metric_root, query_metric_root, role_rows
+from qkvlab.retrofit.latent import (
+    ALPHAS,
+    calibration_split,
+    latent_factors,
+    out_metric_root,
+    query_metric_root,
+    role_rows,
+)
 from qkvlab.retrofit.refine import RefineOptions, output_error, refine_layer, targets
 
 LINEAR_LATENT_EPS = 1e4  # the latent norm's eps: a calibration token's latent (mean square <= 1) moves < 5e-5
@@ -195,10 +202,7 @@ class LayerPlan:
 
 
 def plan_layer(attn, xs: torch.Tensor, rotary) -> LayerPlan:
-    n_check = max(1, len(xs) // 8) if len(xs) > 1 else 0
-    fit_x, check = (xs[:-n_check], xs[-n_check:]) if n_check else (xs, xs)
-    flat = fit_x.flatten(0, 1).double()
-    gram = flat.T @ flat / len(flat)
+    flat, gram, check = calibration_split(xs)
     w = attn.in_proj.weight.detach().double()
     wq, wk = w[role_rows(attn, "q")], w[role_rows(attn, "k")]
     dirs = rope_directions(wq, wk, gram, attn.n_head, attn.kv_heads, attn.head_dim)
