@@ -28,6 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from qkvlab.base.loadavg import ScriptRun, add_options
 from qkvlab.decode.steps import decode_step, new_cache
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.transformer import GPT
@@ -124,7 +125,7 @@ def attention_read(cfg: ModelConfig, streams: int, context: int, reps: int, bloc
     slots = (tables[:, cols // block_size] * block_size + cols % block_size).flatten()
     k_dense = k_pool[slots].view(streams, context, hk, hd).transpose(1, 2).contiguous()  # (B, hk, S, hd)
     v_dense = v_pool[slots].view(streams, context, hk, hd).transpose(1, 2).contiguous()
-    q = torch.randn(streams, hk, hq // hk, hd)  # a group's queries as SDPA's rows, as attention._sdpa decodes
+    q = torch.randn(streams, hk, hq // hk, hd)  # a group's queries as SDPA's rows, as attention.sdpa decodes
     scale = hd**-0.5
 
     def gathered():
@@ -162,6 +163,7 @@ def ttft_ms(engine: Engine, prompt: tuple[int, ...]) -> float:
 @torch.inference_mode()
 def prefix_ttft(model, prefix: int) -> dict:
     engine = Engine(model, rows=2, token_budget=prefix + 64)
+    engine.warm_up()  # the paged read compiled before the clock starts, as `serve` does before listening
     base = tuple(j % 200 for j in range(prefix))
     first = ttft_ms(engine, base + (7, 8, 9))
     again = ttft_ms(engine, base + (10, 11, 12))
@@ -173,6 +175,7 @@ def prefix_ttft(model, prefix: int) -> dict:
 def itl_p99(model, decoders: int, long_prompt: int, budget: int, steps: int) -> dict:
     def run(admit: bool) -> float:
         engine = Engine(model, rows=decoders + 1, token_budget=budget)
+        engine.warm_up()
         stamps: list[list[float]] = [[] for _ in range(decoders)]
         for i in range(decoders):
             engine.submit(Request((i + 1, 2, 3), 10**6), lambda e, i=i: stamps[i].append(time.perf_counter()))
@@ -239,7 +242,9 @@ def main(argv=None) -> int:
     p.add_argument("--long-prompt", type=int, default=2000)
     p.add_argument("--budget", type=int, default=32, help="--max-num-batched-tokens of the ITL run")
     p.add_argument("--reps", type=int, default=10)
+    add_options(p)
     args = p.parse_args(argv)
+    run = ScriptRun(args, "serve_engine")
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = TINY if args.tiny else SMOLLM2
@@ -248,26 +253,28 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     cfg = ModelConfig(**shape).validate()
     print(f"threads {torch.get_num_threads()}, {args.streams} streams x {args.context} tokens", flush=True)
+    figures = {"threads": torch.get_num_threads(), "shape": "tiny" if args.tiny else "SmolLM2-135M"}
     if args.attention:
-        print("one layer's decode attention:", attention_read(cfg, args.streams, args.context, args.reps), flush=True)
-        return 0
+        figures["attention"] = attention_read(cfg, args.streams, args.context, args.reps)
+        print("one layer's decode attention:", figures["attention"], run.tag(), flush=True)
+        return run.finish(figures)
     only = set(args.only.split(","))
     model = GPT(cfg).eval()
     if "decode" in only:
-        print(
-            "decode step, paged vs contiguous:",
-            decode_paged_vs_contiguous(model, args.streams, args.context, args.reps),
-            flush=True,
-        )
+        figures["decode"] = decode_paged_vs_contiguous(model, args.streams, args.context, args.reps)
+        print("decode step, paged vs contiguous:", figures["decode"], run.tag(), flush=True)
     if "prefix" in only:
-        print("TTFT, cached prefix vs first:", prefix_ttft(model, args.prefix_tokens), flush=True)
+        figures["prefix"] = prefix_ttft(model, args.prefix_tokens)
+        print("TTFT, cached prefix vs first:", figures["prefix"], run.tag(), flush=True)
     if "itl" in only:
         steps = max(8, args.long_prompt // args.budget + 4)
-        print("inter-token p99, admitting vs not:", itl_p99(model, args.decoders, args.long_prompt, args.budget, steps))
+        figures["itl"] = itl_p99(model, args.decoders, args.long_prompt, args.budget, steps)
+        print("inter-token p99, admitting vs not:", figures["itl"], run.tag(), flush=True)
     if "health" in only:
         with tempfile.TemporaryDirectory() as tmp:
-            print("/health while a 4 MB prompt arrives:", health_while_4mb(tmp))
-    return 0
+            figures["health"] = health_while_4mb(tmp)
+            print("/health while a 4 MB prompt arrives:", figures["health"], run.tag(), flush=True)
+    return run.finish(figures)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from conftest import PLUS_SCHEMES, SCHEMES
 from qkvlab.base.devices import select_device
 from qkvlab.base.errors import UserError
 from qkvlab.decode.steps import decode_step, left_pad, new_cache, prefill
-from qkvlab.model.attention import Attention, _sdpa
+from qkvlab.model.attention import Attention, sdpa
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.positions import apply_rotary, encoding_2d
 from qkvlab.model.spec import parse_scheme
@@ -82,7 +82,7 @@ def legacy_forward(self, x, *, q_pos, rope=None, rope_k=None, cache=None, mask=N
     if attn_mask is None and self.causal and cache is None:
         attn_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
     attn_mask = additive if attn_mask is None else additive.masked_fill(~attn_mask, float("-inf"))
-    y = _sdpa(q, k, v, attn_mask, False, self.scale, 0.0)
+    y = sdpa(q, k, v, attn_mask, False, self.scale, 0.0)
     return self.out_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 

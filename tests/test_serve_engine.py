@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,12 +19,15 @@ httpx = pytest.importorskip("httpx")
 from qkvlab.decode.generate import generate  # noqa: E402
 from qkvlab.decode.sampling import Sampling  # noqa: E402
 from qkvlab.model.positions import apply_rotary  # noqa: E402
+from qkvlab.serve.decoding import runner_decoding  # noqa: E402
 from qkvlab.serve.engine import Engine  # noqa: E402
 from qkvlab.serve.kv_cache_manager import KVCacheManager  # noqa: E402
 from qkvlab.serve.paged import PagedStep  # noqa: E402
 from qkvlab.serve.paged_attention import decode_attention, read  # noqa: E402
 from qkvlab.serve.request import Event, Request, Sequence  # noqa: E402
+from qkvlab.serve.runner import ModelRunner  # noqa: E402
 from qkvlab.serve.sampler import Sampler  # noqa: E402
+from qkvlab.serve.scheduler import Work  # noqa: E402
 from test_serve import CONTEXT, FAMILIES, VOCAB, Running, model_dir, one_thread, tiny_model, tokens  # noqa: E402, F401
 
 GREEDY = Sampling(temperature=0.0)
@@ -53,8 +57,9 @@ def drive(engine: Engine, requests: list[Request], join_every: int = 3) -> dict[
 def test_chunked_prefill_and_shared_prefixes_give_each_request_its_tokens_alone(scheme, pos, kv, more):
     """A budget of 7 tokens a step (prompts in chunks, beside decodes), prompts sharing prefixes of whole
     blocks (found in the prefix cache), every scheme family, the key/value latent and MLA: greedy tokens
-    equal generate's alone, and decode steps read their blocks in place wherever the layout allows (all
-    but the "+" term and a latent whose keys rotate on read, which gather)."""
+    equal generate's alone, decode steps read their blocks in place wherever the layout allows (all but
+    the "+" term and a latent whose keys rotate on read, which gather), and there steps with chunks run
+    packed in one row."""
     model = tiny_model(scheme, pos, kv, **more)
     rng = random.Random(11)
     stem = tuple(rng.randrange(VOCAB) for _ in range(20))
@@ -62,11 +67,13 @@ def test_chunked_prefill_and_shared_prefixes_give_each_request_its_tokens_alone(
     engine = Engine(model, rows=3, block_size=4, token_budget=7)
     in_place = "+" not in scheme and not (more.get("kv_latent") and pos == "rope" and "rope_dim" not in more)
     assert engine.choices.paged_read == ("in place" if in_place else "gather")
-    steps = []
-    decode_batch = engine.runner.decode_batch
+    steps, packed = [], []
+    decode_batch, run_packed = engine.runner.decode_batch, engine.runner.packed
     engine.runner.decode_batch = lambda segments: steps.append(decode_batch(segments)) or steps[-1]
+    engine.runner.packed = lambda work, every: packed.append(len(work)) or run_packed(work, every)
     events = drive(engine, requests)
     assert steps and all(isinstance(b, PagedStep) == in_place for b in steps)
+    assert bool(packed) == in_place and (not in_place or max(packed) > 1)  # chunks beside decodes, one row
     for req, ev in zip(requests, events.values()):
         assert tokens(ev) == generate(model, [list(req.prompt)], req.max_tokens, GREEDY)[0]
     stats = engine.stats()
@@ -111,6 +118,22 @@ def test_the_compiled_read_equals_sdpa_over_the_gathered_keys(rows, hk, g, width
         eager = decode_attention(q, k_pool, v_pool, tables, lengths, 0.3, bs, *(rope or (None, None)), v_width)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     torch.testing.assert_close(eager, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("scheme,pos,kv,more", [x for x in LAYOUTS if "+" not in x[0] and not (x[3].get("kv_latent") and x[1] == "rope" and "rope_dim" not in x[3])], ids=str)  # fmt: skip
+def test_a_packed_step_of_decodes_and_chunks_equals_the_forward_without_a_cache(scheme, pos, kv, more):
+    """One row of a decode and two prefill chunks (one continuing a cached prefix, one new), in float64:
+    every token's logits equal the model's on each sequence alone, without a cache, to 1e-10."""
+    model = tiny_model(scheme, pos, kv, **more)
+    runner = ModelRunner(model, blocks=12, block_size=4, choices=runner_decoding(model))
+    rng = random.Random(3)
+    seqs = [SimpleNamespace(tokens=[rng.randrange(VOCAB) for _ in range(n)], table=t) for n, t in ((10, [0, 1, 2]), (13, [3, 4, 5, 6]), (4, [7, 8]))]  # fmt: skip
+    with torch.inference_mode():
+        runner.execute([Work(seqs[0], 0, 9), Work(seqs[1], 0, 5)], set())  # the cached parts
+        _, every = runner.execute([Work(seqs[0], 9, 1), Work(seqs[1], 5, 8), Work(seqs[2], 0, 4)], {0, 1, 2})
+        for i, (seq, start) in enumerate(zip(seqs, (9, 5, 0))):
+            alone = model(torch.tensor([seq.tokens]))[0][0, start:]
+            torch.testing.assert_close(every[i], alone, rtol=0, atol=1e-10)
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding():

@@ -144,7 +144,7 @@ class Attention(nn.Module):
         if self.score_term is not None:  # the "+" term inside the dot product: masks and kernels as without it
             k_pos = q_pos if cache is None else cache.key_positions()  # (B, S)
             q, k, v = ride_key_term(self.score_term, q, k, v, k_pos, self.scale)
-        y = _sdpa(q, k, v, attn_mask, is_causal, self.scale, self.dropout if self.training else 0.0)
+        y = sdpa(q, k, v, attn_mask, is_causal, self.scale, self.dropout if self.training else 0.0)
         if lift is not None:
             y = lift(y)  # (B, nh, T, r) -> (B, nh, T, hd)
         if self.score_term is not None:
@@ -170,7 +170,7 @@ class Attention(nn.Module):
         if T * self.n_head < rows.shape[2] * self.kv_heads:
             return self.absorbed(q_nope, q_pe, rows, attn_mask, dropout_p)
         k, v = self.expand_rows(rows)
-        return _sdpa(torch.cat((q_nope, q_pe), dim=-1), k, v, attn_mask, is_causal, self.scale, dropout_p)
+        return sdpa(torch.cat((q_nope, q_pe), dim=-1), k, v, attn_mask, is_causal, self.scale, dropout_p)
 
     def latent_maps(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_uk and W_uv per kv head: (kvh, hd, r) each."""
@@ -194,8 +194,8 @@ class Attention(nn.Module):
         the one row tensor (as MQA reads its one head), so a step reads r + p numbers per cached token."""
         q_abs = self.absorbed_query(q_nope, q_pe)  # (B, nh, T, r + p)
         # the whole row as the value, its first r outputs kept: a sliced value tensor (a row stride of r + p) takes
-        # SDPA's CPU kernel off its fast path (one-token queries ride as one query per kv head: _sdpa)
-        y = _sdpa(q_abs, rows, rows, attn_mask, False, self.scale, dropout_p)  # (B, nh, T, r + p)
+        # SDPA's CPU kernel off its fast path (one-token queries ride as one query per kv head: sdpa)
+        y = sdpa(q_abs, rows, rows, attn_mask, False, self.scale, dropout_p)  # (B, nh, T, r + p)
         return self.lifted(y[..., : self.latent])
 
     def absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
@@ -246,12 +246,13 @@ def ride_key_term(term: ScoreTerm2D, q, k, v, k_pos: torch.Tensor, scale: float)
     return q, k, F.pad(v, (0, pad))
 
 
-def _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
-    """SDPA with GQA: kv heads are shared by groups of query heads."""
+def sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
+    """SDPA with GQA (kv heads shared by groups of query heads) and values narrower than the keys (MLA):
+    q (B, hq, T, wk), k (B, hk, S, wk), v (B, hk, S, wv) -> (B, hq, T, wv)."""
     width = v.shape[-1]
     if width < k.shape[-1]:  # SDPA's CPU flash kernel takes keys and values of one width, else its math path
         v = F.pad(v, (0, k.shape[-1] - width))  # zeros: outputs that are dropped
-        return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)[..., :width]
+        return sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)[..., :width]
     B, hq, T, hd = q.shape
     hk = k.shape[1]
     if hq != hk and T == 1 and not is_causal and (attn_mask is None or attn_mask.shape[1] == 1):

@@ -168,6 +168,23 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, vocab), loss. With a cache, idx are the next tokens after
         those already cached; positions default to continuing each sequence."""
+        x = self.hidden(idx, cache=cache, positions=positions, token_mask=token_mask)
+        logits = self.lm_head(x)  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def hidden(
+        self,
+        idx: torch.Tensor,
+        *,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """What the head reads: idx (B, T) -> (B, T, C), the trunk's normed output (a caller that needs
+        the logits of a few positions applies lm_head to those alone)."""
         B, T = idx.shape
         if token_mask is not None and cache is None:
             raise ValueError("token_mask (padding) is supported with a KVCache only")
@@ -179,12 +196,7 @@ class GPT(nn.Module):
             else:
                 positions = torch.arange(T, device=idx.device)[None].expand(B, T)
         mask = cache.begin(positions, token_mask) if cache is not None else None
-        x = self.trunk(self.embed(idx, positions), positions, cache, mask)
-        logits = self.lm_head(x)  # (B, T, vocab)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        return self.trunk(self.embed(idx, positions), positions, cache, mask)
 
     def embed(self, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """idx (B, T) -> the residual stream the first block reads (B, T, C)."""

@@ -11,7 +11,13 @@ each layer writes the new token's tensors into their slots, then attends through
 (paged_attention.py, compiled), for every layout attention.py attends in place (all but the "+" term
 and a latent whose keys rotate on read; the runner gathers for those models).
 
-Any other step (`PagedBatch`): rows of `width` query tokens, each row one or more segments, a segment
+Any other step, where every layer attends in place (`PackedStep`): the step's tokens in one row, each
+segment's back to back, no padding (so the projections and the MLP compute the step's tokens and no
+more); each layer writes every new token into its slot, the decodes among them read their blocks in
+place as a decode step's rows do, and each prefill chunk gathers its own context (its slots, in
+position order) and attends to it causally from its start.
+
+Any other step of the other layouts (`PagedBatch`): rows of `width` query tokens, each row one or more segments, a segment
 one sequence's tokens [start, start + count) at those positions. Each layer writes every new token's
 tensors into its slot first, then gathers, per row, the slots of its segments' whole contexts into
 (rows, heads, S, width) (an index_select of rows computed once per step, one per layer and tensor),
@@ -29,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from qkvlab.model.attention import sdpa
+from qkvlab.model.positions import apply_rotary
 from qkvlab.serve.paged_attention import read
 
 
@@ -177,6 +185,79 @@ class PagedStepLayer:
         grouped = q.reshape(rows, keys.shape[1], hq // keys.shape[1], wk)  # query heads by kv head
         y = read(grouped, keys, self.store[v_source], step.tables, step.lengths, scale, step.store.block_size, cos, sin, v_width)  # fmt: skip
         return y.reshape(rows, hq, 1, y.shape[-1])
+
+    def key_positions(self) -> torch.Tensor:
+        return self.step.key_positions()
+
+
+class PackedStep:
+    """Any step of segments (row 0, back to back from column 0) whose layers all attend in place: one
+    row of every segment's tokens; decodes (one token) read their blocks in place, chunks gather."""
+
+    def __init__(self, store: PagedStore, segments: list[Segment]):
+        dev, B = store.device, store.block_size
+        self.store, self.tokens = store, sum(seg.count for seg in segments)
+        decodes = [seg for seg in segments if seg.count == 1]
+        self.decodes = PagedStep(store, decodes) if decodes else None
+        self.decode_cols = torch.tensor([seg.col for seg in decodes], dtype=torch.long, device=dev)
+        self.chunks = []  # (first column, tokens, the context's slots (S,), causal mask (tokens, S))
+        positions, write = [], []
+        for seg in segments:
+            cols = torch.arange(seg.context)
+            slots = torch.tensor(seg.table, dtype=torch.long)[cols // B] * B + cols % B
+            positions.append(cols[seg.start :])
+            write.append(slots[seg.start :])
+            if seg.count > 1:
+                mask = cols[None, :] <= cols[seg.start :, None]  # a query sees its sequence up to itself
+                self.chunks.append((seg.col, seg.count, slots.to(dev), mask.to(dev)))
+        self.positions = torch.cat(positions)[None].to(dev)  # (1, tokens)
+        self.write = torch.cat(write).to(dev)  # (tokens,)
+        # keys rotated on read take their rotation from one table over every position read: the
+        # decodes' block columns and the chunks' contexts (past the longest context, clamped)
+        longest = max(seg.context for seg in segments)
+        span = max(longest, self.decodes.kpos.shape[1] if decodes else 0)
+        self.kpos = torch.arange(span, device=dev).clamp(max=longest - 1)[None]  # (1, span)
+
+    def begin(self, positions: torch.Tensor, token_mask: torch.Tensor | None) -> None:
+        assert token_mask is None, "a packed step places its segments itself"
+
+    def key_positions(self) -> torch.Tensor:
+        return self.kpos
+
+    def layer(self, index: int) -> PackedLayer:
+        return PackedLayer(self, self.store.layers[index])
+
+
+class PackedLayer:
+    reads_in_place = True  # attention calls attend (model/attention.py)
+
+    def __init__(self, step: PackedStep, store: dict[int, torch.Tensor]):
+        self.step, self.store = step, store
+
+    def attend(self, q, new, k_source: int, v_source: int, scale: float, rope_k=None, v_width=None) -> torch.Tensor:
+        """As PagedStepLayer.attend, for one row of the step's tokens: q (1, hq, tokens, wk); new
+        {source: (1, h, tokens, w)} -> (1, hq, tokens, wv)."""
+        step = self.step
+        for source, t in new.items():
+            buf = self.store[source]
+            buf.index_copy_(0, step.write, t[0].transpose(0, 1).to(buf.dtype))  # (tokens, h, w) into their slots
+        keys, values = self.store[k_source], self.store[v_source]
+        hq, wk, hk = q.shape[1], q.shape[3], keys.shape[1]
+        wv = values.shape[-1] if v_width is None else v_width
+        cos, sin = (rope_k[0][0, 0], rope_k[1][0, 0]) if rope_k is not None else (None, None)  # (span, wk)
+        y = q.new_empty(1, hq, step.tokens, wv)
+        if step.decodes is not None:
+            d = step.decodes
+            grouped = q[0, :, step.decode_cols].transpose(0, 1).reshape(-1, hk, hq // hk, wk)  # (decodes, hk, g, wk)
+            out = read(grouped, keys, values, d.tables, d.lengths, scale, step.store.block_size, cos, sin, v_width)
+            y[0].index_copy_(1, step.decode_cols, out.reshape(-1, hq, wv).transpose(0, 1))
+        for col, count, slots, mask in step.chunks:
+            k = keys.index_select(0, slots).transpose(0, 1)[None]  # (1, hk, S, wk)
+            v = values.index_select(0, slots).transpose(0, 1)[None, ..., :wv]  # (1, hk, S, wv)
+            if cos is not None:
+                k = apply_rotary(k, cos[: len(slots)], sin[: len(slots)])
+            y[:, :, col : col + count] = sdpa(q[:, :, col : col + count], k, v, mask, False, scale, 0.0)
+        return y
 
     def key_positions(self) -> torch.Tensor:
         return self.step.key_positions()

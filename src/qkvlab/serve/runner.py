@@ -3,7 +3,9 @@
 A step of decodes alone (one token per sequence) is one row per sequence, what `decode_step` (or its
 compiled form) runs on a `PagedStep`: attention reads each row's blocks in place (paged.py,
 paged_attention.py), through the decode-time tree of the layout up to LAYOUT_MAX_BATCH rows
-(decoding.py). Any other step's work (prefill chunks and decodes) is laid out in rows of `width`
+(decoding.py). A step with prefill chunks, where decodes read in place, is one row of all its tokens
+(`PackedStep`: no padding, the head applied to each chunk's last token alone). Otherwise (the "+"
+term, a latent whose keys rotate on read, a read that did not compile) its work is laid out in rows of `width`
 tokens, width the longest chunk: each chunk longer than half a row has a row of its own, shorter ones
 (decodes) share rows, first fit, while a row's tokens fit its width and its segments' contexts fit the
 step's longest context (so sharing never widens what attention reads); its keys and values are
@@ -28,7 +30,7 @@ from qkvlab.base.errors import UserError
 from qkvlab.decode.steps import decode_step
 from qkvlab.serve.decoding import RunnerDecoding
 from qkvlab.serve.kv_cache_manager import blocks_for
-from qkvlab.serve.paged import PagedBatch, PagedStep, PagedStore, Segment
+from qkvlab.serve.paged import PackedStep, PagedBatch, PagedStep, PagedStore, Segment
 from qkvlab.serve.scheduler import Work
 
 WARM_UP_SHAPES = ((1, [4]), (2, [2, 3]))  # (sequences, positions) compiled at start: see ModelRunner.warm_up
@@ -44,6 +46,8 @@ class ModelRunner:
     def execute(self, work: list[Work], every: set[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """One forward over `work` -> logits (len(work), V) after each chunk's last token, and for the
         indices in `every` the logits after each of its tokens (count, V)."""
+        if max(w.count for w in work) > 1 and self.packs():
+            return self.packed(work, every)
         segments, rows, width = layout(work)
         if width == 1:
             tokens = torch.tensor([w.seq.tokens[w.start] for w in work], device=self.device)
@@ -58,6 +62,25 @@ class ModelRunner:
             logits, _ = self.model(idx.to(self.device), cache=batch, positions=batch.positions)  # (rows, width, V)
         last = torch.stack([logits[s.row, s.col + s.count - 1] for s in segments])
         return last, {i: logits[segments[i].row, segments[i].col : segments[i].col + segments[i].count] for i in every}
+
+    def packs(self) -> bool:
+        """Steps with prefill chunks run packed (PackedStep): where the decodes beside them read in place."""
+        if self.choices.paged_read == "in place" and not self.read_ready:
+            self.warm_up_read()
+        return self.choices.paged_read == "in place"
+
+    def packed(self, work: list[Work], every: set[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`execute` as one row of the step's tokens, the head applied only where logits are asked for."""
+        segments, col = [], 0
+        for w in work:
+            segments.append(Segment(0, col, w.start, w.count, w.seq.table))
+            col += w.count
+        batch = PackedStep(self.store, segments)
+        idx = torch.tensor([t for w in work for t in w.seq.tokens[w.start : w.start + w.count]], device=self.device)
+        x = self.model.hidden(idx[None], cache=batch, positions=batch.positions)[0]  # (tokens, C)
+        ends = [s.col + s.count - 1 for s in segments]
+        last = self.model.lm_head(x[ends])  # (len(work), V)
+        return last, {i: self.model.lm_head(x[segments[i].col : segments[i].col + segments[i].count]) for i in every}
 
     def decode_batch(self, segments: list[Segment]) -> PagedStep | PagedBatch:
         """A decode step's view of the cache: read in place, once that read is compiled, else gathered."""

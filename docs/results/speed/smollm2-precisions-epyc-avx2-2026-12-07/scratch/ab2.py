@@ -10,7 +10,7 @@ from qkvlab.decode import compiled as C, steps as S
 from qkvlab.decode.choices import model_choices
 import qkvlab.model.attention as A
 torch.set_num_threads(2)
-ORIG = A._sdpa
+ORIG = A.sdpa
 def mulsum_sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
     B, hq, T, hd = q.shape
     hk = k.shape[1]
@@ -23,7 +23,7 @@ def mulsum_sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p):
         return (p[..., None] * v[:, :, None]).sum(-2).reshape(B, hq, 1, hd)
     return ORIG(q, k, v, attn_mask, is_causal, scale, dropout_p)
 def patch(v):
-    A._sdpa = mulsum_sdpa if "mulsum" in v else ORIG
+    A.sdpa = mulsum_sdpa if "mulsum" in v else ORIG
 model = load_any(default_gguf()).model.eval()
 if "--tiny" in sys.argv:
     model = GPT(dataclasses.replace(model.cfg, d_model=64, mlp_hidden=64, vocab_size=64)).eval()
