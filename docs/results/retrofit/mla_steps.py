@@ -12,6 +12,7 @@ The held-out text is the retrofit's own split of --data (the run's tokens.safete
 
 Run: python docs/results/retrofit/mla_steps.py SOURCE OUT.json --rank R --rope-dim P [--distilled RUN]
          [--data SOURCE] [--text NAME=PATH ...] [--refine-steps 150] [--calib-tokens 8192] [--eval-tokens 8192]
+         [--run-only]   (with --distilled: the run's fit and distilled model alone, no cumulative steps)
 """
 
 from __future__ import annotations
@@ -106,8 +107,11 @@ def main() -> None:
     ap.add_argument("--refine-steps", type=int, default=150)
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--eval-tokens", type=int, default=8192)
+    ap.add_argument("--run-only", action="store_true", help="score only --distilled's fit and distilled models")
     add_options(ap)
     args = ap.parse_args()
+    if args.run_only and args.distilled is None:
+        raise SystemExit("--run-only scores a run's own models: give the run with --distilled RUN")
     if args.out.exists():
         raise SystemExit(f"{args.out} exists; choose another OUT")
     run = ScriptRun(args, "mla_steps")
@@ -124,7 +128,7 @@ def main() -> None:
     score = lambda m, t: window_nll(m, t, block=block, max_tokens=args.eval_tokens)  # noqa: E731
     base = {name: score(model, t) for name, t in texts.items()}
     rows = [{"step": "original", **{n: float(v.mean().exp()) for n, v in base.items()}}]
-    models = step_models(model, cfg, calib, args, print)
+    models = [] if args.run_only else step_models(model, cfg, calib, args, print)
     if args.distilled is not None:  # the run's own fit (its fit/ folder), then the distilled model
         fitted = [("fit", load_any(args.distilled / "fit").model.float().eval())]
         models = [*models, *fitted, ("distilled", load_any(args.distilled).model.float().eval())]
