@@ -66,6 +66,7 @@ ROUTES = ("K=V", "MQA", "GQA", "K=V+MQA", "K=V+GQA", "latent", "MLA")  # the ord
 SAME_ORIGINAL = 1e-3  # relative: further apart, a run's held-out original is another model's
 # run (folder, or report file) -> the README's words on what ran beside its distillation
 LOAD_SAYS = {
+    "mla/mla25": "mla/mla25: not measured quiet",
     "mla/mla50": "mla/mla50: not measured quiet",
     "smollm2_kv15": "possibly while tests ran: not measured quiet",
     "smollm2_kv15_long": "not all quiet",
