@@ -66,6 +66,11 @@ class Segment:
     def context(self) -> int:
         return self.start + self.count
 
+    def slots(self, block_size: int) -> torch.Tensor:
+        """The pool slot of each of its context's positions [0, context): (context,)."""
+        cols = torch.arange(self.context)
+        return torch.tensor(self.table, dtype=torch.long)[cols // block_size] * block_size + cols % block_size
+
 
 class PagedBatch:
     """One forward over `rows` x `width` tokens whose keys and values live in `store`."""
@@ -86,8 +91,7 @@ class PagedBatch:
         qseg = torch.full((rows, width), -2, dtype=torch.long)
         write = torch.full((rows, width), store.null_slot, dtype=torch.long)
         for i, (seg, k0) in enumerate(zip(segments, offsets)):
-            cols = torch.arange(seg.context)
-            slots = torch.tensor(seg.table, dtype=torch.long)[cols // B] * B + cols % B
+            cols, slots = torch.arange(seg.context), seg.slots(B)
             read[seg.row, k0 : k0 + seg.context] = slots
             kpos[seg.row, k0 : k0 + seg.context] = cols
             kseg[seg.row, k0 : k0 + seg.context] = i
@@ -175,13 +179,17 @@ class PagedStepLayer:
         """q (rows, hq, 1, wk); new {source: (rows, h, 1, w)}, written into their slots first; rope_k:
         cos, sin (1, 1, n * block_size, wk) at `key_positions`, to rotate keys on read; v_width: the
         values are the first v_width numbers of v_source's -> (rows, hq, 1, wv)."""
-        step = self.step
         for source, t in new.items():
             buf = self.store[source]
-            buf.index_copy_(0, step.write, t[:, :, 0].to(buf.dtype))
+            buf.index_copy_(0, self.step.write, t[:, :, 0].to(buf.dtype))
+        return self.read(q, k_source, v_source, scale, rope_k, v_width)
+
+    def read(self, q, k_source: int, v_source: int, scale: float, rope_k=None, v_width=None) -> torch.Tensor:
+        """Attention over what the blocks hold, nothing written: q (rows, hq, 1, wk) -> (rows, hq, 1, wv)."""
+        step = self.step
         rows, hq, _, wk = q.shape
         keys = self.store[k_source]
-        cos, sin = (rope_k[0][0, 0], rope_k[1][0, 0]) if rope_k is not None else (None, None)
+        cos, sin = rotation(rope_k)
         grouped = q.reshape(rows, keys.shape[1], hq // keys.shape[1], wk)  # query heads by kv head
         y = read(grouped, keys, self.store[v_source], step.tables, step.lengths, scale, step.store.block_size, cos, sin, v_width)  # fmt: skip
         return y.reshape(rows, hq, 1, y.shape[-1])
@@ -203,8 +211,7 @@ class PackedStep:
         self.chunks = []  # (first column, tokens, the context's slots (S,), causal mask (tokens, S))
         positions, write = [], []
         for seg in segments:
-            cols = torch.arange(seg.context)
-            slots = torch.tensor(seg.table, dtype=torch.long)[cols // B] * B + cols % B
+            cols, slots = torch.arange(seg.context), seg.slots(B)
             positions.append(cols[seg.start :])
             write.append(slots[seg.start :])
             if seg.count > 1:
@@ -242,22 +249,26 @@ class PackedLayer:
             buf = self.store[source]
             buf.index_copy_(0, step.write, t[0].transpose(0, 1).to(buf.dtype))  # (tokens, h, w) into their slots
         keys, values = self.store[k_source], self.store[v_source]
-        hq, wk, hk = q.shape[1], q.shape[3], keys.shape[1]
         wv = values.shape[-1] if v_width is None else v_width
-        cos, sin = (rope_k[0][0, 0], rope_k[1][0, 0]) if rope_k is not None else (None, None)  # (span, wk)
-        y = q.new_empty(1, hq, step.tokens, wv)
+        cos, sin = rotation(rope_k)  # (span, wk)
+        y = q.new_empty(1, q.shape[1], step.tokens, wv)
         if step.decodes is not None:
-            d = step.decodes
-            grouped = q[0, :, step.decode_cols].transpose(0, 1).reshape(-1, hk, hq // hk, wk)  # (decodes, hk, g, wk)
-            out = read(grouped, keys, values, d.tables, d.lengths, scale, step.store.block_size, cos, sin, v_width)
-            y[0].index_copy_(1, step.decode_cols, out.reshape(-1, hq, wv).transpose(0, 1))
+            rows = q[0, :, step.decode_cols].transpose(0, 1)[:, :, None]  # (decodes, hq, 1, wk)
+            out = PagedStepLayer(step.decodes, self.store).read(rows, k_source, v_source, scale, rope_k, v_width)
+            y[0].index_copy_(1, step.decode_cols, out[:, :, 0].transpose(0, 1))
         for col, count, slots, mask in step.chunks:
             k = keys.index_select(0, slots).transpose(0, 1)[None]  # (1, hk, S, wk)
-            v = values.index_select(0, slots).transpose(0, 1)[None, ..., :wv]  # (1, hk, S, wv)
+            # K=V and MLA read one tensor as both: gathered once, the values a view of it
+            v = k if v_source == k_source else values.index_select(0, slots).transpose(0, 1)[None]
             if cos is not None:
                 k = apply_rotary(k, cos[: len(slots)], sin[: len(slots)])
-            y[:, :, col : col + count] = sdpa(q[:, :, col : col + count], k, v, mask, False, scale, 0.0)
+            y[:, :, col : col + count] = sdpa(q[:, :, col : col + count], k, v[..., :wv], mask, False, scale, 0.0)
         return y
 
     def key_positions(self) -> torch.Tensor:
         return self.step.key_positions()
+
+
+def rotation(rope_k) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """cos, sin (1, 1, span, wk) at a step's key positions -> (span, wk) each, or (None, None) without rotation."""
+    return (rope_k[0][0, 0], rope_k[1][0, 0]) if rope_k is not None else (None, None)

@@ -64,7 +64,8 @@ class ModelRunner:
         return last, {i: logits[segments[i].row, segments[i].col : segments[i].col + segments[i].count] for i in every}
 
     def packs(self) -> bool:
-        """Steps with prefill chunks run packed (PackedStep): where the decodes beside them read in place."""
+        """The cache is read in place (its read compiled first, if not yet): decode steps read their blocks
+        where they lie, and steps with prefill chunks run packed (PackedStep)."""
         if self.choices.paged_read == "in place" and not self.read_ready:
             self.warm_up_read()
         return self.choices.paged_read == "in place"
@@ -84,9 +85,7 @@ class ModelRunner:
 
     def decode_batch(self, segments: list[Segment]) -> PagedStep | PagedBatch:
         """A decode step's view of the cache: read in place, once that read is compiled, else gathered."""
-        if self.choices.paged_read == "in place" and not self.read_ready:
-            self.warm_up_read()
-        if self.choices.paged_read == "in place":
+        if self.packs():
             return PagedStep(self.store, segments)
         return PagedBatch(self.store, segments, len(segments), 1)
 
