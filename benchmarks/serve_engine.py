@@ -5,7 +5,8 @@
    the three alternated in each round (the pool and the cache filled without a prefill: the step's
    cost does not depend on what the keys hold);
 2. TTFT of a request whose --prefix-tokens prefix was served before, vs the first (prefix cache);
-3. inter-token p99 of --decoders streams while a --long-prompt prompt is admitted, vs without;
+3. inter-token p99 of --decoders streams while a --long-prompt prompt is admitted under --budget, vs
+   without it: medians of --rounds runs of each, alternated;
 4. /health latency while a 4 MB prompt arrives (qkvlab serve on a tiny model, bytes tokenizer).
 
 --attention measures one layer's decode attention alone at the same streams and context (the read
@@ -33,7 +34,7 @@ from qkvlab.decode.steps import decode_step, new_cache
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.transformer import GPT
 from qkvlab.serve.engine import Engine
-from qkvlab.serve.kv_cache_manager import blocks_for
+from qkvlab.serve.kv_cache_manager import blocks_for, default_block_size
 from qkvlab.serve.paged_attention import read
 from qkvlab.serve.request import Request
 
@@ -65,11 +66,18 @@ def rounds(ways: dict, reps: int) -> dict[str, float]:
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
-def filled_engine(model, streams: int, context: int, reps: int) -> Engine:
+def filled_engine(model, streams: int, context: int, reps: int, block_size: int) -> Engine:
     """An engine running `streams` sequences whose first context - 1 tokens the pool holds (blocks
     taken, nothing computed): its next steps are decode steps at `context` tokens."""
     longest = context + 2 * reps + 8
-    engine = Engine(model, rows=streams, context=longest, token_budget=streams * longest, prefix_caching=False)
+    engine = Engine(
+        model,
+        rows=streams,
+        context=longest,
+        block_size=block_size,
+        token_budget=streams * longest,
+        prefix_caching=False,
+    )
     for i in range(streams):
         engine.submit(
             Request(tuple((i + j) % 200 for j in range(context)), 10**6, stop_ids=frozenset()), lambda e: None
@@ -84,8 +92,8 @@ def filled_engine(model, streams: int, context: int, reps: int) -> Engine:
 
 
 @torch.inference_mode()
-def decode_paged_vs_contiguous(model, streams: int, context: int, reps: int) -> dict:
-    engine = filled_engine(model, streams, context, reps)
+def decode_paged_vs_contiguous(model, streams: int, context: int, reps: int, block_size: int) -> dict:
+    engine = filled_engine(model, streams, context, reps, block_size)
     engine.warm_up()  # the in-place read compiled (the model's layout reads in place)
     decoding = engine.choices
 
@@ -112,7 +120,7 @@ def decode_paged_vs_contiguous(model, streams: int, context: int, reps: int) -> 
 
 
 @torch.inference_mode()
-def attention_read(cfg: ModelConfig, streams: int, context: int, reps: int, block_size: int = 16) -> dict:
+def attention_read(cfg: ModelConfig, streams: int, context: int, reps: int, block_size: int) -> dict:
     """One layer's decode attention, `streams` rows of `context` keys, as the engine reads them (its
     blocks scattered over the pool) and as one contiguous cache holds them."""
     hq, hk, hd = cfg.n_head, cfg.n_kv_heads, cfg.head_dim
@@ -161,8 +169,8 @@ def ttft_ms(engine: Engine, prompt: tuple[int, ...]) -> float:
 
 
 @torch.inference_mode()
-def prefix_ttft(model, prefix: int) -> dict:
-    engine = Engine(model, rows=2, token_budget=prefix + 64)
+def prefix_ttft(model, prefix: int, block_size: int) -> dict:
+    engine = Engine(model, rows=2, block_size=block_size, token_budget=prefix + 64)
     engine.warm_up()  # the paged read compiled before the clock starts, as `serve` does before listening
     base = tuple(j % 200 for j in range(prefix))
     first = ttft_ms(engine, base + (7, 8, 9))
@@ -172,27 +180,44 @@ def prefix_ttft(model, prefix: int) -> dict:
 
 
 @torch.inference_mode()
-def itl_p99(model, decoders: int, long_prompt: int, budget: int, steps: int) -> dict:
-    def run(admit: bool) -> float:
-        engine = Engine(model, rows=decoders + 1, token_budget=budget)
+def itl_p99(model, decoders: int, long_prompt: int, budget: int, steps: int, block_size: int, repeats: int) -> dict:
+    def run(admit: bool) -> tuple[float, float | None]:
+        engine = Engine(model, rows=decoders + 1, block_size=block_size, token_budget=budget)
         engine.warm_up()
         stamps: list[list[float]] = [[] for _ in range(decoders)]
         for i in range(decoders):
             engine.submit(Request((i + 1, 2, 3), 10**6), lambda e, i=i: stamps[i].append(time.perf_counter()))
         for _ in range(3):
             engine.step()
+        first: list[float] = []  # when the admitted prompt's first token came
+        t0 = time.perf_counter()
         if admit:
-            engine.submit(Request(tuple(j % 200 for j in range(long_prompt)), 1), lambda e: None)
+            engine.submit(
+                Request(tuple(j % 200 for j in range(long_prompt)), 1), lambda e: first.append(time.perf_counter())
+            )
         for _ in range(steps):
             engine.step()
         engine.stop()
         gaps = sorted(b - a for s in stamps for a, b in zip(s[3:], s[4:]))
         if not gaps:
             raise SystemExit(f"no inter-token gaps measured (tokens per stream: {[len(s) for s in stamps]})")
-        return 1e3 * gaps[int(0.99 * (len(gaps) - 1))]
+        return 1e3 * gaps[int(0.99 * (len(gaps) - 1))], (1e3 * (first[0] - t0) if first else None)
 
-    quiet, busy = run(False), run(True)
-    return {"without_ms": quiet, "admitting_ms": busy, "ratio": busy / quiet}
+    quiet, busy, ttft = [], [], []
+    for _ in range(repeats):  # alternated, so a slow spell of the machine falls on both
+        quiet.append(run(False)[0])
+        p99, first = run(True)
+        busy.append(p99)
+        ttft.append(first)
+    without, admitting = statistics.median(quiet), statistics.median(busy)
+    return {
+        "without_ms": without,
+        "admitting_ms": admitting,
+        "ratio": admitting / without,
+        "prompt_ttft_ms": statistics.median(ttft),
+        "budget": budget,
+        "rounds": {"without_ms": quiet, "admitting_ms": busy, "prompt_ttft_ms": ttft},
+    }
 
 
 def health_while_4mb(tmp: str) -> dict:
@@ -242,6 +267,10 @@ def main(argv=None) -> int:
     p.add_argument("--long-prompt", type=int, default=2000)
     p.add_argument("--budget", type=int, default=32, help="--max-num-batched-tokens of the ITL run")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3, help="ITL runs without and with the prompt, alternated (medians)")
+    p.add_argument(
+        "--block-size", type=int, default=default_block_size("cpu"), help="tokens per cache block (default: the CPU's)"
+    )
     add_options(p)
     args = p.parse_args(argv)
     run = ScriptRun(args, "serve_engine")
@@ -249,26 +278,32 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     shape = TINY if args.tiny else SMOLLM2
     if args.tiny:
-        args.context, args.prefix_tokens, args.long_prompt, args.reps = 64, 48, 64, 3
+        args.context, args.prefix_tokens, args.long_prompt, args.reps, args.rounds = 64, 48, 64, 3, 1
     torch.manual_seed(0)
     cfg = ModelConfig(**shape).validate()
     print(f"threads {torch.get_num_threads()}, {args.streams} streams x {args.context} tokens", flush=True)
-    figures = {"threads": torch.get_num_threads(), "shape": "tiny" if args.tiny else "SmolLM2-135M"}
+    figures = {
+        "threads": torch.get_num_threads(),
+        "shape": "tiny" if args.tiny else "SmolLM2-135M",
+        "block_size": args.block_size,
+    }
     if args.attention:
-        figures["attention"] = attention_read(cfg, args.streams, args.context, args.reps)
+        figures["attention"] = attention_read(cfg, args.streams, args.context, args.reps, args.block_size)
         print("one layer's decode attention:", figures["attention"], run.tag(), flush=True)
         return run.finish(figures)
     only = set(args.only.split(","))
     model = GPT(cfg).eval()
     if "decode" in only:
-        figures["decode"] = decode_paged_vs_contiguous(model, args.streams, args.context, args.reps)
+        figures["decode"] = decode_paged_vs_contiguous(model, args.streams, args.context, args.reps, args.block_size)
         print("decode step, paged vs contiguous:", figures["decode"], run.tag(), flush=True)
     if "prefix" in only:
-        figures["prefix"] = prefix_ttft(model, args.prefix_tokens)
+        figures["prefix"] = prefix_ttft(model, args.prefix_tokens, args.block_size)
         print("TTFT, cached prefix vs first:", figures["prefix"], run.tag(), flush=True)
     if "itl" in only:
-        steps = max(8, args.long_prompt // args.budget + 4)
-        figures["itl"] = itl_p99(model, args.decoders, args.long_prompt, args.budget, steps)
+        steps = max(8, args.long_prompt // max(1, args.budget - args.decoders) + 4)  # the prompt's chunks and a few
+        figures["itl"] = itl_p99(
+            model, args.decoders, args.long_prompt, args.budget, steps, args.block_size, args.rounds
+        )
         print("inter-token p99, admitting vs not:", figures["itl"], run.tag(), flush=True)
     if "health" in only:
         with tempfile.TemporaryDirectory() as tmp:

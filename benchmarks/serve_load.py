@@ -320,6 +320,8 @@ class Server:
         cmd += ["--cache-memory", str(cache_bytes), "--dtype", args.dtype, "--device", args.device]
         if args.max_model_len:
             cmd += ["--max-model-len", str(args.max_model_len)]
+        if args.block_size:
+            cmd += ["--block-size", str(args.block_size)]
         if args.tokenizer:
             cmd += ["--tokenizer", args.tokenizer]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -713,6 +715,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     srv.add_argument("--cache-memory", metavar="SIZE", help="every server's --cache-memory (needed with --serve)")
     srv.add_argument("--qkv-sequences", type=positive_int, default=4, help="default mode: room for this many Q-K-V")
     srv.add_argument("--max-model-len", type=positive_int, help="the servers' --max-model-len")
+    srv.add_argument("--block-size", type=positive_int, help="the servers' --block-size (default: serve's)")
     srv.add_argument("--tokenizer", help="the servers' --tokenizer (gpt2, bytes or a folder)")
     srv.add_argument("--device", default="cpu", help="the servers' --device (default cpu)")
     srv.add_argument("--dtype", default="fp32", help="the servers' --dtype (default fp32)")

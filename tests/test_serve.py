@@ -34,6 +34,7 @@ from qkvlab.model.folder import save_model  # noqa: E402
 from qkvlab.model.transformer import GPT  # noqa: E402
 from qkvlab.serve.decoding import runner_decoding  # noqa: E402
 from qkvlab.serve.engine import Engine  # noqa: E402
+from qkvlab.serve.kv_cache_manager import blocks_for, default_block_size  # noqa: E402
 from qkvlab.serve.request import Event, Request  # noqa: E402
 from qkvlab.serve.server import ServeConfig, build, listen, load_served, make_server, pool_blocks  # noqa: E402
 
@@ -115,10 +116,10 @@ def test_full_mixed_batch_gives_each_request_its_tokens_alone(scheme, pos, kv):
     assert len({len(r.prompt) for r in requests}) > 5  # neighbours of many lengths
 
 
-def test_decode_steps_of_at_most_16_rows_call_the_layouts_tree_and_the_model_is_never_patched():
-    """The decode layout as a value (DecodeChoices.decode_model's tree, built once): decode steps of at
-    most LAYOUT_MAX_BATCH rows call the tree, larger ones and prefills the model, whose modules are never
-    changed; each request's tokens are its own alone either way."""
+def test_steps_of_at_most_16_tokens_call_the_layouts_tree_and_the_model_is_never_patched():
+    """The decode layout as a value (DecodeChoices.decode_model's tree, built once): steps of at most
+    LAYOUT_MAX_BATCH tokens (decode steps' rows, or a packed step's decodes and chunks) call the tree,
+    larger ones the model, whose modules are never changed; each request's tokens are its own alone."""
     from qkvlab.decode.layout import LAYOUT_MAX_BATCH, PackedLinear
 
     model = tiny_model("Q-K-V", "rope", 2, dtype=torch.float32)
@@ -127,9 +128,10 @@ def test_decode_steps_of_at_most_16_rows_call_the_layouts_tree_and_the_model_is_
     engine = Engine(model, rows=rows)
     tree = engine.choices.tree
     assert isinstance(tree.lm_head, PackedLinear) and not isinstance(model.lm_head, PackedLinear)
-    calls = []  # (called the tree, rows, tokens a row)
-    tree.lm_head.register_forward_hook(lambda m, args, out: calls.append((True, *args[0].shape[:2])))
-    hook = model.lm_head.register_forward_hook(lambda m, args, out: calls.append((False, *args[0].shape[:2])))
+    calls = []  # (called the tree, tokens the step computes): the first layer's MLP sees every token
+    count = lambda x: x.shape[:-1].numel()  # noqa: E731
+    tree.trunk.blocks[0].mlp.up.register_forward_hook(lambda m, args, out: calls.append((True, count(args[0]))))
+    hook = model.trunk.blocks[0].mlp.up.register_forward_hook(lambda m, args, out: calls.append((False, count(args[0]))))  # fmt: skip
     requests = [Request((i + 4,) * (i + 2), 12) for i in range(rows)]
     events = {i: [] for i in range(rows)}
     engine.submit(requests[0], events[0].append)
@@ -140,10 +142,8 @@ def test_decode_steps_of_at_most_16_rows_call_the_layouts_tree_and_the_model_is_
     while not engine.idle():
         engine.step()
     hook.remove()
-    decodes = [(tree_called, n) for tree_called, n, width in calls if width == 1]
-    assert all(tree_called == (n <= LAYOUT_MAX_BATCH) for tree_called, n in decodes)
-    assert {n <= LAYOUT_MAX_BATCH for _, n in decodes} == {True, False}  # both kinds of step ran
-    assert all(not tree_called for tree_called, _, width in calls if width > 1)  # prefills: the model
+    assert all(tree_called == (n <= LAYOUT_MAX_BATCH) for tree_called, n in calls), calls
+    assert {n <= LAYOUT_MAX_BATCH for _, n in calls} == {True, False}  # both kinds of step ran
     assert {name: (type(m), dict(vars(m))) for name, m in model.named_modules()} == modules  # never patched
     for r, ev in zip(requests, events.values()):
         assert tokens(ev) == generate(model, [list(r.prompt)], r.max_tokens, Sampling(temperature=0.0))[0]
@@ -247,7 +247,7 @@ def test_capacity_in_tokens_follows_cache_bytes_per_token():
     assert tokens_held == {"Q-K-V": 204800 // (2 * 2 * 32 * 4), "Q-K=V": 800, "MQA": 3200}
     assert tokens_held["Q-K=V"] == 2 * tokens_held["Q-K-V"]  # one tensor per block instead of two
     with pytest.raises(UserError, match="holds no sequence"):
-        pool_blocks(999, 100, 10)
+        pool_blocks(999, 100, 10, 16)
     with pytest.raises(UserError, match="no sequence of"):
         Engine(tiny_model(), blocks=2, block_size=16)  # 32 tokens < the context of 40
 
@@ -279,11 +279,13 @@ def test_capacity_in_tokens_at_smollm2s_shape():
             attn=attn, kv_heads=kv, n_layer=30, n_head=9, d_model=576, vocab_size=VOCAB, context=2048
         ).validate()
         per_token = kv_cache_bytes_per_token(cfg, "fp32")
-        held[name] = (per_token, pool_blocks(64_000_000, per_token, 512) * 16)
-    assert held == {"Q-K-V": (46_080, 1_376), "Q-K=V": (23_040, 2_768), "MQA": (7_680, 8_320)}
+        held[name] = (per_token, *(pool_blocks(64_000_000, per_token, 512, bs) * bs for bs in (64, 16)))
+    # tokens held at the CPU's 64-token blocks and at 16; a 200 + 64-token request holds 5 blocks of 64
+    assert held == {"Q-K-V": (46_080, 1_344, 1_376), "Q-K=V": (23_040, 2_752, 2_768), "MQA": (7_680, 8_320, 8_320)}
+    assert [held[name][1] // 64 // blocks_for(264, 64) for name in held] == [4, 8, 26]
     with pytest.raises(UserError, match="holds no sequence"):  # no whole 2,048-token Q-K-V context in 64 MB
-        pool_blocks(64_000_000, 46_080, 2048)
-    assert pool_blocks(64_000_000, 23_040, 2048) * 16 >= 2048  # as K=V it holds one
+        pool_blocks(64_000_000, 46_080, 2048, 16)
+    assert pool_blocks(64_000_000, 23_040, 2048, 16) * 16 >= 2048  # as K=V it holds one
 
 
 def test_at_one_cache_memory_k_eq_v_runs_twice_the_sequences():
@@ -292,8 +294,8 @@ def test_at_one_cache_memory_k_eq_v_runs_twice_the_sequences():
     running = {}
     for scheme in ("Q-K-V", "Q-K=V"):
         model = tiny_model(scheme, "rope", None)
-        blocks = pool_blocks(2 * 2 * 32 * 8 * 16 * 12, kv_cache_bytes_per_token(model.cfg, "fp64"), CONTEXT)
-        engine = Engine(model, blocks=blocks)
+        blocks = pool_blocks(2 * 2 * 32 * 8 * 16 * 12, kv_cache_bytes_per_token(model.cfg, "fp64"), CONTEXT, 16)
+        engine = Engine(model, blocks=blocks, block_size=16)
         events = {i: [] for i in range(12)}
         for i in range(12):
             engine.submit(Request((i + 1,) * 20, 4), events[i].append)  # 20 + 4 tokens: two blocks
@@ -345,9 +347,10 @@ class Running:
     """A built server on a free 127.0.0.1 port, in a thread; `engine_thread=False` leaves the
     stepping to the test (deterministic interleavings)."""
 
-    def __init__(self, model_dir, engine_thread=True, **settings):
-        # fp32 pinned: the byte counts asserted below are fp32's, whatever this machine's timed decisions say
-        settings = {"cache_memory": "40KB", "tokenizer": "bytes", "name": "tiny", "dtype": "fp32", **settings}
+    def __init__(self, model_dir, engine_thread=True, **overrides):
+        # fp32 and blocks of 16 pinned: the counts asserted below are theirs, whatever this machine's defaults
+        settings = {"cache_memory": "40KB", "tokenizer": "bytes", "name": "tiny", "dtype": "fp32", "block_size": 16}
+        settings.update(overrides)
         cfg = ServeConfig(model=str(model_dir), port=0, **settings)
         self.built = build(cfg, load_served(cfg))
         self.engine = self.built.engine
@@ -411,6 +414,20 @@ def test_health_models_and_a_greedy_completion(server):
     choice = body["choices"][0]
     assert choice["token_ids"] == greedy(server, [5, 6, 7], 9) and choice["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+
+
+def test_without_block_size_the_pool_takes_the_devices_blocks(model_dir):
+    """No --block-size: the device's default (64 tokens a block on the CPU, where the in-place read
+    pays per block), in the pool, /health and the capacity; a block size asked for is kept."""
+    assert default_block_size("cpu") == 64 and default_block_size("cuda") == 16
+    assert Engine(tiny_model("Q-K=V", "rope", 1), rows=1).kv.block_size == 64
+    with Running(model_dir, block_size=None) as s:
+        h = s.client.get("/health").json()
+        assert h["block_size"] == s.engine.kv.block_size == 64
+        assert h["capacity_tokens"] == 40_000 // (2 * 32 * 4 * 64) * 64 == 128  # 2 blocks of 64
+        assert h["capacity_sequences"] == 2  # one block holds a whole context of 40
+        r = s.post({"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0})
+        assert r.json()["choices"][0]["token_ids"] == greedy(s, [5, 6, 7], 5)
 
 
 def test_a_kv_latent_model_is_served_with_its_latent_named_and_its_smaller_cache(tmp_path):
@@ -477,6 +494,7 @@ def test_more_requests_than_rows_queue_and_all_are_exact(server):
     for t in threads:
         t.join(WAIT)
     for p, r in zip(prompts, results):
+        assert "choices" in r, r
         assert r["choices"][0]["token_ids"] == greedy(server, p, 10)
     h = server.client.get("/health").json()
     assert h["peak_blocks_used"] <= h["blocks"] == 9 and h["blocks_used"] == 0
@@ -594,7 +612,12 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(model_dir):
 def test_sigterm_drains_a_real_server_process(model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "qkvlab", "serve", str(model_dir), "--port", "0", "--cache-memory", "40KB"]
-    cmd += ["--dtype", "fp32"]  # the cache's size below is fp32's; auto would time this machine (dtype_probe)
+    cmd += [
+        "--dtype",
+        "fp32",
+        "--block-size",
+        "16",
+    ]  # the cache's size below is fp32's in blocks of 16, whatever the defaults
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -672,7 +695,7 @@ def test_n_choices_share_the_prompts_blocks_and_each_is_exact():
     model = tiny_model("Q-K=V", "rope", 1)
     prompt = tuple(range(3, 3 + 37))  # two full blocks of 16 and a tail of 5
     s = Sampling(temperature=0.9, top_k=20)
-    engine = Engine(model, rows=4)
+    engine = Engine(model, rows=4, block_size=16)
     scheduled = []  # the tokens each sequence computes at each step
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: [scheduled.append(w.count) or w for w in schedule()]
@@ -718,7 +741,7 @@ def test_logprobs_are_the_models_log_softmax_and_the_prompts_too():
 
 def test_max_model_len_bounds_sequences_and_generation_stays_exact():
     model = tiny_model()
-    engine = Engine(model, rows=2, context=12)  # two whole 12-token sequences: one block of 16 each
+    engine = Engine(model, rows=2, context=12, block_size=16)  # two whole 12-token sequences: one block of 16 each
     assert engine.kv.blocks == 2 and engine.stats()["capacity_tokens"] == 32
     with pytest.raises(UserError, match="longer than the model's context of 12"):
         engine.submit(Request(tuple(range(13)), 3), [].append)

@@ -115,9 +115,34 @@ def test_the_compiled_read_equals_sdpa_over_the_gathered_keys(rows, hk, g, width
     want = gathered_attention(q, k_pool, v_pool, tables, lengths, 0.3, bs, rope, v_width)
     with torch.inference_mode():
         got = read(q, k_pool, v_pool, tables, lengths, 0.3, bs, *(rope or (None, None)), v_width)
-        eager = decode_attention(q, k_pool, v_pool, tables, lengths, 0.3, bs, *(rope or (None, None)), v_width)
+        k_blocks, v_blocks = k_pool.view(blocks, bs, hk, width), v_pool.view(blocks, bs, hk, width)
+        eager = decode_attention(q, k_blocks, v_blocks, tables, lengths, 0.3, *(rope or (None, None)), v_width)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     torch.testing.assert_close(eager, want, rtol=0, atol=1e-12)
+
+
+def test_one_compiled_read_serves_every_block_size_and_pool():
+    """The block size, the pool's blocks and the query's strides are not baked into the compiled read: after
+    the first call, pools of other block sizes and lengths (blocks of one slot too) and a query that is a
+    strided view (as a packed step's decodes pass it) compile nothing new, and each read equals SDPA over
+    the gathered keys, in float64."""
+    gen = torch.Generator().manual_seed(11)
+    hk, g, width = 2, 3, 10  # a shape no other test compiles
+    graphs = []
+    for bs, blocks, rows, strided in ((4, 30, 3, False), (16, 12, 2, True), (1, 90, 4, False), (64, 3, 1, True)):
+        with torch.inference_mode():  # as the engine calls it: every tensor an inference tensor
+            k_pool, v_pool = torch.randn(2, blocks * bs, hk, width, generator=gen, dtype=torch.float64).unbind(0)
+            n = blocks // rows
+            tables = torch.randperm(blocks, generator=gen)[: rows * n].view(rows, n)
+            lengths = torch.randint(1, n * bs + 1, (rows,), generator=gen)
+            q = torch.randn(rows, hk, g, width, generator=gen, dtype=torch.float64)
+            if strided:  # the same values laid out heads-first, as a packed row's projections leave them
+                q = q.permute(1, 2, 0, 3).contiguous().permute(2, 0, 1, 3)
+            want = gathered_attention(q, k_pool, v_pool, tables, lengths, 0.3, bs)
+            got = read(q, k_pool, v_pool, tables, lengths, 0.3, bs)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[1:] == graphs[:1] * 3, graphs
 
 
 @pytest.mark.parametrize("scheme,pos,kv,more", [x for x in LAYOUTS if "+" not in x[0] and not (x[3].get("kv_latent") and x[1] == "rope" and "rope_dim" not in x[3])], ids=str)  # fmt: skip

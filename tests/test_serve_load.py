@@ -203,7 +203,8 @@ def test_endpoint_someone_else_started_with_text_prompts(tiny_dir, tmp_path):
 
 def test_serve_starts_qkvlab_serve_at_one_cache_memory(tiny_dir, tmp_path):
     argv = ["--out", str(tmp_path / "out"), "--serve", f"kv={tiny_dir}", "--cache-memory", "40KB", "--dtype", "fp32"]
-    argv += ["--tokenizer", "bytes", "--rates", "inf", "--requests", "3", "--time-limit", "30", "--server-threads", "1"]
+    argv += ["--block-size", "16", "--tokenizer", "bytes", "--rates", "inf", "--requests", "3", "--time-limit", "30"]
+    argv += ["--server-threads", "1"]
     assert sl.main([*argv, *SMALL]) == 0
     result = check_outputs(tmp_path / "out", ["kv"], ["inf"], 3)
     row = result["rows"][0]

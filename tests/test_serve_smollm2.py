@@ -60,7 +60,7 @@ def test_the_gguf_is_served_with_its_tokenizer_and_capacity(server):
     assert card["id"] == "SmolLM2-135M-Instruct.Q4_1" and "<|im_start|>" in card["chat_template"]
     assert server.built.served.tokenizer.stop_ids == {2}  # <|im_end|>: the tokenizer's eos
     with pytest.raises(UserError, match="holds no sequence"):  # a whole 2,048-token fp32 context is 94 MB
-        cfg = ServeConfig(model=str(GGUF), cache_memory="64MB", dtype="fp32")
+        cfg = ServeConfig(model=str(GGUF), cache_memory="64MB", dtype="fp32", block_size=16)
         build(cfg, load_served(cfg))
 
 

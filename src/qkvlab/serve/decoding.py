@@ -39,7 +39,7 @@ class RunnerDecoding:
         return self.step is not decode_step
 
     def decoder(self, model: nn.Module, rows: int) -> nn.Module:
-        """The modules a decode step of `rows` rows calls."""
+        """The modules a step of `rows` tokens calls (a decode step's rows, or a packed step's tokens)."""
         return self.tree if self.compiled or rows <= LAYOUT_MAX_BATCH else model
 
     def report(self) -> dict:

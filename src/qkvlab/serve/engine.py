@@ -31,7 +31,7 @@ import torch
 
 from qkvlab.base.errors import UserError
 from qkvlab.serve.decoding import RunnerDecoding, runner_decoding
-from qkvlab.serve.kv_cache_manager import BLOCK_SIZE, KVCacheManager, blocks_for
+from qkvlab.serve.kv_cache_manager import KVCacheManager, blocks_for, default_block_size
 from qkvlab.serve.request import Draining, Event, Request, Sequence
 from qkvlab.serve.runner import ModelRunner
 from qkvlab.serve.sampler import Sampler
@@ -47,7 +47,7 @@ class Engine:
         rows: int | None = None,
         *,
         blocks: int | None = None,
-        block_size: int = BLOCK_SIZE,
+        block_size: int | None = None,
         eot_id: int | None = None,
         stop_ids=(),
         vocab_limit: int | None = None,
@@ -58,7 +58,8 @@ class Engine:
         prefix_caching: bool = True,
     ):
         """rows: most sequences at once (None: as many as the blocks hold); blocks: of the pool
-        (default: `rows` whole contexts); stop_ids (and eot_id, the same with one id): tokens that
+        (default: `rows` whole contexts); block_size: tokens per block (default: the device's,
+        `default_block_size`); stop_ids (and eot_id, the same with one id): tokens that
         end a sequence unless its request says otherwise; context: the longest sequence served
         (--max-model-len), at most the model's; choices: the decoding choices (default: the model's
         dtype, the layout chosen for its rows, eager, read in place); token_budget: tokens a step
@@ -70,6 +71,8 @@ class Engine:
             raise UserError(
                 f"max_model_len={self.context} must be from 1 to the model's context of {model.cfg.context}"
             )
+        self.device = next(model.parameters()).device
+        block_size = block_size or default_block_size(self.device.type)
         per_context = blocks_for(self.context, block_size)
         if blocks is None:
             if rows is None:
@@ -80,7 +83,6 @@ class Engine:
         if token_budget < 1:
             raise UserError(f"max_num_batched_tokens={token_budget} must be at least 1")
         self.max_batch = rows if rows is not None else blocks
-        self.device = next(model.parameters()).device
         self.choices = choices if choices is not None else runner_decoding(model, rows=self.max_batch)
         self.kv = KVCacheManager(blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, self.max_batch, token_budget)

@@ -4,7 +4,8 @@ A step of decodes alone (one token per sequence) is one row per sequence, what `
 compiled form) runs on a `PagedStep`: attention reads each row's blocks in place (paged.py,
 paged_attention.py), through the decode-time tree of the layout up to LAYOUT_MAX_BATCH rows
 (decoding.py). A step with prefill chunks, where decodes read in place, is one row of all its tokens
-(`PackedStep`: no padding, the head applied to each chunk's last token alone). Otherwise (the "+"
+(`PackedStep`: no padding, the head applied to each chunk's last token alone), through the same
+tree while its tokens are at most LAYOUT_MAX_BATCH. Otherwise (the "+"
 term, a latent whose keys rotate on read, a read that did not compile) its work is laid out in rows of `width`
 tokens, width the longest chunk: each chunk longer than half a row has a row of its own, shorter ones
 (decodes) share rows, first fit, while a row's tokens fit its width and its segments' contexts fit the
@@ -78,10 +79,11 @@ class ModelRunner:
             col += w.count
         batch = PackedStep(self.store, segments)
         idx = torch.tensor([t for w in work for t in w.seq.tokens[w.start : w.start + w.count]], device=self.device)
-        x = self.model.hidden(idx[None], cache=batch, positions=batch.positions)[0]  # (tokens, C)
+        model = self.choices.decoder(self.model, len(idx))  # a few tokens' products as a decode step's
+        x = model.hidden(idx[None], cache=batch, positions=batch.positions)[0]  # (tokens, C)
         ends = [s.col + s.count - 1 for s in segments]
-        last = self.model.lm_head(x[ends])  # (len(work), V)
-        return last, {i: self.model.lm_head(x[segments[i].col : segments[i].col + segments[i].count]) for i in every}
+        last = model.lm_head(x[ends])  # (len(work), V)
+        return last, {i: model.lm_head(x[segments[i].col : segments[i].col + segments[i].count]) for i in every}
 
     def decode_batch(self, segments: list[Segment]) -> PagedStep | PagedBatch:
         """A decode step's view of the cache: read in place, once that read is compiled, else gathered."""

@@ -38,7 +38,7 @@ from qkvlab.base.devices import (
 from qkvlab.base.errors import UserError
 from qkvlab.base.settings import check, setting
 from qkvlab.base.units import byte_size, nbytes
-from qkvlab.serve.kv_cache_manager import blocks_for
+from qkvlab.serve.kv_cache_manager import blocks_for, default_block_size
 
 
 @dataclass
@@ -53,7 +53,13 @@ class ServeConfig:
     cache_memory: str = setting(
         "1GiB", help="KV-cache memory: the pool of cache blocks, e.g. 512MB, 8GiB or bytes", metavar="SIZE"
     )
-    block_size: int = setting(16, help="tokens per cache block (vLLM's default 16)", minimum=1, maximum=4096)
+    block_size: int | None = setting(
+        None,
+        help="tokens per cache block (default: 64 on the CPU, where the in-place read pays per block; 16, vLLM's "
+        "default, elsewhere)",
+        minimum=1,
+        maximum=4096,
+    )
     max_batch: int | None = setting(None, help="most sequences at once (default: all the cache blocks hold)", minimum=1)
     max_num_batched_tokens: int = setting(
         512,
@@ -105,7 +111,7 @@ class ServeConfig:
         return dataclasses.asdict(self)
 
 
-def pool_blocks(cache_bytes: int, bytes_per_token: int, context: int, block_size: int = 16) -> int:
+def pool_blocks(cache_bytes: int, bytes_per_token: int, context: int, block_size: int) -> int:
     """Blocks of block_size tokens that fit in cache_bytes; refuses a pool without one whole context."""
     per_block = bytes_per_token * block_size
     blocks = cache_bytes // per_block
@@ -179,12 +185,13 @@ def build(cfg: ServeConfig, weights: Weights, log: Callable[[str], None] = lambd
 
     model, tok, decoding = weights.model, weights.tokenizer, weights.decoding
     per_token = kv_cache_bytes_per_token(model.cfg, decoding.choices.dtype)
-    blocks = pool_blocks(cfg.cache_bytes, per_token, weights.context, cfg.block_size)
-    check_fits(blocks * cfg.block_size * per_token, "--cache-memory", "lower --cache-memory", weights.device)
+    block_size = cfg.block_size or default_block_size(weights.device.type)
+    blocks = pool_blocks(cfg.cache_bytes, per_token, weights.context, block_size)
+    check_fits(blocks * block_size * per_token, "--cache-memory", "lower --cache-memory", weights.device)
     name = cfg.name or Path(cfg.model).resolve().name.removesuffix(".gguf")
     metrics = prometheus_metrics(name)
     stops = tok.stop_ids if tok is not None else ()
-    engine = Engine(model, cfg.max_batch, blocks=blocks, block_size=cfg.block_size, stop_ids=stops,
+    engine = Engine(model, cfg.max_batch, blocks=blocks, block_size=block_size, stop_ids=stops,
                     vocab_limit=getattr(tok, "vocab_size", None), context=weights.context, metrics=metrics,
                     choices=decoding, token_budget=cfg.max_num_batched_tokens, prefix_caching=cfg.prefix_caching)  # fmt: skip
     probe = decoding.choices.dtype_decision
