@@ -129,7 +129,7 @@ class PagedLayer:
     def update(self, source: int, new: torch.Tensor) -> torch.Tensor:
         """new (rows, h, width, w) -> what attention reads: (rows, h, S, w)."""
         buf, b = self.store[source], self.batch
-        buf.index_copy_(0, b.write, new.transpose(1, 2).reshape(-1, *buf.shape[1:]))  # each token into its slot
+        write_slots(self.store, b.write, {source: new.transpose(1, 2).reshape(-1, *buf.shape[1:])})
         # one gather of rows: index_select, whose kernel copies whole rows (advanced indexing's
         # generic kernel is the slower, benchmarks/decode_smollm2.py)
         rows = buf.index_select(0, b.flat).view(*b.shape, *buf.shape[1:])  # (rows, S, h, w)
@@ -179,9 +179,7 @@ class PagedStepLayer:
         """q (rows, hq, 1, wk); new {source: (rows, h, 1, w)}, written into their slots first; rope_k:
         cos, sin (1, 1, n * block_size, wk) at `key_positions`, to rotate keys on read; v_width: the
         values are the first v_width numbers of v_source's -> (rows, hq, 1, wv)."""
-        for source, t in new.items():
-            buf = self.store[source]
-            buf.index_copy_(0, self.step.write, t[:, :, 0].to(buf.dtype))
+        write_slots(self.store, self.step.write, {source: t[:, :, 0] for source, t in new.items()})
         return self.read(q, k_source, v_source, scale, rope_k, v_width)
 
     def read(self, q, k_source: int, v_source: int, scale: float, rope_k=None, v_width=None) -> torch.Tensor:
@@ -245,15 +243,13 @@ class PackedLayer:
         """As PagedStepLayer.attend, for one row of the step's tokens: q (1, hq, tokens, wk); new
         {source: (1, h, tokens, w)} -> (1, hq, tokens, wv)."""
         step = self.step
-        for source, t in new.items():
-            buf = self.store[source]
-            buf.index_copy_(0, step.write, t[0].transpose(0, 1).to(buf.dtype))  # (tokens, h, w) into their slots
+        write_slots(self.store, step.write, {source: t[0].transpose(0, 1) for source, t in new.items()})
         keys, values = self.store[k_source], self.store[v_source]
         wv = values.shape[-1] if v_width is None else v_width
         cos, sin = rotation(rope_k)  # (span, wk)
         y = q.new_empty(1, q.shape[1], step.tokens, wv)
         if step.decodes is not None:
-            rows = q[0, :, step.decode_cols].transpose(0, 1)[:, :, None]  # (decodes, hq, 1, wk)
+            rows = q[0].transpose(0, 1)[step.decode_cols][:, :, None]  # (decodes, hq, 1, wk), gathered contiguous
             out = PagedStepLayer(step.decodes, self.store).read(rows, k_source, v_source, scale, rope_k, v_width)
             y[0].index_copy_(1, step.decode_cols, out[:, :, 0].transpose(0, 1))
         for col, count, slots, mask in step.chunks:
@@ -267,6 +263,13 @@ class PackedLayer:
 
     def key_positions(self) -> torch.Tensor:
         return self.step.key_positions()
+
+
+def write_slots(store: dict[int, torch.Tensor], slots: torch.Tensor, new: dict[int, torch.Tensor]) -> None:
+    """new {source: (tokens, h, w)}: each token's tensors into its pool slot (slots (tokens,)), in the pool's dtype."""
+    for source, t in new.items():
+        buf = store[source]
+        buf.index_copy_(0, slots, t.to(buf.dtype))
 
 
 def rotation(rope_k) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -93,12 +93,11 @@ def read(
     """`decode_attention` over k_pool, v_pool (slots, hk, w) viewed as blocks of `block_size` slots,
     through its layout's compiled function: the batch, blocks per row, block size, pool size and cos/sin
     positions marked unbacked and the query made contiguous (no size of 1 nor a stride is specialised: no
-    recompile when one sequence runs, for a packed step's strided query, nor for another block size or
-    pool). Inside a compiled step the call is traced into the step's own graph."""
+    recompile when one sequence runs, for a strided query, nor for another block size or pool). Inside a compiled step the call is traced into the step's own graph."""
     k_blocks = k_pool.view(-1, block_size, *k_pool.shape[1:])
     v_blocks = k_blocks if v_pool is k_pool else v_pool.view(-1, block_size, *v_pool.shape[1:])
     if not torch.compiler.is_compiling():
-        q = q.contiguous()  # a packed step's decodes pass a strided view: strides are guarded, a copy is tiny
+        q = q.contiguous()  # strides are guarded: a caller's strided view would compile again (no copy if contiguous)
         marks = ((q, (0,)), (tables, (0, 1)), (lengths, (0,)), (cos, (0,)), (sin, (0,)), (k_blocks, (0, 1)))
         for t, dims in (*marks, *(((v_blocks, (0, 1)),) if v_blocks is not k_blocks else ())):
             for d in dims if t is not None else ():
